@@ -1,0 +1,30 @@
+# Fresh-machine entry points: `make demo` (main job) and `make test` (test suite).
+# Each creates .venv and installs what it needs on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,examples]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/python examples/demo_sequential.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/bench_dp.py
+	$(BIN)/python benchmarks/bench_sequential.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,40 @@
+"""hierremat: optimal hierarchical activation rematerialization for PyTorch.
+
+    import hierremat as hr
+    y = hr.checkpoint_sequential(model, "512MiB", x)   # drop-in for torch's, budget instead of segments
+    plan = hr.plan_sequential(model, "512MiB", x)      # plan only; print(plan.summary())
+
+The planning core (``hierremat.dp``, ``hierremat.simulate``, schedules, costs) does not
+import torch; the torch-facing names below are loaded on first use.
+"""
+
+from .budget import format_bytes, parse_budget
+from .errors import InfeasibleBudgetError, InvalidScheduleError, UnsupportedModelError
+from .plan import SequentialPlan
+from .schedule import ChainSchedule
+
+__version__ = "0.1.0"
+
+_TORCH_NAMES = {"checkpoint_sequential", "plan_sequential", "plan_cache"}
+
+
+def __getattr__(name: str):
+    if name in _TORCH_NAMES:
+        from . import sequential
+
+        return getattr(sequential, name)
+    raise AttributeError(f"module 'hierremat' has no attribute {name!r}")
+
+
+__all__ = [
+    "ChainSchedule",
+    "InfeasibleBudgetError",
+    "InvalidScheduleError",
+    "SequentialPlan",
+    "UnsupportedModelError",
+    "checkpoint_sequential",
+    "format_bytes",
+    "parse_budget",
+    "plan_cache",
+    "plan_sequential",
+]

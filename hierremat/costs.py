@@ -1,0 +1,133 @@
+"""Cost values of a chain of stages: what the chain DP and the simulator consume.
+
+The memory model is Rotor's (Beaumont et al., "Optimal checkpointing for heterogeneous
+chains", 2019) with per-stage options as in "Hierarchical rematerialization" (Zhao et
+al., HiRemate, 2023). Stage i maps x_i to x_{i+1}; x_0 is the step's input (not counted
+in the budget), x_L the chain output. All sizes are bytes, all times seconds.
+
+Overheads are *peaks above the memory in use just before the operation*, and include
+what the operation produces (its output, kept tensors, the input gradient), so the peak
+of an op is simply ``memory_before + overhead``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OptionCosts:
+    """One way of running a stage with grad (F_all) and its backward (B).
+
+    fwd_time, bwd_time: seconds for F_all and for B.
+    kept_bytes: bytes the option retains from the end of F_all until the end of B,
+        not counting the stage input x_i or output x_{i+1} (the chain tracks those).
+    fwd_overhead_bytes: peak during F_all above the memory before it; at least
+        kept_bytes + bytes(x_{i+1}).
+    bwd_overhead_bytes: peak during B above the memory before it (which holds x_i,
+        the kept bytes and the output gradient); at least bytes(grad x_i).
+    pins_output: True when the kept tensors share x_{i+1}'s storage (e.g. ReLU saves its
+        result), so x_{i+1} stays allocated until B(i).
+    pins_input: True when the kept tensors share x_i's storage (e.g. Linear saves its
+        input), so x_i stays allocated until B(i); otherwise F_all frees x_i.
+    """
+
+    fwd_time: float
+    bwd_time: float
+    kept_bytes: int
+    fwd_overhead_bytes: int
+    bwd_overhead_bytes: int
+    pins_output: bool = False
+    pins_input: bool = True
+    name: str = "autograd"
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs of one stage: its no-grad forward (for F_none/F_ck) and its options.
+
+    nograd_fwd_time: seconds; nograd_fwd_overhead_bytes: peak above the memory before,
+    at least bytes(x_{i+1}).
+    """
+
+    nograd_fwd_time: float
+    nograd_fwd_overhead_bytes: int
+    options: tuple[OptionCosts, ...]
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """A chain of L stages.
+
+    activation_bytes: L + 1 sizes, bytes of x_0 .. x_L (a gradient has its tensor's size).
+    input_requires_grad: whether B(0) produces a gradient for x_0 (else it costs 0 bytes).
+    """
+
+    activation_bytes: tuple[int, ...]
+    stages: tuple[StageCosts, ...]
+    input_requires_grad: bool = True
+
+    def __post_init__(self) -> None:
+        L = len(self.stages)
+        if L == 0:
+            raise ValueError("a chain needs at least one stage")
+        if len(self.activation_bytes) != L + 1:
+            raise ValueError(f"activation_bytes needs L + 1 = {L + 1} sizes, got {len(self.activation_bytes)}")
+        if any(a < 0 for a in self.activation_bytes):
+            raise ValueError("activation_bytes must be >= 0")
+        for i, st in enumerate(self.stages):
+            out = self.activation_bytes[i + 1]
+            if not st.options:
+                raise ValueError(f"stage {i} has no option")
+            if st.nograd_fwd_overhead_bytes < out:
+                raise ValueError(f"stage {i}: nograd_fwd_overhead_bytes < bytes of its output")
+            for k, op in enumerate(st.options):
+                if min(op.kept_bytes, op.fwd_time, op.bwd_time) < 0:
+                    raise ValueError(f"stage {i} option {k}: negative cost")
+                if op.fwd_overhead_bytes < op.kept_bytes + out:
+                    raise ValueError(f"stage {i} option {k}: fwd_overhead_bytes < kept_bytes + output bytes")
+                if op.bwd_overhead_bytes < self.grad_bytes(i):
+                    raise ValueError(f"stage {i} option {k}: bwd_overhead_bytes < bytes of the input gradient")
+
+    @property
+    def length(self) -> int:
+        return len(self.stages)
+
+    def grad_bytes(self, i: int) -> int:
+        """Bytes of the gradient of x_i."""
+        if i == 0 and not self.input_requires_grad:
+            return 0
+        return self.activation_bytes[i]
+
+    def to_dict(self) -> dict:
+        return {
+            "activation_bytes": list(self.activation_bytes),
+            "input_requires_grad": self.input_requires_grad,
+            "stages": [
+                {
+                    "name": st.name,
+                    "nograd_fwd_time": st.nograd_fwd_time,
+                    "nograd_fwd_overhead_bytes": st.nograd_fwd_overhead_bytes,
+                    "options": [op.__dict__.copy() for op in st.options],
+                }
+                for st in self.stages
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ChainCosts":
+        stages = tuple(
+            StageCosts(
+                nograd_fwd_time=float(st["nograd_fwd_time"]),
+                nograd_fwd_overhead_bytes=int(st["nograd_fwd_overhead_bytes"]),
+                options=tuple(OptionCosts(**op) for op in st["options"]),
+                name=st.get("name", ""),
+            )
+            for st in d["stages"]
+        )
+        return cls(
+            activation_bytes=tuple(int(a) for a in d["activation_bytes"]),
+            stages=stages,
+            input_requires_grad=bool(d.get("input_requires_grad", True)),
+        )

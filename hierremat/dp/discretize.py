@@ -1,0 +1,112 @@
+"""Chain costs as the DP's integer arrays: memory in slots, dominated options pruned.
+
+Every size the DP *charges* is rounded up to whole slots and every size it *credits*
+(a freed gradient, whose memory becomes available again) is rounded down, so a
+schedule the DP accepts never exceeds the budget in exact bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..costs import ChainCosts
+
+
+def ceil_div(n: int, unit: int) -> int:
+    return -(-int(n) // unit)
+
+
+@dataclass(frozen=True)
+class ChainArrays:
+    """The DP's input arrays (see hierremat.dp.kernel for their use).
+
+    A[i]      slots charged for x_i (and its gradient), i = 0..L
+    A_floor[i] slots credited when the gradient of x_i is freed
+    OFN[i], UFN[i]  no-grad forward overhead (slots) and time (s) of stage i
+    nk[i]     number of options of stage i (after pruning)
+    TIME[i,k], KEPT[i,k], OF[i,k], OB[i,k], PIN_OUT[i,k], PIN_IN[i,k]  option k of
+              stage i: forward + backward time (s), kept slots, forward and backward
+              overhead slots, 1 if the option pins the stage output / input.
+    option_ids[i, k]  index of that option in costs.stages[i].options
+    """
+
+    A: np.ndarray
+    A_floor: np.ndarray
+    OFN: np.ndarray
+    UFN: np.ndarray
+    nk: np.ndarray
+    TIME: np.ndarray
+    KEPT: np.ndarray
+    OF: np.ndarray
+    OB: np.ndarray
+    PIN_OUT: np.ndarray
+    PIN_IN: np.ndarray
+    option_ids: np.ndarray
+    unit: int
+
+
+def _dominates(p: tuple, q: tuple) -> bool:
+    """p is no worse than q in every term the DP reads."""
+    return all(x <= y for x, y in zip(p, q))
+
+
+def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
+    """Round costs to slots of ``unit`` bytes and drop options another one dominates.
+
+    An option is dropped when another is no worse in time, in whether it pins its output
+    (which selects the sub-table) and in every memory term the recurrences use (forward
+    overhead; kept, kept + pinned output, backward overhead and backward overhead +
+    pinned output, each with and without the input credit), compared in slots: so
+    pruning never changes the DP's optimum.
+    """
+    if unit < 1:
+        raise ValueError("memory unit must be >= 1 byte")
+    L = costs.length
+    A = np.array([ceil_div(a, unit) for a in costs.activation_bytes], dtype=np.int64)
+    A_floor = np.array([a // unit for a in costs.activation_bytes], dtype=np.int64)
+    OFN = np.array([ceil_div(st.nograd_fwd_overhead_bytes, unit) for st in costs.stages], dtype=np.int64)
+    UFN = np.array([st.nograd_fwd_time for st in costs.stages], dtype=np.float64)
+
+    rows_per_stage = []
+    for i, st in enumerate(costs.stages):
+        rows = []
+        for k, op in enumerate(st.options):
+            kept = ceil_div(op.kept_bytes, unit)
+            pin = int(bool(op.pins_output))
+            pin_in = int(bool(op.pins_input))
+            ob = ceil_div(op.bwd_overhead_bytes, unit)
+            of = ceil_div(op.fwd_overhead_bytes, unit)
+            credit = 0 if pin_in or i == 0 else int(A_floor[i])
+            terms = (kept, kept + pin * A[i + 1], ob, ob + pin * A[i + 1])
+            key = (op.fwd_time + op.bwd_time, of, pin) + terms + tuple(x - credit for x in terms)
+            rows.append((k, key, kept, of, ob, pin, pin_in))
+        if prune:
+            survivors = []
+            for r in rows:
+                beaten = any(
+                    _dominates(o[1], r[1]) and (o[1] != r[1] or o[0] < r[0]) for o in rows if o is not r
+                )
+                if not beaten:
+                    survivors.append(r)
+            rows = survivors
+        rows_per_stage.append(rows)
+
+    K = max(len(rows) for rows in rows_per_stage)
+    shape = (L, K)
+    TIME = np.zeros(shape, dtype=np.float64)
+    KEPT = np.zeros(shape, dtype=np.int64)
+    OF = np.zeros(shape, dtype=np.int64)
+    OB = np.zeros(shape, dtype=np.int64)
+    PIN_OUT = np.zeros(shape, dtype=np.int64)
+    PIN_IN = np.zeros(shape, dtype=np.int64)
+    ids = np.full(shape, -1, dtype=np.int64)
+    nk = np.zeros(L, dtype=np.int64)
+    for i, rows in enumerate(rows_per_stage):
+        nk[i] = len(rows)
+        for j, (k, key, kept, of, ob, pin, pin_in) in enumerate(rows):
+            TIME[i, j] = key[0]
+            KEPT[i, j], OF[i, j], OB[i, j], PIN_OUT[i, j], PIN_IN[i, j] = kept, of, ob, pin, pin_in
+            ids[i, j] = k
+    return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, unit)

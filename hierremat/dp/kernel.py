@@ -1,0 +1,104 @@
+"""Numba kernel of the chain DP: fills the cost and decision tables.
+
+Recurrence (Rotor, Beaumont et al. 2019, Sec. 4, extended to per-stage options as in
+HiRemate, Zhao et al. 2023). C[v, s, t, m] is the least time to process stages s..t
+forward and backward, starting with x_s in memory (and, when t < L-1, the gradient of
+x_{t+1}), using at most m slots above the memory in use at the start. When t = L-1 the
+subproblem also runs the Loss, after which x_L and its gradient (2 A[L]) stay. v = 1
+when x_s is also held by the caller's tape (the previous stage's option pins its
+output), so that F_all(s) cannot free it; v = 0 otherwise.
+
+  option k of stage s, s == t:     F_all(s,k) [Loss] B(s)
+  option k of stage s, s <  t:     F_all(s,k)  C[PIN_OUT, s+1, t, m - KEPT - A[s+1] + c]  B(s)
+  checkpoint at s' in (s, t]:      F_ck(s) F_none(s+1..s'-1)  C[0, s', t, m - A[s']]
+                                   C[v, s, s'-1, m - A[s'] - resid]
+c = A_floor[s] is the credit of freeing x_s after F_all(s) when v = 0, s > 0 and the
+option does not pin its input (else 0). resid is what a right part leaves beyond its
+input gradient: 2 A[L] (output and its gradient) when t = L-1, else -A_floor[t+1] (the
+consumed gradient of x_{t+1}). Memory left to a subproblem is capped at M, exact for
+every state reachable from the top.
+
+Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint split.
+Loops run over m innermost so table reads are contiguous; candidates are still tried
+per m in the reference's order (options, then splits by s'), so ties resolve the same.
+The pure-Python reference in hierremat.dp.reference has the same signature.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, M):  # pragma: no cover - compiled
+    L = OFN.shape[0]
+    K = OF.shape[1]
+    C = np.full((2, L, L, M + 1), np.inf)
+    D = np.full((2, L, L, M + 1), -1, dtype=np.int32)
+    AL = A[L]
+    for d in range(L):
+        for s in range(L - d):
+            t = s + d
+            last = t == L - 1
+            resid = 2 * AL if last else -A_floor[t + 1]
+            for v in range(2):
+                best = C[v, s, t]
+                choice = D[v, s, t]
+                for k in range(nk[s]):
+                    credit = 0
+                    if v == 0 and PIN_IN[s, k] == 0 and s > 0:
+                        credit = A_floor[s]
+                    if s == t:
+                        if last:
+                            bpeak = KEPT[s, k] + OB[s, k] - credit + 2 * AL
+                        else:
+                            bpeak = KEPT[s, k] + OB[s, k] - credit + PIN_OUT[s, k] * A[s + 1]
+                    else:
+                        bpeak = KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit + resid
+                    lo = max(OF[s, k], bpeak, 0)
+                    for m in range(lo, M + 1):
+                        if s == t:
+                            cost = TIME[s, k]
+                        else:
+                            mr = m - KEPT[s, k] - A[s + 1] + credit
+                            if mr < 0:
+                                continue
+                            if mr > M:
+                                mr = M
+                            sub = C[PIN_OUT[s, k], s + 1, t, mr]
+                            if sub == np.inf:
+                                continue
+                            cost = TIME[s, k] + sub
+                        if cost < best[m]:
+                            best[m] = cost
+                            choice[m] = k
+                if s < t:
+                    fwd_peak = OFN[s]
+                    fwd_time = UFN[s]
+                    for sp in range(s + 1, t + 1):
+                        if fwd_peak > M:
+                            break
+                        for m in range(max(fwd_peak, A[sp]), M + 1):
+                            mr = m - A[sp]
+                            right = C[0, sp, t, mr]
+                            if right == np.inf:
+                                continue
+                            ml = mr - resid
+                            if ml < 0:
+                                continue
+                            if ml > M:
+                                ml = M
+                            left = C[v, s, sp - 1, ml]
+                            if left == np.inf:
+                                continue
+                            cost = fwd_time + right + left
+                            if cost < best[m]:
+                                best[m] = cost
+                                choice[m] = K + sp
+                        if sp < t:
+                            p = A[sp] + OFN[sp]
+                            if p > fwd_peak:
+                                fwd_peak = p
+                            fwd_time += UFN[sp]
+    return C, D

@@ -1,0 +1,68 @@
+"""Pure-Python reference of the chain DP, written top-down from the case analysis.
+
+Same signature and tables as ``hierremat.dp.kernel.fill_tables`` (see its docstring for
+the recurrence); used to check the Numba kernel. O(L^3 M) in the interpreter: small
+chains only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, M):
+    L = len(OFN)
+    K = OF.shape[1]
+    C = np.full((2, L, L, M + 1), np.inf)
+    D = np.full((2, L, L, M + 1), -1, dtype=np.int32)
+    A = [int(a) for a in A]
+    AL = A[L]
+
+    def resident_after_right_part(t: int) -> int:
+        """Slots a right part leaves behind beyond its input gradient."""
+        return 2 * AL if t == L - 1 else -int(A_floor[t + 1])
+
+    def input_credit(v: int, s: int, k: int) -> int:
+        """Slots freed when F_all(s, k) drops x_s (nobody else holds it)."""
+        return int(A_floor[s]) if v == 0 and s > 0 and not PIN_IN[s, k] else 0
+
+    def option_cost(v: int, s: int, t: int, m: int, k: int) -> float:
+        if OF[s, k] > m:
+            return math.inf
+        credit = input_credit(v, s, k)
+        if s == t:
+            resident = 2 * AL if t == L - 1 else PIN_OUT[s, k] * A[s + 1]
+            fits = KEPT[s, k] + OB[s, k] - credit + resident <= m
+            return TIME[s, k] if fits else math.inf
+        backward_peak = KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit + resident_after_right_part(t)
+        rest = min(M, m - KEPT[s, k] - A[s + 1] + credit)
+        if backward_peak > m or rest < 0:
+            return math.inf
+        return TIME[s, k] + C[PIN_OUT[s, k], s + 1, t, rest]
+
+    def split_cost(v: int, s: int, t: int, m: int, sp: int) -> float:
+        forward_peak = max([OFN[s]] + [A[j] + OFN[j] for j in range(s + 1, sp)])
+        right_mem = m - A[sp]
+        if forward_peak > m or right_mem < 0:
+            return math.inf
+        left_mem = min(M, right_mem - resident_after_right_part(t))
+        if left_mem < 0:
+            return math.inf
+        forward_time = UFN[s]
+        for j in range(s + 1, sp):
+            forward_time += UFN[j]
+        return forward_time + C[0, sp, t, right_mem] + C[v, s, sp - 1, left_mem]
+
+    for length in range(L):
+        for s in range(L - length):
+            t = s + length
+            for v in range(2):
+                for m in range(M + 1):
+                    candidates = [(option_cost(v, s, t, m, k), k) for k in range(nk[s])]
+                    candidates += [(split_cost(v, s, t, m, sp), K + sp) for sp in range(s + 1, t + 1)]
+                    for cost, c in candidates:
+                        if cost < C[v, s, t, m]:
+                            C[v, s, t, m], D[v, s, t, m] = cost, c
+    return C, D

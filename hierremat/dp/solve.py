@@ -1,0 +1,232 @@
+"""Solve a chain: discretise, fill the DP tables, backtrack to a ChainSchedule.
+
+``solve_chain`` returns the fastest schedule of Rotor's family (persistent schedules,
+Beaumont et al. 2019) whose peak fits the budget under the discretised memory model.
+``min_peak_schedule`` returns the schedule of least peak in exact bytes (ties: least
+time): its peak is the smallest feasible budget reported by InfeasibleBudgetError.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..costs import ChainCosts
+from ..errors import InfeasibleBudgetError
+from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
+from .discretize import ChainArrays, ceil_div, discretize
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 500
+
+
+@dataclass(frozen=True)
+class ChainSolution:
+    """A solved chain: the schedule and how it was found."""
+
+    schedule: ChainSchedule
+    solve_seconds: float
+    slots: int
+    options_before_pruning: int
+    options_after_pruning: int
+    fallback_min_peak: bool  # True if the DP's discretisation found nothing and the min-peak schedule was used
+
+
+# A chooser maps (v, s, t, m) to ("option", k, m_rest) or ("split", s', m_right, m_left);
+# v = 1 when x_s is held by the caller's tape (see hierremat.dp.kernel).
+Chooser = Callable[[int, int, int, int], tuple]
+
+
+class _Expander:
+    """Turns decisions into ops, and computes each sub-schedule's exact peak and time.
+
+    The exact-bytes terms mirror the DP's slot terms (see hierremat.dp.kernel); the
+    simulator checks both independently.
+    """
+
+    def __init__(self, costs: ChainCosts):
+        self.costs = costs
+        self.a = costs.activation_bytes
+        self.L = costs.length
+
+    def resident_after_right(self, t: int) -> int:
+        return 2 * self.a[self.L] if t == self.L - 1 else -self.a[t + 1]
+
+    def input_credit(self, v: int, s: int, k: int) -> int:
+        pins = self.costs.stages[s].options[k].pins_input
+        return self.a[s] if v == 0 and s > 0 and not pins else 0
+
+    def option_terms(self, v: int, s: int, t: int, k: int, sub_peak: int) -> int:
+        """Exact peak (bytes above the start) of F_all(s,k) [sub-chain] B(s)."""
+        op = self.costs.stages[s].options[k]
+        a, L = self.a, self.L
+        credit = self.input_credit(v, s, k)
+        if s == t:
+            resident = 2 * a[L] if t == L - 1 else int(op.pins_output) * a[s + 1]
+            return max(op.fwd_overhead_bytes, op.kept_bytes + op.bwd_overhead_bytes - credit + resident)
+        backward = op.kept_bytes + (1 + int(op.pins_output)) * a[s + 1] + op.bwd_overhead_bytes - credit
+        return max(
+            op.fwd_overhead_bytes,
+            op.kept_bytes + a[s + 1] - credit + sub_peak,
+            backward + self.resident_after_right(t),
+        )
+
+    def forward_peak(self, s: int, sp: int) -> int:
+        stages, a = self.costs.stages, self.a
+        return max(
+            [stages[s].nograd_fwd_overhead_bytes]
+            + [a[j] + stages[j].nograd_fwd_overhead_bytes for j in range(s + 1, sp)]
+        )
+
+    def split_terms(self, s: int, t: int, sp: int, right_peak: int, left_peak: int) -> int:
+        a = self.a
+        return max(
+            self.forward_peak(s, sp),
+            a[sp] + right_peak,
+            a[sp] + self.resident_after_right(t) + left_peak,
+        )
+
+    def expand(self, choose: Chooser, v: int, s: int, t: int, m: int, ops: list) -> tuple[int, float]:
+        """Append the ops of subproblem (v, s, t) to ``ops``; return (exact peak, time)."""
+        decision = choose(v, s, t, m)
+        stages = self.costs.stages
+        if decision[0] == "option":
+            _, k, m_rest = decision
+            op = stages[s].options[k]
+            ops.append(FAll(s, k))
+            if s == t:
+                if t == self.L - 1:
+                    ops.append(Loss())
+                sub_peak, sub_time = 0, 0.0
+            else:
+                sub_peak, sub_time = self.expand(choose, int(op.pins_output), s + 1, t, m_rest, ops)
+            ops.append(Backward(s))
+            return self.option_terms(v, s, t, k, sub_peak), op.fwd_time + sub_time + op.bwd_time
+        _, sp, m_right, m_left = decision
+        ops.append(FCk(s))
+        fwd_time = stages[s].nograd_fwd_time
+        for j in range(s + 1, sp):
+            ops.append(FNone(j))
+            fwd_time += stages[j].nograd_fwd_time
+        right_peak, right_time = self.expand(choose, 0, sp, t, m_right, ops)
+        left_peak, left_time = self.expand(choose, v, s, sp - 1, m_left, ops)
+        return self.split_terms(s, t, sp, right_peak, left_peak), fwd_time + right_time + left_time
+
+
+def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
+    A, A_floor, KEPT = arrays.A, arrays.A_floor, arrays.KEPT
+    K = arrays.OF.shape[1]
+
+    def choose(v: int, s: int, t: int, m: int) -> tuple:
+        c = int(D[v, s, t, m])
+        if c < 0:
+            raise AssertionError(f"backtracking reached an infeasible state {(v, s, t, m)}")
+        if c < K:
+            credit = int(A_floor[s]) if v == 0 and s > 0 and not arrays.PIN_IN[s, c] else 0
+            m_rest = min(M, m - int(KEPT[s, c]) - int(A[s + 1]) + credit)
+            return ("option", int(arrays.option_ids[s, c]), m_rest)
+        sp = c - K
+        m_right = m - int(A[sp])
+        m_left = m_right - 2 * int(A[L]) if t == L - 1 else m_right + int(A_floor[t + 1])
+        return ("split", sp, m_right, min(M, m_left))
+
+    return choose
+
+
+def _fill(arrays: ChainArrays, M: int, kernel: str):
+    if kernel == "numba":
+        from .kernel import fill_tables
+    elif kernel == "reference":
+        from .reference import fill_tables_reference as fill_tables
+    else:
+        raise ValueError(f"kernel must be 'numba' or 'reference', got {kernel!r}")
+    return fill_tables(
+        arrays.A, arrays.A_floor, arrays.OFN, arrays.UFN, arrays.nk,
+        arrays.TIME, arrays.KEPT, arrays.OF, arrays.OB, arrays.PIN_OUT, arrays.PIN_IN, np.int64(M),
+    )
+
+
+def _schedule(costs: ChainCosts, choose: Chooser, M: int, budget: int, unit: int) -> ChainSchedule:
+    ops: list = []
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20 * costs.length + 1000))
+    try:
+        peak, total = _Expander(costs).expand(choose, 0, 0, costs.length - 1, M, ops)
+    finally:
+        sys.setrecursionlimit(limit)
+    return ChainSchedule(tuple(ops), costs.length, total, int(peak), int(budget), int(unit))
+
+
+def min_peak_schedule(costs: ChainCosts) -> ChainSchedule:
+    """The schedule of least peak bytes (ties broken by time), exact, no discretisation."""
+    L = costs.length
+    ex = _Expander(costs)
+    best: dict[tuple[int, int, int], tuple[int, float, tuple]] = {}
+    for length in range(L):
+        for s in range(L - length):
+            t = s + length
+            for v in (0, 1):
+                cands = []
+                for k, op in enumerate(costs.stages[s].options):
+                    sub_peak, sub_time = (0, 0.0) if s == t else best[(int(op.pins_output), s + 1, t)][:2]
+                    peak = ex.option_terms(v, s, t, k, sub_peak)
+                    cands.append((peak, op.fwd_time + op.bwd_time + sub_time, ("option", k, 0)))
+                fwd_time = costs.stages[s].nograd_fwd_time
+                for sp in range(s + 1, t + 1):
+                    right, left = best[(0, sp, t)], best[(v, s, sp - 1)]
+                    peak = ex.split_terms(s, t, sp, right[0], left[0])
+                    cands.append((peak, fwd_time + right[1] + left[1], ("split", sp, 0, 0)))
+                    fwd_time += costs.stages[sp].nograd_fwd_time
+                best[(v, s, t)] = min(cands, key=lambda c: (c[0], c[1]))
+    peak = best[(0, 0, L - 1)][0]
+    return _schedule(costs, lambda v, s, t, m: best[(v, s, t)][2], 0, peak, 1)
+
+
+def solve_chain(
+    costs: ChainCosts,
+    budget_bytes: int,
+    *,
+    slots: int = DEFAULT_SLOTS,
+    kernel: str = "numba",
+    prune: bool = True,
+) -> ChainSolution:
+    """Fastest schedule whose peak is at most ``budget_bytes``.
+
+    Memory is discretised into ``slots`` units of ceil(budget / slots) bytes. Raises
+    InfeasibleBudgetError (with the exact smallest feasible budget) when no schedule
+    fits; when one fits but the discretisation loses it, retries with 4x finer slots
+    and then falls back to the min-peak schedule.
+    """
+    budget_bytes = int(budget_bytes)
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    started = time.perf_counter()
+    n_options = sum(len(st.options) for st in costs.stages)
+    for attempt_slots in (slots, 4 * slots):
+        unit = max(1, ceil_div(budget_bytes, attempt_slots))
+        M = budget_bytes // unit
+        arrays = discretize(costs, unit, prune=prune)
+        C, D = _fill(arrays, M, kernel)
+        if math.isfinite(C[0, 0, costs.length - 1, M]):
+            schedule = _schedule(costs, _dp_chooser(arrays, D, M, costs.length), M, budget_bytes, unit)
+            if schedule.predicted_peak_bytes > budget_bytes:
+                raise AssertionError("DP schedule exceeds its budget: memory rounding is broken")
+            return ChainSolution(
+                schedule, time.perf_counter() - started, attempt_slots, n_options, int(arrays.nk.sum()), False
+            )
+        fallback = min_peak_schedule(costs)
+        if fallback.predicted_peak_bytes > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
+        log.info("budget %d B: no plan at %d slots, refining", budget_bytes, attempt_slots)
+    log.warning("budget %d B is within memory rounding of the minimum; using the min-peak schedule", budget_bytes)
+    schedule = ChainSchedule(
+        fallback.ops, costs.length, fallback.predicted_time, fallback.predicted_peak_bytes, budget_bytes, 1
+    )
+    return ChainSolution(schedule, time.perf_counter() - started, 4 * slots, n_options, n_options, True)

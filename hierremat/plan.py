@@ -1,0 +1,110 @@
+"""``SequentialPlan``: a solved chain (costs + schedule) and its readable summary. No torch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .budget import format_bytes
+from .costs import ChainCosts
+from .schedule import Backward, ChainSchedule, FAll, FCk, FNone
+
+
+@dataclass(frozen=True)
+class SequentialPlan:
+    """A plan for a chain of stages under a budget.
+
+    reserved_bytes: memory the runtime needs beyond the schedule's model (RNG states and
+    buffer snapshots of recomputed stages); predicted_peak_bytes includes it.
+    profile_seconds, solve_seconds: planning cost.
+    """
+
+    costs: ChainCosts
+    schedule: ChainSchedule
+    mutated_buffers: tuple[tuple[str, ...], ...]
+    reserved_bytes: int
+    profile_seconds: float
+    solve_seconds: float
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.schedule.budget_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.schedule.predicted_peak_bytes + self.reserved_bytes
+
+    @property
+    def predicted_step_time(self) -> float:
+        """Seconds of one forward+backward of the chain under this plan (profiled op times)."""
+        return self.schedule.predicted_time
+
+    @property
+    def no_remat_step_time(self) -> float:
+        """Seconds of one forward+backward keeping everything (each stage's option 0)."""
+        return sum(st.options[0].fwd_time + st.options[0].bwd_time for st in self.costs.stages)
+
+    def stage_actions(self) -> list[str]:
+        """Per stage, what the schedule does with it, e.g. 'ck, all' (forward kinds in order)."""
+        kinds: list[list[str]] = [[] for _ in range(self.schedule.length)]
+        for op in self.schedule.ops:
+            if isinstance(op, FNone):
+                kinds[op.stage].append("none")
+            elif isinstance(op, FCk):
+                kinds[op.stage].append("ck")
+            elif isinstance(op, FAll):
+                kinds[op.stage].append("all" if op.option == 0 else f"all[{op.option}]")
+        return [", ".join(k) for k in kinds]
+
+    def summary(self) -> str:
+        s = self.schedule
+        overhead = s.predicted_time / self.no_remat_step_time - 1 if self.no_remat_step_time > 0 else 0.0
+        lines = [
+            f"hierremat plan: {s.length} stages, budget {format_bytes(self.budget_bytes)}",
+            f"  predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"(schedule {format_bytes(s.predicted_peak_bytes)} + reserved {format_bytes(self.reserved_bytes)})",
+            f"  predicted step {s.predicted_time * 1e3:.2f} ms, {overhead:+.1%} vs keeping everything "
+            f"({self.no_remat_step_time * 1e3:.2f} ms)",
+            f"  planning: profile {self.profile_seconds:.2f} s, solve {self.solve_seconds:.3f} s, "
+            f"memory unit {format_bytes(s.memory_unit_bytes)}",
+            "",
+            f"  {'stage':>5}  {'module':<18} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
+        ]
+        actions = self.stage_actions()
+        for i, st in enumerate(self.costs.stages):
+            op = st.options[0]
+            lines.append(
+                f"  {i:>5}  {st.name[:18]:<18} {format_bytes(self.costs.activation_bytes[i + 1]):>11} "
+                f"{format_bytes(op.kept_bytes):>11} {op.fwd_time * 1e3:>8.3f} {op.bwd_time * 1e3:>8.3f}  {actions[i]}"
+            )
+        n_back = sum(isinstance(op, Backward) for op in s.ops)
+        lines.append("")
+        lines.append(f"  schedule ({len(s.ops)} ops, {n_back} backward): {s}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": "hierremat.SequentialPlan/1",
+                "costs": self.costs.to_dict(),
+                "schedule": json.loads(self.schedule.to_json()),
+                "mutated_buffers": [list(b) for b in self.mutated_buffers],
+                "reserved_bytes": self.reserved_bytes,
+                "profile_seconds": self.profile_seconds,
+                "solve_seconds": self.solve_seconds,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "SequentialPlan":
+        d = json.loads(text)
+        if d.get("format") != "hierremat.SequentialPlan/1":
+            raise ValueError(f"not a hierremat SequentialPlan JSON (format={d.get('format')!r})")
+        return cls(
+            costs=ChainCosts.from_dict(d["costs"]),
+            schedule=ChainSchedule.from_json(json.dumps(d["schedule"])),
+            mutated_buffers=tuple(tuple(b) for b in d["mutated_buffers"]),
+            reserved_bytes=int(d["reserved_bytes"]),
+            profile_seconds=float(d["profile_seconds"]),
+            solve_seconds=float(d["solve_seconds"]),
+        )

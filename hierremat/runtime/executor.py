@@ -1,0 +1,206 @@
+"""Executes a ChainSchedule on a chain of callables, inside one autograd Function.
+
+The Function's forward runs the schedule's ops up to Loss and returns x_L; its backward
+receives the output gradient and runs the rest: recomputations and per-stage backward
+steps. A backward step calls ``torch.autograd.backward`` on the stage's gradient edge
+(``torch.autograd.graph.get_gradient_edge``), and the input gradient is caught by a
+zero-byte tap (``_GradTap``) rather than by a leaf: the executor holds only the stage's
+autograd node, never its input or output tensors, so x_i and x_{i+1} are freed as soon
+as the schedule drops them unless the stage's own saved tensors need them (the
+``pins_input``/``pins_output`` of hierremat.costs). Parameter gradients are accumulated
+into ``.grad`` stage by stage, as plain autograd does.
+
+Replays are exact: a stage that runs more than once restores the RNG state it first
+ran with, its mutated buffers (BatchNorm running stats) are put back to their state
+before the first run for the replay and to their updated state after it (so they are
+updated exactly once per step), and recomputations in backward run under the caller's
+autocast settings.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.autograd.graph import get_gradient_edge
+
+from ..errors import UnsupportedModelError
+from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
+from .rng import AutocastState, RngState, cuda_devices_of
+
+
+def stage_buffers(stage: Callable, names: Sequence[str]) -> list[torch.Tensor]:
+    if not names:
+        return []
+    buffers = dict(stage.named_buffers()) if isinstance(stage, torch.nn.Module) else {}
+    return [buffers[n] for n in names]
+
+
+def check_stage_output(index: int, stage: Callable, out) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise UnsupportedModelError(
+            f"stage {index} ({type(stage).__name__}) returned {type(out).__name__}; checkpoint_sequential "
+            "needs every stage to map one tensor to one tensor (wrap multi-output stages in a module)."
+        )
+    return out
+
+
+class GradSink:
+    """Receives the gradient that flows into a tapped stage input."""
+
+    grad: torch.Tensor | None = None
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity on x whose backward hands the incoming gradient to a GradSink.
+
+    Its only autograd input is a zero-size leaf, so the graph keeps no reference to x.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, x: torch.Tensor, sink: GradSink) -> torch.Tensor:
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sink.grad = grad
+        return None, None, None
+
+
+def tap_input(x: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tensor, GradSink | None]:
+    """x as the input of a grad-mode stage forward; with an anchor, its gradient goes to the sink."""
+    x = x.detach()
+    if anchor is None:
+        return x, None
+    sink = GradSink()
+    with torch.enable_grad():
+        return _GradTap.apply(anchor, x, sink), sink
+
+
+class ChainRunner:
+    """A chain of stages bound to one schedule; ``run(x)`` executes one training step's forward."""
+
+    def __init__(self, stages: Sequence[Callable], schedule: ChainSchedule, mutated_buffers: Sequence[Sequence[str]]):
+        if len(stages) != schedule.length:
+            raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
+        for op in schedule.ops:
+            if isinstance(op, FAll) and op.option != 0:
+                raise UnsupportedModelError(
+                    f"{op}: only option 0 (keep what autograd keeps) runs on a chain of callables"
+                )
+        self.stages = list(stages)
+        self.schedule = schedule
+        self.loss_index = schedule.loss_index
+        self.forward_counts = schedule.forward_counts()
+        self.buffers = [
+            stage_buffers(stage, names) if count > 1 else []
+            for stage, names, count in zip(self.stages, mutated_buffers, self.forward_counts)
+        ]
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        anchor = torch.empty(0, requires_grad=True)  # makes autograd call our backward
+        return _ChainFunction.apply(_Step(self, x), x, anchor)
+
+
+class _Step:
+    """State of one forward+backward of the chain."""
+
+    def __init__(self, runner: ChainRunner, x0: torch.Tensor):
+        self.runner = runner
+        self.x: dict[int, torch.Tensor] = {0: x0.detach()}
+        self.grad: dict[int, torch.Tensor | None] = {}
+        self.tape: dict[int, tuple] = {}
+        self.rng: dict[int, RngState] = {}
+        self.buffers_before: dict[int, list[torch.Tensor]] = {}
+        self.runs = [0] * len(runner.stages)
+        self.input_requires_grad = x0.requires_grad
+        self.tap_anchor = torch.empty(0, device=x0.device, requires_grad=True)
+        self.cuda_devices = cuda_devices_of(x0)
+        self.autocast = AutocastState.capture((x0.device.type,))
+
+    def run_forward(self) -> torch.Tensor:
+        for op in self.runner.schedule.ops[: self.runner.loss_index]:
+            self._execute(op)
+        return self.x.pop(len(self.runner.stages))
+
+    def run_backward(self, grad_output: torch.Tensor) -> torch.Tensor | None:
+        self.grad[len(self.runner.stages)] = grad_output
+        outer_rng = RngState.capture(self.cuda_devices)
+        try:
+            with self.autocast.applied():
+                for op in self.runner.schedule.ops[self.runner.loss_index + 1 :]:
+                    self._execute(op)
+        finally:
+            outer_rng.restore()
+        return self.grad.pop(0)
+
+    def _execute(self, op) -> None:
+        if isinstance(op, (FNone, FCk, FAll)):
+            i = op.stage
+            x = self.x[i] if isinstance(op, FCk) else self.x.pop(i)
+            if isinstance(op, FAll):
+                anchor = self.tap_anchor if i > 0 or self.input_requires_grad else None
+                inp, sink = tap_input(x, anchor)
+                del x
+                with torch.enable_grad():
+                    out = self._forward(i, inp)
+                del inp
+                edge = get_gradient_edge(out) if out.requires_grad else None
+                self.tape[i] = (edge, sink)
+                y = out.detach()
+                del out
+            else:
+                with torch.no_grad():
+                    y = self._forward(i, x)
+                del x
+            if (i + 1) not in self.grad:
+                self.x[i + 1] = y
+        elif isinstance(op, Backward):
+            i = op.stage
+            edge, sink = self.tape.pop(i)
+            grad = self.grad.pop(i + 1)
+            if edge is not None and grad is not None:
+                torch.autograd.backward((edge,), (grad,))
+            del grad, edge
+            self.grad[i] = sink.grad if sink is not None else None
+        else:
+            raise TypeError(f"unexpected op {op!r}")
+
+    def _forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        stage = self.runner.stages[i]
+        replay = self.runs[i] > 0
+        self.runs[i] += 1
+        if self.runner.forward_counts[i] == 1:
+            return check_stage_output(i, stage, stage(x))
+        buffers = self.runner.buffers[i]
+        if not replay:
+            self.rng[i] = RngState.capture(self.cuda_devices)
+            self.buffers_before[i] = [b.clone() for b in buffers]
+            return check_stage_output(i, stage, stage(x))
+        self.rng[i].restore()
+        updated = [b.clone() for b in buffers]
+        for b, before in zip(buffers, self.buffers_before[i]):
+            b.copy_(before)
+        try:
+            return check_stage_output(i, stage, stage(x))
+        finally:
+            for b, after in zip(buffers, updated):
+                b.copy_(after)
+
+
+class _ChainFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: _Step, x0: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.step = step
+        return step.run_forward()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        step, ctx.step = ctx.step, None
+        if step is None:
+            raise RuntimeError("hierremat: the chain's backward ran twice; call backward once per forward")
+        return None, step.run_backward(grad_output), None

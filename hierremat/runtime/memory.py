@@ -1,0 +1,125 @@
+"""Measuring memory: a live-tensor tracker (CPU and any device) and CUDA allocator peaks.
+
+``LiveTensorTracker`` is a TorchDispatchMode that sees every ATen op, counts the bytes
+of each *new* storage an op returns (outputs that alias an input, like views and
+in-place results, are skipped through the op schema's alias info) and subtracts them
+when a weakref finaliser on the storage fires, i.e. when the storage is really freed
+(PyTorch preserves a storage's Python object while the storage lives). Storages that
+existed before tracking started (parameters, inputs, ``.grad``) are never counted.
+This is what the budget counts (see DESIGN.md, "What a budget counts").
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensors created while the mode is active.
+
+    Usage::
+
+        with LiveTensorTracker() as tracker:
+            loss = model(x).sum(); loss.backward()
+        tracker.peak_bytes
+
+    ``reset_peak()`` restarts the peak at the current live bytes; ``timeline`` (when
+    ``record_timeline=True``) lists (op name, live bytes after it).
+    """
+
+    def __init__(self, record_timeline: bool = False):
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._tracked: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.record_timeline = record_timeline
+        self.timeline: list[tuple[str, int]] = []
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.live_bytes
+
+    def _release(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            if self._tracked.pop(key, None) is not None:
+                self.live_bytes -= nbytes
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        key = storage.data_ptr()
+        if nbytes == 0:
+            return
+        with self._lock:
+            if key in self._tracked:
+                return
+            self._tracked[key] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._release, key, nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for idx, value in enumerate(outs):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if idx < len(returns) and returns[idx].alias_info is not None:
+                continue  # a view or an in-place/out= result: no new storage
+            self._track(value)
+        if self.record_timeline:
+            self.timeline.append((str(func), self.live_bytes))
+        return out
+
+
+class CudaPeakMeter:
+    """Allocator-level live/peak bytes on one CUDA device, relative to when it started."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self) -> "CudaPeakMeter":
+        torch.cuda.synchronize(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def live_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self._base
+
+    @property
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) - self._base
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def memory_meter(device: torch.device | str):
+    """The meter the budget is checked with on ``device``: allocator stats on CUDA, the tracker elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaPeakMeter(device)
+    return LiveTensorTracker()
+
+
+@contextmanager
+def measure_peak(device: torch.device | str = "cpu") -> Iterator:
+    """Context manager yielding a meter; read ``.peak_bytes`` after the block."""
+    with memory_meter(device) as meter:
+        yield meter

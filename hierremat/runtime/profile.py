@@ -1,0 +1,222 @@
+"""Measuring a chain's stage costs on the device it runs on.
+
+For each stage, with the real input it receives, we measure: the no-grad forward's time
+and peak; the grad forward's time, peak, the bytes autograd keeps for backward (live
+bytes after the forward, less the output) and whether those keep the input's or the
+output's storage (weakref finalisers on them); the backward's time and peak. Times are medians of
+``repeats`` runs after a warm-up (``time.perf_counter`` on CPU, CUDA events on GPU);
+memory comes from the meter the budget is checked with (hierremat.runtime.memory).
+
+Profiling leaves no trace: RNG states, buffers (BatchNorm running stats) and parameter
+``.grad`` are restored afterwards. Parameters without ``.grad`` get a zero one while
+profiling, so backward peaks are measured as in any step after the first (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from ..costs import ChainCosts, OptionCosts, StageCosts
+from .executor import check_stage_output, tap_input
+from .memory import memory_meter
+from .rng import cuda_devices_of
+
+
+@dataclass(frozen=True)
+class ChainProfile:
+    """Measured costs plus what the runtime needs to replay stages exactly.
+
+    mutated_buffers[i]: names of stage i's buffers that its forward updates in place.
+    """
+
+    costs: ChainCosts
+    mutated_buffers: tuple[tuple[str, ...], ...]
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _modules_state(stages: Sequence[Callable]):
+    params, buffers = {}, {}
+    for stage in stages:
+        if isinstance(stage, torch.nn.Module):
+            for p in stage.parameters():
+                params[id(p)] = p
+            for b in stage.buffers():
+                buffers[id(b)] = b
+    return list(params.values()), list(buffers.values())
+
+
+@contextmanager
+def _no_side_effects(stages: Sequence[Callable], x0: torch.Tensor) -> Iterator[None]:
+    """Restore RNG states and buffers after profiling."""
+    _, buffers = _modules_state(stages)
+    saved_buffers = [b.clone() for b in buffers]
+    try:
+        with torch.random.fork_rng(devices=list(cuda_devices_of(x0)), device_type="cuda"):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in zip(buffers, saved_buffers):
+                b.copy_(saved)
+
+
+@contextmanager
+def _scratch_grads(stage: Callable) -> Iterator[None]:
+    """Give the stage's parameters zero ``.grad`` while profiling it, then put theirs back."""
+    params, _ = _modules_state([stage])
+    saved = [p.grad for p in params]
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+def _mutated_buffer_names(stage: Callable, run: Callable[[], object]) -> tuple[str, ...]:
+    if not isinstance(stage, torch.nn.Module):
+        run()
+        return ()
+    before = {name: b._version for name, b in stage.named_buffers()}
+    run()
+    return tuple(name for name, b in stage.named_buffers() if b._version != before.get(name))
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+    torch.autograd.backward((get_gradient_edge(out),), (grad,))
+
+
+def profile_chain(stages: Sequence[Callable], x0: torch.Tensor, *, repeats: int = 3) -> ChainProfile:
+    """Measure ChainCosts of ``stages`` applied in sequence to ``x0``."""
+    device = x0.device
+    activation_bytes = [storage_bytes(x0)]
+    stage_costs, mutated = [], []
+    with _no_side_effects(stages, x0):
+        x = x0.detach()
+        for i, stage in enumerate(stages):
+            requires_grad = i > 0 or x0.requires_grad
+            with _scratch_grads(stage):
+                cost, names, y = _profile_stage(i, stage, x, requires_grad, repeats, device)
+            stage_costs.append(cost)
+            mutated.append(names)
+            activation_bytes.append(storage_bytes(y))
+            x = y
+    costs = ChainCosts(tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad)
+    return ChainProfile(costs, tuple(mutated))
+
+
+def _profile_stage(i: int, stage: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device):
+    """Costs of one stage on input x; returns (StageCosts, mutated buffer names, output)."""
+    with torch.no_grad():
+        mutated = _mutated_buffer_names(stage, lambda: stage(x))  # also the warm-up
+    meter = memory_meter(device)
+    with meter:
+        meter.reset_peak()
+        base = meter.live_bytes
+        with torch.no_grad():
+            y = check_stage_output(i, stage, stage(x))
+        nograd_peak = meter.peak_bytes - base
+        out_bytes = storage_bytes(y)
+
+        anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
+        x_copy = x.detach().clone()  # a storage of its own, to see whether the tape keeps it
+        inp, sink = tap_input(x_copy, anchor)
+        meter.reset_peak()
+        base = meter.live_bytes
+        with torch.enable_grad():
+            out = stage(inp)
+        fwd_peak = meter.peak_bytes - base
+        kept = max(0, meter.live_bytes - base - out_bytes)
+        input_freed: list[bool] = []
+        output_freed: list[bool] = []
+        weakref.finalize(x_copy.untyped_storage(), input_freed.append, True)
+        weakref.finalize(out.untyped_storage(), output_freed.append, True)
+        edge = get_gradient_edge(out) if out.requires_grad else None
+        grad = torch.ones_like(out) if edge is not None else None
+        del out, inp, x_copy
+        _sync(device)
+        pins_input, pins_output = not input_freed, not output_freed
+        bwd_peak = 0
+        if edge is not None:
+            meter.reset_peak()
+            base = meter.live_bytes
+            torch.autograd.backward((edge,), (grad,))
+            bwd_peak = meter.peak_bytes - base
+        del edge, grad, sink
+
+    with torch.no_grad():
+        nograd_time = _median_seconds(lambda: stage(x), repeats, device)
+
+    def grad_forward():
+        anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
+        with torch.enable_grad():
+            return stage(tap_input(x, anchor)[0])
+
+    fwd_time = _median_seconds(grad_forward, repeats, device)
+    bwd_samples = []
+    for _ in range(repeats):
+        out = grad_forward()
+        if not out.requires_grad:
+            break
+        grad = torch.ones_like(out)
+        bwd_samples.append(_median_seconds(lambda: _backward(out, grad), 1, device))
+        del out, grad
+    bwd_time = statistics.median(bwd_samples) if bwd_samples else 0.0
+
+    grad_bytes = storage_bytes(x) if requires_grad else 0
+    option = OptionCosts(
+        fwd_time=fwd_time,
+        bwd_time=bwd_time,
+        kept_bytes=kept,
+        fwd_overhead_bytes=max(fwd_peak, kept + out_bytes),
+        bwd_overhead_bytes=max(bwd_peak, grad_bytes),
+        pins_output=pins_output,
+        pins_input=pins_input,
+    )
+    cost = StageCosts(
+        nograd_fwd_time=nograd_time,
+        nograd_fwd_overhead_bytes=max(nograd_peak, out_bytes),
+        options=(option,),
+        name=_stage_name(i, stage),
+    )
+    return cost, mutated, y
+
+
+def _stage_name(i: int, stage: Callable) -> str:
+    if isinstance(stage, torch.nn.Module):
+        return type(stage).__name__
+    return getattr(stage, "__name__", type(stage).__name__)

@@ -1,0 +1,180 @@
+"""``checkpoint_sequential`` and ``plan_sequential``: a chain of modules under a byte budget."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from .budget import parse_budget
+from .dp import solve_chain
+from .dp.solve import DEFAULT_SLOTS
+from .errors import InfeasibleBudgetError
+from .plan import SequentialPlan
+from .runtime.executor import ChainRunner, stage_buffers
+from .runtime.profile import ChainProfile, profile_chain
+from .runtime.rng import CPU_RNG_STATE_BYTES
+from .schedule import Backward, FAll, Loss
+
+log = logging.getLogger(__name__)
+
+
+def as_stages(functions) -> list[Callable]:
+    """The stages of an nn.Sequential (its children) or of a list of modules/callables."""
+    if isinstance(functions, torch.nn.Sequential):
+        stages = list(functions.children())
+    elif isinstance(functions, (list, tuple)):
+        stages = list(functions)
+    else:
+        raise TypeError(
+            f"functions must be an nn.Sequential or a list of modules/callables, got {type(functions).__name__}"
+        )
+    if not stages:
+        raise ValueError("functions is empty: there is nothing to checkpoint")
+    for i, f in enumerate(stages):
+        if not callable(f):
+            raise TypeError(f"functions[{i}] ({type(f).__name__}) is not callable")
+    return stages
+
+
+def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: torch.device) -> list[int]:
+    """Bytes the runtime holds for each stage if it is recomputed (RNG state, buffer snapshots)."""
+    rng = CPU_RNG_STATE_BYTES if device.type == "cpu" else 0
+    return [
+        rng + 2 * sum(b.untyped_storage().nbytes() for b in stage_buffers(stage, names))
+        for stage, names in zip(stages, profile.mutated_buffers)
+    ]
+
+
+def plan_from_profile(
+    stages: Sequence[Callable], profile: ChainProfile, budget_bytes: int, device: torch.device, *, slots: int, profile_seconds: float = 0.0
+) -> SequentialPlan:
+    reserve = _replay_reserve(stages, profile, device)
+    dp_budget = budget_bytes - sum(reserve)
+    try:
+        if dp_budget <= 0:
+            raise InfeasibleBudgetError(dp_budget, 0)
+        solution = solve_chain(profile.costs, dp_budget, slots=slots)
+    except InfeasibleBudgetError as err:
+        raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + sum(reserve)) from None
+    schedule = replace(solution.schedule, budget_bytes=budget_bytes)
+    counts = schedule.forward_counts()
+    reserved = sum(r for r, c in zip(reserve, counts) if c > 1)
+    return SequentialPlan(profile.costs, schedule, profile.mutated_buffers, reserved, profile_seconds, solution.solve_seconds)
+
+
+def plan_sequential(functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3) -> SequentialPlan:
+    """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
+
+    budget: bytes (int, at least 1 MiB) or a string such as "512MiB". Raises
+    InfeasibleBudgetError with the smallest feasible budget when none fits.
+    """
+    budget_bytes = parse_budget(budget)
+    stages = as_stages(functions)
+    _check_input(input)
+    started = time.perf_counter()
+    profile = profile_chain(stages, input, repeats=repeats)
+    return plan_from_profile(
+        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=time.perf_counter() - started
+    )
+
+
+def _check_input(input) -> None:
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a tensor, got {type(input).__name__}")
+
+
+def keeps_everything(plan: SequentialPlan) -> bool:
+    """True when the schedule is plain autograd: every stage forwarded once, with grad."""
+    L = plan.schedule.length
+    expected = tuple(FAll(i, 0) for i in range(L)) + (Loss(),) + tuple(Backward(i) for i in reversed(range(L)))
+    return plan.schedule.ops == expected
+
+
+class PlanCache:
+    """Plans per (stages, input shape/dtype/device, budget, slots); ``hits``/``misses`` count lookups."""
+
+    def __init__(self):
+        self._plans: dict[tuple, tuple[SequentialPlan, ChainRunner]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(stages: Sequence[Callable], input: torch.Tensor, budget_bytes: int, slots: int) -> tuple:
+        modes = tuple(getattr(s, "training", None) for s in stages)
+        trainable = tuple(
+            tuple(p.requires_grad for p in s.parameters()) if isinstance(s, torch.nn.Module) else () for s in stages
+        )
+        return (
+            tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
+            input.requires_grad, budget_bytes, slots,
+        )
+
+    def get(self, key: tuple):
+        entry = self._plans.get(key)
+        if entry is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return entry
+
+    def put(self, key: tuple, entry: tuple[SequentialPlan, ChainRunner]) -> None:
+        self._plans[key] = entry
+
+
+plan_cache = PlanCache()
+
+
+def checkpoint_sequential(
+    functions,
+    budget,
+    input: torch.Tensor,
+    use_reentrant: bool | None = None,
+    *,
+    slots: int = DEFAULT_SLOTS,
+    **kwargs,
+) -> torch.Tensor:
+    """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with a budget instead of segments.
+
+    Runs ``functions`` (an nn.Sequential or a list of modules/callables, each mapping one
+    tensor to one tensor) on ``input`` with the fastest rematerialization schedule whose
+    forward+backward peak stays within ``budget`` (bytes or "512MiB"). Gradients equal
+    plain autograd's, dropout and BatchNorm included. The plan is made on the first call
+    for a given input shape and reused afterwards.
+
+    ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
+    RNG state is always preserved.
+    """
+    unknown = set(kwargs) - {"preserve_rng_state", "determinism_check", "debug"}
+    if unknown:
+        raise TypeError(f"checkpoint_sequential got unexpected keyword argument(s): {sorted(unknown)}")
+    budget_bytes = parse_budget(budget)
+    stages = as_stages(functions)
+    _check_input(input)
+    needs_grad = input.requires_grad or any(
+        p.requires_grad for s in stages if isinstance(s, torch.nn.Module) for p in s.parameters()
+    )
+    if not torch.is_grad_enabled() or not needs_grad:
+        for stage in stages:
+            input = stage(input)
+        return input
+    key = PlanCache.key(stages, input, budget_bytes, slots)
+    entry = plan_cache.get(key)
+    if entry is None:
+        plan = plan_sequential(stages, budget_bytes, input, slots=slots)
+        log.info("%s", plan.summary())
+        entry = (plan, ChainRunner(stages, plan.schedule, plan.mutated_buffers))
+        plan_cache.put(key, entry)
+    plan, runner = entry
+    if keeps_everything(plan):
+        for stage in stages:
+            input = stage(input)
+        return input
+    return runner.run(input)

@@ -1,0 +1,62 @@
+"""Random chain costs and a brute-force enumerator of Rotor's schedule family (test oracles)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from hierremat.costs import ChainCosts, OptionCosts, StageCosts
+from hierremat.schedule import Backward, FAll, FCk, FNone, Loss
+
+
+def random_chain(rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 20, zero_sizes: bool = False) -> ChainCosts:
+    """A chain with small integer sizes (so a memory unit of 1 byte is exact)."""
+    low = 0 if zero_sizes else 1
+    a = [int(v) for v in rng.integers(low, max_bytes, size=L + 1)]
+    stages = []
+    for i in range(L):
+        out = a[i + 1]
+        grad_in = a[i]
+        options = []
+        for _ in range(int(rng.integers(1, K + 1))):
+            kept = int(rng.integers(0, 2 * max_bytes))
+            options.append(
+                OptionCosts(
+                    fwd_time=float(rng.uniform(0.5, 2.0)),
+                    bwd_time=float(rng.uniform(0.5, 4.0)),
+                    kept_bytes=kept,
+                    fwd_overhead_bytes=kept + out + int(rng.integers(0, max_bytes)),
+                    bwd_overhead_bytes=grad_in + int(rng.integers(0, max_bytes)),
+                    pins_output=bool(rng.integers(0, 2)),
+                    pins_input=bool(rng.integers(0, 2)),
+                )
+            )
+        stages.append(
+            StageCosts(
+                nograd_fwd_time=float(rng.uniform(0.5, 2.0)),
+                nograd_fwd_overhead_bytes=out + int(rng.integers(0, max_bytes)),
+                options=tuple(options),
+            )
+        )
+    return ChainCosts(tuple(a), tuple(stages), input_requires_grad=bool(rng.integers(0, 2)))
+
+
+def enumerate_schedules(costs: ChainCosts):
+    """Every schedule of Rotor's persistent family, as op tuples (exponential: tiny chains)."""
+    L = costs.length
+
+    def sub(s: int, t: int):
+        for k in range(len(costs.stages[s].options)):
+            if s == t:
+                tail = (Loss(),) if t == L - 1 else ()
+                yield (FAll(s, k),) + tail + (Backward(s),)
+            else:
+                for rest in sub(s + 1, t):
+                    yield (FAll(s, k),) + rest + (Backward(s),)
+        for sp in range(s + 1, t + 1):
+            fwd = (FCk(s),) + tuple(FNone(j) for j in range(s + 1, sp))
+            for right, left in itertools.product(list(sub(sp, t)), list(sub(s, sp - 1))):
+                yield fwd + right + left
+
+    yield from sub(0, L - 1)
