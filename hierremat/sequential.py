@@ -55,9 +55,7 @@ def plan_from_profile(
     reserve = _replay_reserve(stages, profile, device)
     dp_budget = budget_bytes - sum(reserve)
     try:
-        if dp_budget <= 0:
-            raise InfeasibleBudgetError(dp_budget, 0)
-        solution = solve_chain(profile.costs, dp_budget, slots=slots)
+        solution = solve_chain(profile.costs, max(dp_budget, 0), slots=slots)
     except InfeasibleBudgetError as err:
         raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + sum(reserve)) from None
     schedule = replace(solution.schedule, budget_bytes=budget_bytes)
@@ -72,9 +70,12 @@ def plan_sequential(functions, budget, input: torch.Tensor, *, slots: int = DEFA
     budget: bytes (int, at least 1 MiB) or a string such as "512MiB". Raises
     InfeasibleBudgetError with the smallest feasible budget when none fits.
     """
-    budget_bytes = parse_budget(budget)
     stages = as_stages(functions)
     _check_input(input)
+    return _plan(stages, parse_budget(budget), input, slots=slots, repeats=repeats)
+
+
+def _plan(stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3) -> SequentialPlan:
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
     return plan_from_profile(
@@ -168,7 +169,7 @@ def checkpoint_sequential(
     key = PlanCache.key(stages, input, budget_bytes, slots)
     entry = plan_cache.get(key)
     if entry is None:
-        plan = plan_sequential(stages, budget_bytes, input, slots=slots)
+        plan = _plan(stages, budget_bytes, input, slots=slots)
         log.info("%s", plan.summary())
         entry = (plan, ChainRunner(stages, plan.schedule, plan.mutated_buffers))
         plan_cache.put(key, entry)

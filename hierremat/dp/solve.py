@@ -225,7 +225,7 @@ def solve_chain(
         if fallback.predicted_peak_bytes > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
         log.info("budget %d B: no plan at %d slots, refining", budget_bytes, attempt_slots)
-    log.warning("budget %d B is within memory rounding of the minimum; using the min-peak schedule", budget_bytes)
+    log.info("budget %d B is within memory rounding of the minimum; using the min-peak schedule", budget_bytes)
     schedule = ChainSchedule(
         fallback.ops, costs.length, fallback.predicted_time, fallback.predicted_peak_bytes, budget_bytes, 1
     )

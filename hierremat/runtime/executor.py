@@ -182,13 +182,15 @@ class _Step:
             return check_stage_output(i, stage, stage(x))
         self.rng[i].restore()
         updated = [b.clone() for b in buffers]
+        # Through .data, so that the version counters that autograd checks on saved
+        # buffers (BatchNorm saves its running stats) do not move.
         for b, before in zip(buffers, self.buffers_before[i]):
-            b.copy_(before)
+            b.data.copy_(before)
         try:
             return check_stage_output(i, stage, stage(x))
         finally:
             for b, after in zip(buffers, updated):
-                b.copy_(after)
+                b.data.copy_(after)
 
 
 class _ChainFunction(torch.autograd.Function):

@@ -108,12 +108,21 @@ def _scratch_grads(stage: Callable) -> Iterator[None]:
 
 
 def _mutated_buffer_names(stage: Callable, run: Callable[[], object]) -> tuple[str, ...]:
+    """Run the stage once and name the buffers it changed.
+
+    Native kernels may update a buffer without bumping its version counter (BatchNorm's
+    running statistics), so values are compared as well.
+    """
     if not isinstance(stage, torch.nn.Module):
         run()
         return ()
-    before = {name: b._version for name, b in stage.named_buffers()}
+    before = {name: (b._version, b.clone()) for name, b in stage.named_buffers()}
     run()
-    return tuple(name for name, b in stage.named_buffers() if b._version != before.get(name))
+    return tuple(
+        name
+        for name, b in stage.named_buffers()
+        if name not in before or b._version != before[name][0] or not torch.equal(b, before[name][1])
+    )
 
 
 def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:

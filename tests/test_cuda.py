@@ -1,0 +1,69 @@
+"""The same runtime checks on a CUDA device (skipped where there is none)."""
+
+import copy
+
+import pytest
+import torch
+
+import hierremat as hr
+from hierremat.runtime import CudaPeakMeter
+from hierremat.runtime.memory import memory_meter
+
+from models import conv_chain, random_mlp_chain
+
+pytestmark = pytest.mark.cuda
+
+
+def _step(model, x, budget=None, seed=0):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    with CudaPeakMeter(x.device) as meter:
+        y = model(x) if budget is None else hr.checkpoint_sequential(model, budget, x)
+        y.sum().backward()
+    return x.grad, [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+
+
+@pytest.mark.parametrize("make, shape", [(lambda: random_mlp_chain(0, width=256), (512, 256)), (conv_chain, (32, 3, 32, 32))])
+def test_cuda_gradients_equal_autograd_and_peak_within_budget(make, shape):
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = make().to(device)
+    reference = copy.deepcopy(model)
+    x = torch.randn(*shape, device=device)
+    gx_ref, g_ref, plain_peak = _step(reference, x)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x.requires_grad_())
+    lo = err.value.min_budget_bytes
+    for budget in (lo, (lo + plain_peak) // 2, plain_peak, 2**36):
+        budget = f"{budget}B"
+        hr.checkpoint_sequential(model, budget, x)  # plan outside the measured step
+        gx, g, peak = _step(model, x, budget)
+        torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # the allocator rounds blocks up to 512 bytes
+        assert peak <= hr.parse_budget(budget) + 512 * 64
+
+
+def test_cuda_rng_state_unchanged_by_recomputation():
+    device = torch.device("cuda")
+    model = random_mlp_chain(1, width=128).to(device)
+    reference = copy.deepcopy(model)
+    x = torch.randn(256, 128, device=device, requires_grad=True)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    budget = f"{err.value.min_budget_bytes}B"
+    torch.manual_seed(3)
+    reference(x).sum().backward()
+    after_reference = torch.cuda.get_rng_state()
+    torch.manual_seed(3)
+    hr.checkpoint_sequential(model, budget, x).sum().backward()
+    assert torch.equal(torch.cuda.get_rng_state(), after_reference)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_meter_is_allocator_based_on_cuda():
+    assert isinstance(memory_meter("cuda"), CudaPeakMeter)

@@ -1,0 +1,167 @@
+"""The chain DP against its oracles: brute force, the simulator and the pure-Python reference."""
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hierremat import InfeasibleBudgetError, InvalidScheduleError
+from hierremat.costs import ChainCosts, OptionCosts, StageCosts
+from hierremat.dp import min_peak_schedule, solve_chain
+from hierremat.dp.discretize import discretize
+from hierremat.dp.kernel import fill_tables
+from hierremat.dp.reference import fill_tables_reference
+from hierremat.schedule import Backward, FAll, FCk, FNone, Loss
+from hierremat.simulate import simulate
+
+from chains import enumerate_schedules, random_chain
+
+
+def _check_against_simulator(costs, schedule, budget):
+    sim = simulate(costs, schedule)
+    assert sim.peak_bytes == schedule.predicted_peak_bytes
+    assert sim.time == pytest.approx(schedule.predicted_time, rel=1e-12)
+    assert sim.peak_bytes <= budget
+    return sim
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_optimum_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        costs = random_chain(rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)), zero_sizes=seed % 3 == 0)
+        results = [simulate(costs, ops) for ops in enumerate_schedules(costs)]
+        min_peak = min(r.peak_bytes for r in results)
+        assert min_peak_schedule(costs).predicted_peak_bytes == min_peak
+        for budget in sorted({min_peak, min_peak + 3, min_peak + 11, 2 * min_peak + 1, 10**6}):
+            best = min(r.time for r in results if r.peak_bytes <= budget)
+            schedule = solve_chain(costs, budget, slots=budget).schedule  # 1-byte memory unit: exact
+            _check_against_simulator(costs, schedule, budget)
+            assert schedule.predicted_time == pytest.approx(best, rel=1e-9)
+        with pytest.raises(InfeasibleBudgetError) as err:
+            solve_chain(costs, min_peak - 1) if min_peak > 1 else solve_chain(costs, 0)
+        assert err.value.min_budget_bytes == min_peak
+
+
+@pytest.mark.parametrize("slots", [7, 50, 500])
+def test_discretised_plans_fit_and_are_no_better_than_exact(slots):
+    rng = np.random.default_rng(100 + slots)
+    for _ in range(30):
+        costs = random_chain(rng, int(rng.integers(1, 5)), 2, max_bytes=1000)
+        results = [simulate(costs, ops) for ops in enumerate_schedules(costs)]
+        min_peak = min(r.peak_bytes for r in results)
+        for budget in (min_peak, int(min_peak * 1.3), 3 * min_peak):
+            best = min(r.time for r in results if r.peak_bytes <= budget)
+            schedule = solve_chain(costs, budget, slots=slots).schedule
+            _check_against_simulator(costs, schedule, budget)
+            assert schedule.predicted_time >= best * (1 - 1e-12)
+
+
+def test_numba_kernel_tables_equal_reference():
+    rng = np.random.default_rng(7)
+    for _ in range(25):
+        costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200)
+        arrays = discretize(costs, int(rng.integers(1, 20)))
+        M = int(rng.integers(0, 80))
+        args = (arrays.A, arrays.A_floor, arrays.OFN, arrays.UFN, arrays.nk, arrays.TIME, arrays.KEPT,
+                arrays.OF, arrays.OB, arrays.PIN_OUT, arrays.PIN_IN, np.int64(M))
+        C_fast, D_fast = fill_tables(*args)
+        C_ref, D_ref = fill_tables_reference(*args)
+        np.testing.assert_array_equal(C_fast, C_ref)
+        np.testing.assert_array_equal(D_fast, D_ref)
+
+
+def test_solve_with_reference_kernel_matches_numba():
+    rng = np.random.default_rng(8)
+    costs = random_chain(rng, 6, 3, max_bytes=10**6)
+    budget = int(min_peak_schedule(costs).predicted_peak_bytes * 1.4)
+    fast = solve_chain(costs, budget, slots=60, kernel="numba").schedule
+    ref = solve_chain(costs, budget, slots=60, kernel="reference").schedule
+    assert fast == ref
+
+
+def test_pruning_never_changes_the_optimum():
+    rng = np.random.default_rng(9)
+    for _ in range(40):
+        costs = random_chain(rng, int(rng.integers(1, 9)), 6, max_bytes=10**5)
+        budget = int(min_peak_schedule(costs).predicted_peak_bytes * rng.uniform(1.0, 2.5))
+        pruned = solve_chain(costs, budget, slots=120, prune=True)
+        full = solve_chain(costs, budget, slots=120, prune=False)
+        assert pruned.schedule.predicted_time == pytest.approx(full.schedule.predicted_time, rel=1e-12)
+        assert pruned.options_after_pruning <= full.options_after_pruning
+
+
+def test_dominated_option_is_pruned():
+    good = OptionCosts(1.0, 1.0, kept_bytes=10, fwd_overhead_bytes=20, bwd_overhead_bytes=10)
+    worse = OptionCosts(1.5, 1.0, kept_bytes=12, fwd_overhead_bytes=22, bwd_overhead_bytes=10)
+    costs = ChainCosts((10, 10), (StageCosts(1.0, 10, (worse, good)),))
+    arrays = discretize(costs, 1)
+    assert arrays.nk[0] == 1 and arrays.option_ids[0, 0] == 1
+
+
+def test_single_stage_chain():
+    op = OptionCosts(1.0, 2.0, kept_bytes=5, fwd_overhead_bytes=5 + 8, bwd_overhead_bytes=4)
+    costs = ChainCosts((4, 8), (StageCosts(0.5, 8, (op,)),))
+    schedule = solve_chain(costs, 100).schedule
+    assert schedule.ops == (FAll(0, 0), Loss(), Backward(0))
+    # peak: kept + output + output gradient + backward overhead
+    assert schedule.predicted_peak_bytes == 5 + 8 + 8 + 4
+    _check_against_simulator(costs, schedule, 100)
+
+
+def test_budget_exactly_at_the_minimum_with_coarse_slots():
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        costs = random_chain(rng, int(rng.integers(2, 10)), 3, max_bytes=10**6)
+        minimum = min_peak_schedule(costs).predicted_peak_bytes
+        solution = solve_chain(costs, minimum, slots=50)
+        _check_against_simulator(costs, solution.schedule, minimum)
+
+
+def test_long_chain_solves_and_simulates():
+    rng = np.random.default_rng(12)
+    costs = random_chain(rng, 60, 4, max_bytes=10**6)
+    minimum = min_peak_schedule(costs).predicted_peak_bytes
+    for factor in (1.0, 1.5, 3.0, 100.0):
+        budget = int(minimum * factor)
+        _check_against_simulator(costs, solve_chain(costs, budget).schedule, budget)
+
+
+def test_more_memory_never_makes_the_plan_slower():
+    rng = np.random.default_rng(13)
+    costs = random_chain(rng, 20, 3, max_bytes=10**6)
+    minimum = min_peak_schedule(costs).predicted_peak_bytes
+    times = [solve_chain(costs, int(minimum * f), slots=2000).schedule.predicted_time for f in (1.2, 1.6, 2.4, 4.0)]
+    assert all(a >= b - 1e-12 for a, b in zip(times, times[1:]))
+
+
+def test_simulator_rejects_invalid_schedules():
+    rng = np.random.default_rng(14)
+    costs = random_chain(rng, 3, 1)
+    bad = [
+        ("no F_all", (FCk(0), FNone(1), FAll(2), Loss(), Backward(2), Backward(1), Backward(0))),
+        ("missing checkpoint", (FNone(0), FNone(1), FAll(2), Loss(), Backward(2), FAll(1), Backward(1))),
+        ("gradient of x_3 not available", (FAll(0), FAll(1), FAll(2), Backward(2), Backward(1), Backward(0))),
+        ("no Loss", (FAll(0), FAll(1), FAll(2))),
+        ("every stage", (FAll(0), FAll(1), FAll(2), Loss(), Backward(2), Backward(1))),
+        ("backward is done", (FAll(0), FAll(1), FAll(2), Loss(), Backward(2), FAll(2))),
+    ]
+    for why, ops in bad:
+        with pytest.raises(InvalidScheduleError, match=why):
+            simulate(costs, ops)
+
+
+def test_planning_core_does_not_import_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import hierremat, hierremat.dp, hierremat.simulate\n"
+        "from hierremat.costs import ChainCosts, StageCosts, OptionCosts\n"
+        "op = OptionCosts(1.0, 1.0, 0, 8, 8)\n"
+        "c = ChainCosts((4, 8, 8), (StageCosts(1.0, 8, (op,)), StageCosts(1.0, 8, (op,))))\n"
+        "s = hierremat.dp.solve_chain(c, 10**6).schedule\n"
+        "print(hierremat.simulate.simulate(c, s).peak_bytes == s.predicted_peak_bytes)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"

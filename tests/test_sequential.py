@@ -1,0 +1,197 @@
+"""checkpoint_sequential on CPU: gradients, RNG, BatchNorm, memory and the plan cache."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hierremat as hr
+from hierremat import sequential
+from hierremat.runtime import LiveTensorTracker
+from hierremat.simulate import simulate
+
+from models import conv_chain, random_mlp_chain
+
+MiB = 2**20
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _step(model, x, budget=None, seed=0):
+    """One training step; returns (output, input grad, param grads, measured peak bytes)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    torch.manual_seed(seed)
+    with LiveTensorTracker() as tracker:
+        y = model(x) if budget is None else hr.checkpoint_sequential(model, budget, x)
+        y.sum().backward()
+    return y.detach(), x.grad, _grads(model), tracker.peak_bytes
+
+
+def _budgets(model, x):
+    """From the smallest feasible budget to unlimited."""
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    lo = err.value.min_budget_bytes
+    plain = _step(copy.deepcopy(model), x)[3]
+    return [f"{b}B" for b in (lo, int(lo + 0.25 * (plain - lo)), int(lo + 0.6 * (plain - lo)), plain)] + ["64GiB"]
+
+
+def _assert_same(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _check_model(model, x):
+    reference = copy.deepcopy(model)
+    y_ref, gx_ref, g_ref, _ = _step(reference, x)
+    for budget in _budgets(model, x):
+        plan = hr.plan_sequential(model, budget, x)
+        sim = simulate(plan.costs, plan.schedule)
+        assert sim.peak_bytes == plan.schedule.predicted_peak_bytes
+        hr.checkpoint_sequential(model, budget, x)  # plans outside the measured step
+        y, gx, g, peak = _step(model, x, budget)
+        _assert_same(y, y_ref)
+        if x.requires_grad:
+            _assert_same(gx, gx_ref)
+        for a, b in zip(g, g_ref):
+            _assert_same(a, b)
+        budget_bytes = hr.parse_budget(budget)
+        assert peak <= budget_bytes, (budget, peak, plan.summary())
+        cached_plan = sequential.plan_cache.get(sequential.PlanCache.key(list(model), x, budget_bytes, 500))[0]
+        predicted = cached_plan.predicted_peak_bytes
+        assert abs(peak - predicted) <= max(0.1 * predicted, MiB), (budget, peak, predicted)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mlp_chain_gradients_and_memory(seed):
+    torch.manual_seed(seed)
+    model = random_mlp_chain(seed)
+    _check_model(model, torch.randn(256, 96, requires_grad=True))
+
+
+def test_conv_chain_gradients_and_memory():
+    torch.manual_seed(3)
+    _check_model(conv_chain(), torch.randn(16, 3, 24, 24, requires_grad=True))
+
+
+def test_input_without_grad():
+    torch.manual_seed(4)
+    _check_model(random_mlp_chain(4), torch.randn(128, 96))
+
+
+def test_batchnorm_running_stats_updated_once_and_rng_stream_unchanged():
+    torch.manual_seed(5)
+    model = conv_chain()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 3, 24, 24, requires_grad=True)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    budget = f"{err.value.min_budget_bytes}B"  # forces recomputation of BatchNorm stages
+    plan = hr.plan_sequential(model, budget, x)
+    assert max(plan.schedule.forward_counts()) > 1
+
+    torch.manual_seed(6)
+    reference(x).sum().backward()
+    rng_after_reference = torch.get_rng_state()
+    torch.manual_seed(6)
+    hr.checkpoint_sequential(model, budget, x).sum().backward()  # first call: plans inside
+    assert torch.equal(torch.get_rng_state(), rng_after_reference)
+    for (name, a), b in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(a, b), name
+    for a, b in zip(model.parameters(), reference.parameters()):
+        _assert_same(a.grad, b.grad)
+
+
+def test_plan_cache_hit_does_not_resolve(monkeypatch):
+    calls = []
+    real_solve = sequential.solve_chain
+    monkeypatch.setattr(sequential, "solve_chain", lambda *a, **k: calls.append(1) or real_solve(*a, **k))
+    sequential.plan_cache.clear()
+    model = random_mlp_chain(7)
+    x = torch.randn(64, 96, requires_grad=True)
+    for _ in range(3):
+        hr.checkpoint_sequential(model, "2MiB", x).sum().backward()
+    assert len(calls) == 1
+    assert (sequential.plan_cache.misses, sequential.plan_cache.hits) == (1, 2)
+    hr.checkpoint_sequential(model, "2MiB", torch.randn(32, 96)).sum().backward()  # new shape: new plan
+    assert len(calls) == 2
+
+
+def test_infeasible_budget_names_the_minimum():
+    model = random_mlp_chain(8)
+    x = torch.randn(128, 96)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.checkpoint_sequential(model, "10KiB", x)
+    minimum = err.value.min_budget_bytes
+    assert err.value.budget_bytes == 10 * 1024
+    assert str(minimum) in str(err.value) and "smallest feasible budget" in str(err.value)
+    plan = hr.plan_sequential(model, f"{minimum}B", x)
+    assert plan.predicted_peak_bytes <= minimum
+
+
+def test_segment_count_is_rejected():
+    with pytest.raises(ValueError, match="segment count"):
+        hr.checkpoint_sequential(random_mlp_chain(9), 4, torch.randn(8, 96))
+
+
+def test_no_grad_mode_runs_plainly():
+    model = random_mlp_chain(10).eval()
+    x = torch.randn(8, 96)
+    with torch.no_grad():
+        y = hr.checkpoint_sequential(model, "1GiB", x)
+    torch.testing.assert_close(y, model(x))
+    assert not y.requires_grad
+
+
+def test_autocast_is_kept_for_recomputation():
+    torch.manual_seed(11)
+    model = random_mlp_chain(11)
+    reference = copy.deepcopy(model)
+    x = torch.randn(128, 96, requires_grad=True)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    budget = f"{err.value.min_budget_bytes}B"
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(12)
+            y = m(x) if m is reference else hr.checkpoint_sequential(m, budget, x)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        _assert_same(a.grad, b.grad)
+
+
+def test_stage_returning_a_tuple_is_unsupported():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    with pytest.raises(hr.UnsupportedModelError, match="Pair"):
+        hr.checkpoint_sequential([nn.Linear(4, 4), Pair()], "1GiB", torch.randn(2, 4, requires_grad=True))
+
+
+def test_plan_summary_and_json_roundtrip():
+    model = random_mlp_chain(13)
+    plan = hr.plan_sequential(model, "3MiB", torch.randn(128, 96))
+    text = plan.summary()
+    assert "predicted peak" in text and "Linear" in text
+    assert hr.SequentialPlan.from_json(plan.to_json()) == plan
+
+
+def test_tracker_counts_new_storages_only():
+    base = torch.zeros(1024)
+    with LiveTensorTracker() as tracker:
+        a = torch.ones(256)  # 1 KiB
+        view = a[:10]
+        base.add_(1)  # in place on a pre-existing tensor: not counted
+        b = a * 2  # 1 KiB
+        del b
+        c = torch.empty(512)  # 2 KiB
+        assert tracker.live_bytes == 1024 + 2048
+        del a, view, c
+    assert tracker.peak_bytes == 1024 + 2048
+    assert tracker.live_bytes == 0
