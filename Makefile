@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,examples]"
+	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
 setup: $(BIN)/.installed
@@ -23,6 +23,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
+	$(BIN)/pip install -q matplotlib
 	$(BIN)/python benchmarks/bench_dp.py
 	$(BIN)/python benchmarks/bench_sequential.py
 
