@@ -1,6 +1,5 @@
 """The chain DP against its oracles: brute force, the simulator and the pure-Python reference."""
 
-import math
 import subprocess
 import sys
 

@@ -14,6 +14,7 @@ profiling, so backward peaks are measured as in any step after the first (DESIGN
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import weakref
@@ -202,7 +203,7 @@ def _profile_stage(i: int, stage: Callable, x: torch.Tensor, requires_grad: bool
         if not out.requires_grad:
             break
         grad = torch.ones_like(out)
-        bwd_samples.append(_median_seconds(lambda: _backward(out, grad), 1, device))
+        bwd_samples.append(_median_seconds(functools.partial(_backward, out, grad), 1, device))
         del out, grad
     bwd_time = statistics.median(bwd_samples) if bwd_samples else 0.0
 
