@@ -171,7 +171,33 @@ def test_stage_returning_a_tuple_is_unsupported():
             return x, x
 
     with pytest.raises(hr.UnsupportedModelError, match="Pair"):
-        hr.checkpoint_sequential([nn.Linear(4, 4), Pair()], "1GiB", torch.randn(2, 4, requires_grad=True))
+        hr.checkpoint_sequential([nn.Linear(4, 4), Pair(), nn.Linear(4, 4)], "1GiB", torch.randn(2, 4, requires_grad=True))
+
+
+def test_last_stage_may_return_several_tensors():
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(96, 10), nn.Linear(96, 3)
+
+        def forward(self, x):
+            return self.a(x), self.b(x).tanh()
+
+    torch.manual_seed(14)
+    model = nn.Sequential(*list(random_mlp_chain(14))[:-1], Heads())
+    reference = copy.deepcopy(model)
+    x = torch.randn(128, 96, requires_grad=True)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    for m in (model, reference):
+        torch.manual_seed(15)
+        a, b = m(x) if m is reference else hr.checkpoint_sequential(m, f"{err.value.min_budget_bytes}B", x)
+        (a.sum() + b.pow(2).sum()).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        _assert_same(p.grad, q.grad)
+    # an unused output gets no gradient, like plain autograd
+    a, _ = hr.checkpoint_sequential(model, f"{err.value.min_budget_bytes}B", x)
+    a.sum().backward()
 
 
 def test_plan_summary_and_json_roundtrip():

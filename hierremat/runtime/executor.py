@@ -37,13 +37,36 @@ def stage_buffers(stage: Callable, names: Sequence[str]) -> list[torch.Tensor]:
     return [buffers[n] for n in names]
 
 
-def check_stage_output(index: int, stage: Callable, out) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        raise UnsupportedModelError(
-            f"stage {index} ({type(stage).__name__}) returned {type(out).__name__}; checkpoint_sequential "
-            "needs every stage to map one tensor to one tensor (wrap multi-output stages in a module)."
-        )
-    return out
+def check_stage_output(index: int, stage: Callable, out, last: bool = False):
+    """A stage returns one tensor; the last stage may return a tuple of tensors."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if last and isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return tuple(out)
+    raise UnsupportedModelError(
+        f"stage {index} ({type(stage).__name__}) returned {type(out).__name__}; every stage must map one "
+        "tensor to one tensor (the last may return a tuple of tensors): wrap multi-output stages in a module."
+    )
+
+
+def as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def gradient_edges(out) -> list:
+    """Gradient edges of the outputs that require grad (None for the others)."""
+    return [get_gradient_edge(o) if o.requires_grad else None for o in as_tuple(out)]
+
+
+def detach_output(out):
+    return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
+
+
+def backward_through(edges: list, grads: tuple) -> None:
+    """Backpropagate ``grads`` through the stage outputs' edges, skipping missing ones."""
+    pairs = [(e, g) for e, g in zip(edges, grads) if e is not None and g is not None]
+    if pairs:
+        torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
 
 
 class GradSink:
@@ -100,16 +123,19 @@ class ChainRunner:
             for stage, names, count in zip(self.stages, mutated_buffers, self.forward_counts)
         ]
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, shared: tuple = ()):
+        """Run the chain on x; every stage is called as ``stage(x_i, *shared)``."""
         anchor = torch.empty(0, requires_grad=True)  # makes autograd call our backward
-        return _ChainFunction.apply(_Step(self, x), x, anchor)
+        outputs = _ChainFunction.apply(_Step(self, x, tuple(shared)), x, anchor)
+        return outputs if len(outputs) > 1 else outputs[0]
 
 
 class _Step:
     """State of one forward+backward of the chain."""
 
-    def __init__(self, runner: ChainRunner, x0: torch.Tensor):
+    def __init__(self, runner: ChainRunner, x0: torch.Tensor, shared: tuple):
         self.runner = runner
+        self.shared = shared
         self.x: dict[int, torch.Tensor] = {0: x0.detach()}
         self.grad: dict[int, torch.Tensor | None] = {}
         self.tape: dict[int, tuple] = {}
@@ -121,13 +147,13 @@ class _Step:
         self.cuda_devices = cuda_devices_of(x0)
         self.autocast = AutocastState.capture((x0.device.type,))
 
-    def run_forward(self) -> torch.Tensor:
+    def run_forward(self) -> tuple:
         for op in self.runner.schedule.ops[: self.runner.loss_index]:
             self._execute(op)
-        return self.x.pop(len(self.runner.stages))
+        return as_tuple(self.x.pop(len(self.runner.stages)))
 
-    def run_backward(self, grad_output: torch.Tensor) -> torch.Tensor | None:
-        self.grad[len(self.runner.stages)] = grad_output
+    def run_backward(self, grad_outputs: tuple) -> torch.Tensor | None:
+        self.grad[len(self.runner.stages)] = grad_outputs
         outer_rng = RngState.capture(self.cuda_devices)
         try:
             with self.autocast.applied():
@@ -148,9 +174,8 @@ class _Step:
                 with torch.enable_grad():
                     out = self._forward(i, inp)
                 del inp
-                edge = get_gradient_edge(out) if out.requires_grad else None
-                self.tape[i] = (edge, sink)
-                y = out.detach()
+                self.tape[i] = (gradient_edges(out), sink)
+                y = detach_output(out)
                 del out
             else:
                 with torch.no_grad():
@@ -160,26 +185,26 @@ class _Step:
                 self.x[i + 1] = y
         elif isinstance(op, Backward):
             i = op.stage
-            edge, sink = self.tape.pop(i)
+            edges, sink = self.tape.pop(i)
             grad = self.grad.pop(i + 1)
-            if edge is not None and grad is not None:
-                torch.autograd.backward((edge,), (grad,))
-            del grad, edge
+            backward_through(edges, as_tuple(grad))
+            del grad, edges
             self.grad[i] = sink.grad if sink is not None else None
         else:
             raise TypeError(f"unexpected op {op!r}")
 
     def _forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
         stage = self.runner.stages[i]
+        last = i == len(self.runner.stages) - 1
         replay = self.runs[i] > 0
         self.runs[i] += 1
         if self.runner.forward_counts[i] == 1:
-            return check_stage_output(i, stage, stage(x))
+            return check_stage_output(i, stage, stage(x, *self.shared), last)
         buffers = self.runner.buffers[i]
         if not replay:
             self.rng[i] = RngState.capture(self.cuda_devices)
             self.buffers_before[i] = [b.clone() for b in buffers]
-            return check_stage_output(i, stage, stage(x))
+            return check_stage_output(i, stage, stage(x, *self.shared), last)
         self.rng[i].restore()
         updated = [b.clone() for b in buffers]
         # Through .data, so that the version counters that autograd checks on saved
@@ -187,7 +212,7 @@ class _Step:
         for b, before in zip(buffers, self.buffers_before[i]):
             b.data.copy_(before)
         try:
-            return check_stage_output(i, stage, stage(x))
+            return check_stage_output(i, stage, stage(x, *self.shared), last)
         finally:
             for b, after in zip(buffers, updated):
                 b.data.copy_(after)
@@ -195,14 +220,15 @@ class _Step:
 
 class _ChainFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, step: _Step, x0: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, step: _Step, x0: torch.Tensor, anchor: torch.Tensor) -> tuple:
         ctx.step = step
+        ctx.set_materialize_grads(False)
         return step.run_forward()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx, *grad_outputs: torch.Tensor):
         step, ctx.step = ctx.step, None
         if step is None:
             raise RuntimeError("hierremat: the chain's backward ran twice; call backward once per forward")
-        return None, step.run_backward(grad_output), None
+        return None, step.run_backward(grad_outputs), None

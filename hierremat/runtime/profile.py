@@ -19,14 +19,13 @@ import statistics
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 from ..costs import ChainCosts, OptionCosts, StageCosts
-from .executor import check_stage_output, tap_input
+from .executor import as_tuple, backward_through, check_stage_output, gradient_edges, tap_input
 from .memory import memory_meter
 from .rng import cuda_devices_of
 
@@ -42,8 +41,10 @@ class ChainProfile:
     mutated_buffers: tuple[tuple[str, ...], ...]
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+def storage_bytes(value) -> int:
+    """Bytes of the distinct storages behind a tensor or a tuple of tensors."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in as_tuple(value)}
+    return sum(storages.values())
 
 
 def _sync(device: torch.device) -> None:
@@ -126,21 +127,42 @@ def _mutated_buffer_names(stage: Callable, run: Callable[[], object]) -> tuple[s
     )
 
 
-def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:
-    torch.autograd.backward((get_gradient_edge(out),), (grad,))
+def _ones_for(out) -> tuple:
+    return tuple(torch.ones_like(o) if o.requires_grad else None for o in as_tuple(out))
 
 
-def profile_chain(stages: Sequence[Callable], x0: torch.Tensor, *, repeats: int = 3) -> ChainProfile:
-    """Measure ChainCosts of ``stages`` applied in sequence to ``x0``."""
+def profile_chain(
+    stages: Sequence[Callable],
+    x0: torch.Tensor,
+    *,
+    shared: tuple = (),
+    repeats: int = 3,
+    signatures: Sequence[str] | None = None,
+) -> ChainProfile:
+    """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
+
+    Stages with equal ``signatures`` (same graph, shapes and dtypes) are measured once.
+    """
     device = x0.device
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated = [], []
+    measured: dict[str, int] = {}
     with _no_side_effects(stages, x0):
         x = x0.detach()
         for i, stage in enumerate(stages):
-            requires_grad = i > 0 or x0.requires_grad
-            with _scratch_grads(stage):
-                cost, names, y = _profile_stage(i, stage, x, requires_grad, repeats, device)
+            call = functools.partial(_call_stage, stage, shared, i == len(stages) - 1, i)
+            signature = signatures[i] if signatures is not None else None
+            if signature is not None and signature in measured:
+                j = measured[signature]
+                with torch.no_grad():
+                    y = call(x)
+                cost, names = replace(stage_costs[j], name=_stage_name(i, stage)), mutated[j]
+            else:
+                requires_grad = i > 0 or x0.requires_grad
+                with _scratch_grads(stage):
+                    cost, names, y = _profile_stage(i, stage, call, x, requires_grad, repeats, device)
+                if signature is not None:
+                    measured[signature] = i
             stage_costs.append(cost)
             mutated.append(names)
             activation_bytes.append(storage_bytes(y))
@@ -149,16 +171,20 @@ def profile_chain(stages: Sequence[Callable], x0: torch.Tensor, *, repeats: int 
     return ChainProfile(costs, tuple(mutated))
 
 
-def _profile_stage(i: int, stage: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device):
+def _call_stage(stage: Callable, shared: tuple, last: bool, index: int, x: torch.Tensor):
+    return check_stage_output(index, stage, stage(x, *shared), last)
+
+
+def _profile_stage(i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device):
     """Costs of one stage on input x; returns (StageCosts, mutated buffer names, output)."""
     with torch.no_grad():
-        mutated = _mutated_buffer_names(stage, lambda: stage(x))  # also the warm-up
+        mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
     meter = memory_meter(device)
     with meter:
         meter.reset_peak()
         base = meter.live_bytes
         with torch.no_grad():
-            y = check_stage_output(i, stage, stage(x))
+            y = call(x)
         nograd_peak = meter.peak_bytes - base
         out_bytes = storage_bytes(y)
 
@@ -168,43 +194,45 @@ def _profile_stage(i: int, stage: Callable, x: torch.Tensor, requires_grad: bool
         meter.reset_peak()
         base = meter.live_bytes
         with torch.enable_grad():
-            out = stage(inp)
+            out = call(inp)
         fwd_peak = meter.peak_bytes - base
         kept = max(0, meter.live_bytes - base - out_bytes)
         input_freed: list[bool] = []
-        output_freed: list[bool] = []
+        outputs_freed: list[bool] = []
         weakref.finalize(x_copy.untyped_storage(), input_freed.append, True)
-        weakref.finalize(out.untyped_storage(), output_freed.append, True)
-        edge = get_gradient_edge(out) if out.requires_grad else None
-        grad = torch.ones_like(out) if edge is not None else None
+        for o in as_tuple(out):
+            weakref.finalize(o.untyped_storage(), outputs_freed.append, True)
+        n_outputs = len(as_tuple(out))
+        edges, grads = gradient_edges(out), _ones_for(out)
         del out, inp, x_copy
         _sync(device)
-        pins_input, pins_output = not input_freed, not output_freed
+        pins_input, pins_output = not input_freed, len(outputs_freed) < n_outputs
         bwd_peak = 0
-        if edge is not None:
+        if any(e is not None for e in edges):
             meter.reset_peak()
             base = meter.live_bytes
-            torch.autograd.backward((edge,), (grad,))
+            backward_through(edges, grads)
             bwd_peak = meter.peak_bytes - base
-        del edge, grad, sink
+        del edges, grads, sink
 
     with torch.no_grad():
-        nograd_time = _median_seconds(lambda: stage(x), repeats, device)
+        nograd_time = _median_seconds(lambda: call(x), repeats, device)
 
     def grad_forward():
         anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
         with torch.enable_grad():
-            return stage(tap_input(x, anchor)[0])
+            return call(tap_input(x, anchor)[0])
 
     fwd_time = _median_seconds(grad_forward, repeats, device)
     bwd_samples = []
     for _ in range(repeats):
         out = grad_forward()
-        if not out.requires_grad:
+        edges, grads = gradient_edges(out), _ones_for(out)
+        del out
+        if all(e is None for e in edges):
             break
-        grad = torch.ones_like(out)
-        bwd_samples.append(_median_seconds(functools.partial(_backward, out, grad), 1, device))
-        del out, grad
+        bwd_samples.append(_median_seconds(functools.partial(backward_through, edges, grads), 1, device))
+        del edges, grads
     bwd_time = statistics.median(bwd_samples) if bwd_samples else 0.0
 
     grad_bytes = storage_bytes(x) if requires_grad else 0
