@@ -10,24 +10,34 @@ import torch; the torch-facing names below are loaded on first use.
 
 from .budget import format_bytes, parse_budget
 from .errors import InfeasibleBudgetError, InvalidScheduleError, UnsupportedModelError
-from .plan import SequentialPlan
+from .model_plan import ModelPlan
+from .sequential_plan import SequentialPlan
 from .schedule import ChainSchedule
 
 __version__ = "0.1.0"
 
-_TORCH_NAMES = {"checkpoint_sequential", "plan_sequential", "plan_cache"}
+_TORCH_NAMES = {
+    "checkpoint_sequential": "sequential",
+    "plan_sequential": "sequential",
+    "plan_cache": "sequential",
+    "plan": "whole_model",
+    "remat": "whole_model",
+    "RematModule": "whole_model",
+}
 
 
 def __getattr__(name: str):
     if name in _TORCH_NAMES:
-        from . import sequential
+        import importlib
 
-        return getattr(sequential, name)
+        return getattr(importlib.import_module(f".{_TORCH_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'hierremat' has no attribute {name!r}")
 
 
 __all__ = [
     "ChainSchedule",
+    "ModelPlan",
+    "RematModule",
     "InfeasibleBudgetError",
     "InvalidScheduleError",
     "SequentialPlan",
@@ -35,6 +45,8 @@ __all__ = [
     "checkpoint_sequential",
     "format_bytes",
     "parse_budget",
+    "plan",
     "plan_cache",
     "plan_sequential",
+    "remat",
 ]

@@ -13,7 +13,7 @@ from .budget import parse_budget
 from .dp import solve_chain
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError
-from .plan import SequentialPlan
+from .sequential_plan import SequentialPlan
 from .runtime.executor import ChainRunner, stage_buffers
 from .runtime.profile import ChainProfile, profile_chain
 from .runtime.rng import CPU_RNG_STATE_BYTES

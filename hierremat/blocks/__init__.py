@@ -1,0 +1,1 @@
+"""Whole models as chains: capture (torch.export), segmentation into stages, stage graphs."""

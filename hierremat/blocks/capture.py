@@ -1,0 +1,118 @@
+"""Capture a model as one ATen-level graph with torch.export, and describe its nodes.
+
+We use PyTorch's own machinery: ``torch.export.export(..., strict=False)`` traces the
+forward (keyword arguments, non-tensor arguments and pytree outputs such as Hugging
+Face's ``ModelOutput`` included) into an ATen-level training graph, and
+``ExportedProgram.module()`` gives it back as a GraphModule whose parameters and
+buffers are the model's own objects (so gradients land on them) and whose calling
+convention is the model's. Each node keeps ``nn_module_stack`` (the module it came
+from), and we add shape, dtype, bytes, aliasing and randomness.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the planner needs to know of one graph node (bytes: of its output)."""
+
+    name: str
+    op: str
+    target: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    nbytes: int
+    aliases_input: bool
+    random: bool
+    module_path: str
+
+
+@dataclass
+class CapturedModel:
+    """The exported program, its unlifted GraphModule and per-node information."""
+
+    exported: torch.export.ExportedProgram
+    module: fx.GraphModule
+    nodes: dict[str, NodeInfo]
+
+
+def _tensor_meta(node: fx.Node):
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def module_stack(node: fx.Node) -> list[str]:
+    """Module paths from outermost to innermost ('' for the root)."""
+    return [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+
+
+def is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def aliases_input(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return node.op == "call_function" and target.__name__ == "getitem"
+    return any(r.alias_info is not None for r in target._schema.returns)
+
+
+def describe(node: fx.Node) -> NodeInfo:
+    meta = _tensor_meta(node)
+    stack = module_stack(node)
+    nbytes = 0
+    if meta is not None:
+        nbytes = int(meta.numel() * meta.element_size()) if not aliases_input(node) else 0
+    return NodeInfo(
+        name=node.name,
+        op=node.op,
+        target=str(node.target),
+        shape=tuple(int(d) for d in meta.shape) if meta is not None else None,
+        dtype=str(meta.dtype) if meta is not None else None,
+        nbytes=nbytes,
+        aliases_input=aliases_input(node),
+        random=is_random(node),
+        module_path=stack[-1] if stack else "",
+    )
+
+
+def _explain(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    first = next((line for line in text if line.strip()), type(err).__name__)
+    op = re.search(r"(aten\.[\w.]+|torch\.[\w.]+)", str(err))
+    hint = ""
+    if "data-dependent" in str(err).lower() or "GuardOnDataDependent" in type(err).__name__:
+        hint = " The forward has data-dependent control flow (a Python branch on tensor values), which cannot be captured as one graph."
+    where = f" (at {op.group(1)})" if op else ""
+    return f"{type(err).__name__}{where}: {first[:300]}.{hint}"
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedModel:
+    """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    try:
+        exported = torch.export.export(model, args, kwargs or {}, strict=False)
+    except Exception as err:  # torch raises many types here; all mean "cannot capture"
+        raise UnsupportedModelError(
+            f"hierremat could not capture {type(model).__name__} as one graph with torch.export: {_explain(err)} "
+            "Wrap the part that trains as a chain (hierremat.checkpoint_sequential) or make the forward traceable."
+        ) from err
+    module = exported.module()
+    nodes = {n.name: describe(n) for n in module.graph.nodes}
+    log.debug("captured %s: %d nodes", type(model).__name__, len(nodes))
+    return CapturedModel(exported, module, nodes)

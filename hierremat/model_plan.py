@@ -1,0 +1,87 @@
+"""``ModelPlan``: the plan of a whole model cut into a chain. No torch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .blocks_info import StageInfo
+from .budget import format_bytes
+from .sequential_plan import SequentialPlan
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A whole-model plan: the chain's plan, where each stage comes from, and resident bytes.
+
+    shared_bytes: bytes of the values computed once before the chain and held during it
+    (attention masks, position ids); predicted_peak_bytes includes them.
+    """
+
+    chain: SequentialPlan
+    stages: tuple[StageInfo, ...]
+    shared_bytes: int
+    capture_seconds: float
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.chain.budget_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.chain.predicted_peak_bytes + self.shared_bytes
+
+    @property
+    def predicted_step_time(self) -> float:
+        """Seconds of one forward+backward under this plan (profiled op times)."""
+        return self.chain.predicted_step_time
+
+    @property
+    def signatures(self) -> tuple[str, ...]:
+        return tuple(s.signature for s in self.stages)
+
+    def summary(self) -> str:
+        c = self.chain
+        unique = len(set(self.signatures))
+        lines = [
+            f"hierremat model plan: {len(self.stages)} stages ({unique} distinct), budget {format_bytes(self.budget_bytes)}",
+            f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
+            f" + shared inputs {format_bytes(self.shared_bytes)})",
+            f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
+            f"  planning: capture {self.capture_seconds:.2f} s, profile {c.profile_seconds:.2f} s, solve {c.solve_seconds:.3f} s",
+            "",
+            f"  {'stage':>5}  {'module':<28} {'signature':<16} {'nodes':>5} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
+        ]
+        actions = c.stage_actions()
+        for i, (info, st) in enumerate(zip(self.stages, c.costs.stages)):
+            op = st.options[0]
+            lines.append(
+                f"  {i:>5}  {info.name[:28]:<28} {info.signature:<16} {info.node_count:>5} "
+                f"{format_bytes(c.costs.activation_bytes[i + 1]):>11} {format_bytes(op.kept_bytes):>11} "
+                f"{op.fwd_time * 1e3:>8.3f} {op.bwd_time * 1e3:>8.3f}  {actions[i]}"
+            )
+        lines += ["", f"  schedule: {c.schedule}"]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": "hierremat.ModelPlan/1",
+                "chain": json.loads(self.chain.to_json()),
+                "stages": [s.__dict__ for s in self.stages],
+                "shared_bytes": self.shared_bytes,
+                "capture_seconds": self.capture_seconds,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelPlan":
+        d = json.loads(text)
+        if d.get("format") != "hierremat.ModelPlan/1":
+            raise ValueError(f"not a hierremat ModelPlan JSON (format={d.get('format')!r})")
+        return cls(
+            chain=SequentialPlan.from_json(json.dumps(d["chain"])),
+            stages=tuple(StageInfo(**s) for s in d["stages"]),
+            shared_bytes=int(d["shared_bytes"]),
+            capture_seconds=float(d["capture_seconds"]),
+        )

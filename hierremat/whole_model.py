@@ -1,0 +1,187 @@
+"""``hierremat.remat`` and ``hierremat.plan``: whole models under a memory budget.
+
+The model is captured with torch.export, cut into a chain (hierremat.blocks.segment),
+profiled (stages with equal signatures once) and planned with the chain DP; the
+returned module runs the model's own graph with the chain executed by the schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .blocks.capture import capture
+from .blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph
+from .budget import parse_budget
+from .dp.solve import DEFAULT_SLOTS
+from .errors import InfeasibleBudgetError, UnsupportedModelError
+from .model_plan import ModelPlan
+from .sequential_plan import SequentialPlan
+from .runtime.executor import ChainRunner, as_tuple
+from .runtime.profile import profile_chain, storage_bytes
+from .sequential import keeps_everything, plan_from_profile
+
+log = logging.getLogger(__name__)
+
+
+class ChainModule(nn.Module):
+    """Runs the stages of a captured model as the plan's schedule (the orchestrator's chain)."""
+
+    def __init__(self, stages: list[nn.Module], plan: SequentialPlan):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.plan = plan
+        self.runner = ChainRunner(list(stages), plan.schedule, plan.mutated_buffers)
+
+    def forward(self, x: torch.Tensor, *shared) -> tuple:
+        for value in shared:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise UnsupportedModelError(
+                    "a value shared by all stages requires grad; hierremat's chain supports only shared inputs "
+                    "without gradient (masks, ids). Pass such tensors with requires_grad=False."
+                )
+        if not torch.is_grad_enabled() or keeps_everything(self.plan):
+            for i, stage in enumerate(self.stages):
+                x = stage(x, *shared)
+            return as_tuple(x)
+        return as_tuple(self.runner.run(x, tuple(shared)))
+
+
+class _ChainInputs(Exception):
+    def __init__(self, x, shared):
+        super().__init__("chain inputs probed")
+        self.x, self.shared = x, shared
+
+
+class _Probe(nn.Module):
+    def forward(self, x, *shared):
+        raise _ChainInputs(x, shared)
+
+
+def _chain_inputs(chain: ChainGraph, args: tuple, kwargs: dict):
+    """Run the orchestrator's precompute part only, returning the chain's input and shared values."""
+    setattr(chain.orchestrator, CHAIN_ATTRIBUTE, _Probe())
+    try:
+        with torch.no_grad():
+            chain.orchestrator(*args, **kwargs)
+    except _ChainInputs as probe:
+        return probe.x, probe.shared
+    raise AssertionError("the orchestrator did not reach the chain")
+
+
+@dataclass
+class _Compiled:
+    chain: ChainGraph
+    plan: ModelPlan
+
+
+def _compile(model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, slots: int) -> _Compiled:
+    started = time.perf_counter()
+    captured = capture(model, args, kwargs)
+    try:
+        chain = build_chain_graph(captured, model)
+    except (ValueError, StopIteration) as err:
+        raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
+    capture_seconds = time.perf_counter() - started
+    x0, shared = _chain_inputs(chain, args, kwargs)
+    shared_bytes = sum(storage_bytes(v) for v in shared if isinstance(v, torch.Tensor))
+    signatures = [info.signature for info in chain.infos]
+    if plan is None:
+        started = time.perf_counter()
+        profile = profile_chain(chain.stages, x0, shared=tuple(shared), signatures=signatures)
+        profile_seconds = time.perf_counter() - started
+        try:
+            chain_plan = plan_from_profile(
+                chain.stages, profile, budget_bytes - shared_bytes, x0.device, slots=slots, profile_seconds=profile_seconds
+            )
+        except InfeasibleBudgetError as err:
+            raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + shared_bytes) from None
+        plan = ModelPlan(chain_plan, tuple(chain.infos), shared_bytes, capture_seconds)
+        log.info("%s", plan.summary())
+    elif plan.signatures != tuple(signatures):
+        raise ValueError(
+            "plan does not match this model and input: its stages have other signatures "
+            f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
+        )
+    setattr(chain.orchestrator, CHAIN_ATTRIBUTE, ChainModule(chain.stages, plan.chain))
+    return _Compiled(chain, plan)
+
+
+def _input_key(args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return (str(spec),) + tuple(
+        (tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v) for v in leaves
+    )
+
+
+class RematModule(nn.Module):
+    """The model, called exactly like it, whose training step fits the budget.
+
+    Plans are cached per input shapes; a call with new shapes re-plans
+    (``on_new_shape="replan"``) or raises (``"error"``).
+    """
+
+    def __init__(self, model: nn.Module, budget_bytes: int, slots: int, on_new_shape: str):
+        super().__init__()
+        if on_new_shape not in ("replan", "error"):
+            raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
+        self.model = model
+        self.budget_bytes = budget_bytes
+        self.slots = slots
+        self.on_new_shape = on_new_shape
+        self._compiled: dict[tuple, _Compiled] = {}
+
+    @property
+    def plans(self) -> list[ModelPlan]:
+        return [c.plan for c in self._compiled.values()]
+
+    def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
+        compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.slots)
+        self._compiled[_input_key(args, kwargs)] = compiled
+        return compiled
+
+    def forward(self, *args, **kwargs):
+        compiled = self._compiled.get(_input_key(args, kwargs))
+        if compiled is None:
+            if self.on_new_shape == "error":
+                raise ValueError(
+                    "inputs differ (shape, dtype, device or non-tensor values) from the planned ones; "
+                    "call hierremat.remat(..., on_new_shape='replan') to plan per shape"
+                )
+            compiled = self._add(args, kwargs)
+        return compiled.chain.orchestrator(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        self._compiled.clear()  # captured graphs hold the old tensors: re-plan after .to()/.cuda()
+        return super()._apply(fn, recurse)
+
+
+def plan(model: nn.Module, example_args, example_kwargs: dict | None = None, *, budget, slots: int = DEFAULT_SLOTS) -> ModelPlan:
+    """Capture, segment, profile and solve ``model`` on example inputs under ``budget``."""
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, slots).plan
+
+
+def remat(
+    model: nn.Module,
+    example_args,
+    example_kwargs: dict | None = None,
+    *,
+    budget=None,
+    plan: ModelPlan | None = None,
+    slots: int = DEFAULT_SLOTS,
+    on_new_shape: str = "replan",
+) -> RematModule:
+    """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s)."""
+    if budget is None and plan is None:
+        raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
+    module = RematModule(model, budget_bytes, slots, on_new_shape)
+    module._add(args, example_kwargs or {}, plan)
+    return module
