@@ -154,9 +154,11 @@ def profile_chain(
             signature = signatures[i] if signatures is not None else None
             if signature is not None and signature in measured:
                 j = measured[signature]
+                outputs = []
                 with torch.no_grad():
-                    y = call(x)
-                cost, names = replace(stage_costs[j], name=_stage_name(i, stage)), mutated[j]
+                    names = _mutated_buffer_names(stage, lambda: outputs.append(call(x)))
+                y = outputs[0]
+                cost = replace(stage_costs[j], name=_stage_name(i, stage))
             else:
                 requires_grad = i > 0 or x0.requires_grad
                 with _scratch_grads(stage):
