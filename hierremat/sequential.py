@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from .budget import parse_budget
-from .dp import solve_chain
+from .dp import min_peak_schedule, solve_chain
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError
 from .sequential_plan import SequentialPlan
@@ -52,16 +52,39 @@ def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: t
 def plan_from_profile(
     stages: Sequence[Callable], profile: ChainProfile, budget_bytes: int, device: torch.device, *, slots: int, profile_seconds: float = 0.0
 ) -> SequentialPlan:
+    """Solve the chain so that the schedule's peak plus the runtime's replay reserve fits.
+
+    The reserve (RNG states and buffer snapshots) is only held for recomputed stages,
+    which the plan decides: try the whole budget first and keep that plan if its own
+    reserve still fits; else plan with the reserve of every stage set aside; else the
+    schedule of least peak.
+    """
     reserve = _replay_reserve(stages, profile, device)
-    dp_budget = budget_bytes - sum(reserve)
-    try:
-        solution = solve_chain(profile.costs, max(dp_budget, 0), slots=slots)
-    except InfeasibleBudgetError as err:
-        raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + sum(reserve)) from None
-    schedule = replace(solution.schedule, budget_bytes=budget_bytes)
-    counts = schedule.forward_counts()
-    reserved = sum(r for r, c in zip(reserve, counts) if c > 1)
-    return SequentialPlan(profile.costs, schedule, profile.mutated_buffers, reserved, profile_seconds, solution.solve_seconds)
+
+    def reserved(schedule) -> int:
+        return sum(r for r, c in zip(reserve, schedule.forward_counts()) if c > 1)
+
+    started = time.perf_counter()
+    schedule = None
+    for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - sum(reserve))):
+        if dp_budget <= 0:
+            continue
+        try:
+            candidate = solve_chain(profile.costs, dp_budget, slots=slots).schedule
+        except InfeasibleBudgetError:
+            continue
+        if candidate.predicted_peak_bytes + reserved(candidate) <= budget_bytes:
+            schedule = candidate
+            break
+    if schedule is None:
+        schedule = min_peak_schedule(profile.costs)
+        needed = schedule.predicted_peak_bytes + reserved(schedule)
+        if needed > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, needed)
+    schedule = replace(schedule, budget_bytes=budget_bytes)
+    return SequentialPlan(
+        profile.costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started
+    )
 
 
 def plan_sequential(functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3) -> SequentialPlan:
