@@ -11,6 +11,7 @@ import torch
 
 from .budget import parse_budget
 from .dp import min_peak_schedule, solve_chain
+from .dp.baselines import keep_all_schedule, uniform_segments_schedule
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError
 from .sequential_plan import SequentialPlan
@@ -49,15 +50,55 @@ def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: t
     ]
 
 
+STRATEGIES = "'optimal' (the DP), 'none' (no checkpointing) or 'segments=K' (torch's uniform segments)"
+
+
+def fixed_schedule(costs, strategy: str):
+    """The schedule of a baseline strategy ('none' or 'segments=K')."""
+    if strategy == "none":
+        return keep_all_schedule(costs)
+    if strategy.startswith("segments="):
+        try:
+            segments = int(strategy.split("=", 1)[1])
+        except ValueError:
+            raise ValueError(f"strategy={strategy!r}: K in 'segments=K' must be an integer") from None
+        return uniform_segments_schedule(costs, segments)
+    raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+
+
+def _fastest_fitting(costs, budget_bytes: int, reserve: list[int], reserved: Callable, slots: int):
+    for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - sum(reserve))):
+        if dp_budget <= 0:
+            continue
+        try:
+            candidate = solve_chain(costs, dp_budget, slots=slots).schedule
+        except InfeasibleBudgetError:
+            continue
+        if candidate.predicted_peak_bytes + reserved(candidate) <= budget_bytes:
+            return candidate
+    schedule = min_peak_schedule(costs)
+    needed = schedule.predicted_peak_bytes + reserved(schedule)
+    if needed > budget_bytes:
+        raise InfeasibleBudgetError(budget_bytes, needed)
+    return schedule
+
+
 def plan_from_profile(
-    stages: Sequence[Callable], profile: ChainProfile, budget_bytes: int, device: torch.device, *, slots: int, profile_seconds: float = 0.0
+    stages: Sequence[Callable],
+    profile: ChainProfile,
+    budget_bytes: int,
+    device: torch.device,
+    *,
+    slots: int,
+    profile_seconds: float = 0.0,
+    strategy: str = "optimal",
 ) -> SequentialPlan:
     """Solve the chain so that the schedule's peak plus the runtime's replay reserve fits.
 
     The reserve (RNG states and buffer snapshots) is only held for recomputed stages,
     which the plan decides: try the whole budget first and keep that plan if its own
     reserve still fits; else plan with the reserve of every stage set aside; else the
-    schedule of least peak.
+    schedule of least peak. Baseline strategies (see STRATEGIES) use a fixed schedule.
     """
     reserve = _replay_reserve(stages, profile, device)
 
@@ -65,44 +106,40 @@ def plan_from_profile(
         return sum(r for r, c in zip(reserve, schedule.forward_counts()) if c > 1)
 
     started = time.perf_counter()
-    schedule = None
-    for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - sum(reserve))):
-        if dp_budget <= 0:
-            continue
-        try:
-            candidate = solve_chain(profile.costs, dp_budget, slots=slots).schedule
-        except InfeasibleBudgetError:
-            continue
-        if candidate.predicted_peak_bytes + reserved(candidate) <= budget_bytes:
-            schedule = candidate
-            break
-    if schedule is None:
-        schedule = min_peak_schedule(profile.costs)
+    if strategy == "optimal":
+        schedule = _fastest_fitting(profile.costs, budget_bytes, reserve, reserved, slots)
+    else:
+        schedule = fixed_schedule(profile.costs, strategy)
         needed = schedule.predicted_peak_bytes + reserved(schedule)
         if needed > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, needed)
+            raise InfeasibleBudgetError(budget_bytes, needed, what=f"budget for strategy={strategy!r}")
     schedule = replace(schedule, budget_bytes=budget_bytes)
     return SequentialPlan(
         profile.costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started
     )
 
 
-def plan_sequential(functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3) -> SequentialPlan:
+def plan_sequential(
+    functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal"
+) -> SequentialPlan:
     """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
 
     budget: bytes (int, at least 1 MiB) or a string such as "512MiB". Raises
     InfeasibleBudgetError with the smallest feasible budget when none fits.
+    strategy: 'optimal', or a baseline ('none', 'segments=K') planned the same way.
     """
     stages = as_stages(functions)
     _check_input(input)
-    return _plan(stages, parse_budget(budget), input, slots=slots, repeats=repeats)
+    return _plan(stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy)
 
 
-def _plan(stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3) -> SequentialPlan:
+def _plan(
+    stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3, strategy: str = "optimal"
+) -> SequentialPlan:
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
     return plan_from_profile(
-        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=time.perf_counter() - started
+        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=time.perf_counter() - started, strategy=strategy
     )
 
 

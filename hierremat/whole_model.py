@@ -80,7 +80,9 @@ class _Compiled:
     plan: ModelPlan
 
 
-def _compile(model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, slots: int) -> _Compiled:
+def _compile(
+    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, slots: int, strategy: str
+) -> _Compiled:
     started = time.perf_counter()
     captured = capture(model, args, kwargs)
     try:
@@ -97,7 +99,8 @@ def _compile(model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | No
         profile_seconds = time.perf_counter() - started
         try:
             chain_plan = plan_from_profile(
-                chain.stages, profile, budget_bytes - shared_bytes, x0.device, slots=slots, profile_seconds=profile_seconds
+                chain.stages, profile, budget_bytes - shared_bytes, x0.device,
+                slots=slots, profile_seconds=profile_seconds, strategy=strategy,
             )
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + shared_bytes) from None
@@ -126,7 +129,7 @@ class RematModule(nn.Module):
     (``on_new_shape="replan"``) or raises (``"error"``).
     """
 
-    def __init__(self, model: nn.Module, budget_bytes: int, slots: int, on_new_shape: str):
+    def __init__(self, model: nn.Module, budget_bytes: int, slots: int, on_new_shape: str, strategy: str = "optimal"):
         super().__init__()
         if on_new_shape not in ("replan", "error"):
             raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
@@ -134,6 +137,7 @@ class RematModule(nn.Module):
         self.budget_bytes = budget_bytes
         self.slots = slots
         self.on_new_shape = on_new_shape
+        self.strategy = strategy
         self._compiled: dict[tuple, _Compiled] = {}
 
     @property
@@ -141,7 +145,7 @@ class RematModule(nn.Module):
         return [c.plan for c in self._compiled.values()]
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
-        compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.slots)
+        compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.slots, self.strategy)
         self._compiled[_input_key(args, kwargs)] = compiled
         return compiled
 
@@ -161,10 +165,22 @@ class RematModule(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def plan(model: nn.Module, example_args, example_kwargs: dict | None = None, *, budget, slots: int = DEFAULT_SLOTS) -> ModelPlan:
-    """Capture, segment, profile and solve ``model`` on example inputs under ``budget``."""
+def plan(
+    model: nn.Module,
+    example_args,
+    example_kwargs: dict | None = None,
+    *,
+    budget,
+    slots: int = DEFAULT_SLOTS,
+    strategy: str = "optimal",
+) -> ModelPlan:
+    """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
+
+    strategy: 'optimal' (default), or a baseline on the same chain and runtime: 'none'
+    (no checkpointing) or 'segments=K' (torch's uniform checkpoint_sequential segments).
+    """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, slots).plan
+    return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, slots, strategy).plan
 
 
 def remat(
@@ -176,12 +192,16 @@ def remat(
     plan: ModelPlan | None = None,
     slots: int = DEFAULT_SLOTS,
     on_new_shape: str = "replan",
+    strategy: str = "optimal",
 ) -> RematModule:
-    """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s)."""
+    """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
+
+    strategy: as for hierremat.plan.
+    """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
-    module = RematModule(model, budget_bytes, slots, on_new_shape)
+    module = RematModule(model, budget_bytes, slots, on_new_shape, strategy)
     module._add(args, example_kwargs or {}, plan)
     return module

@@ -164,3 +164,20 @@ def test_planning_core_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def test_baseline_schedules_are_valid_and_never_beat_the_dp():
+    from hierremat.dp.baselines import keep_all_schedule, segment_bounds, uniform_segments_schedule
+
+    assert segment_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    rng = np.random.default_rng(15)
+    for _ in range(20):
+        L = int(rng.integers(1, 12))
+        costs = random_chain(rng, L, 1, max_bytes=10**4)
+        baselines = [keep_all_schedule(costs)] + [uniform_segments_schedule(costs, k) for k in range(1, L + 1)]
+        assert baselines[0].ops == baselines[1].ops  # one segment = no checkpointing
+        for schedule in baselines:
+            sim = simulate(costs, schedule)
+            assert (sim.peak_bytes, sim.time) == (schedule.predicted_peak_bytes, schedule.predicted_time)
+            best = solve_chain(costs, schedule.predicted_peak_bytes, slots=schedule.predicted_peak_bytes).schedule
+            assert best.predicted_time <= schedule.predicted_time * (1 + 1e-12)

@@ -10,6 +10,8 @@ import hierremat as hr
 from hierremat.runtime import LiveTensorTracker
 from hierremat.runtime import profile as profile_module
 
+from hierremat.schedule import FCk
+
 from models import TinyResNet, random_mlp_chain, tiny_gpt2
 
 pytest.importorskip("transformers")
@@ -153,3 +155,29 @@ def test_data_dependent_control_flow_is_unsupported():
 
     with pytest.raises(hr.UnsupportedModelError, match="Branchy"):
         hr.plan(Branchy(), (torch.randn(4, 8),), budget="1GiB")
+
+
+@pytest.mark.parametrize("strategy", ["none", "segments=2", "segments=4"])
+def test_baseline_strategies_run_through_the_same_runtime(strategy):
+    torch.manual_seed(6)
+    model = tiny_gpt2(n_layer=3)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 64))
+    kwargs = {"labels": ids, "use_cache": False}
+    loss_ref, grads_ref, _ = _step(reference, (ids,), kwargs)
+    module = hr.remat(model, (ids,), kwargs, budget="1GiB", strategy=strategy)
+    (plan,) = module.plans
+    loss, grads, peak = _step(module, (ids,), kwargs)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert peak <= plan.predicted_peak_bytes + MiB
+    if strategy == "none":
+        assert max(plan.chain.schedule.forward_counts()) == 1
+    else:
+        assert plan.chain.schedule.ops[0] == FCk(0)  # the first segment keeps only its input
+
+
+def test_unknown_strategy_is_rejected():
+    with pytest.raises(ValueError, match="strategy"):
+        hr.plan(random_mlp_chain(7), (torch.randn(8, 96),), budget="1GiB", strategy="fastest")
