@@ -17,7 +17,8 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 demo: setup
-	$(BIN)/python examples/demo_sequential.py
+	$(BIN)/pip install -q -e ".[examples]"
+	$(BIN)/python examples/gpt2/finetune.py --steps 20 --out runs/gpt2
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -230,7 +230,7 @@ def checkpoint_sequential(
     entry = plan_cache.get(key)
     if entry is None:
         plan = _plan(stages, budget_bytes, input, slots=slots)
-        log.info("%s", plan.summary())
+        log.debug("%s", plan.summary())
         entry = (plan, ChainRunner(stages, plan.schedule, plan.mutated_buffers))
         plan_cache.put(key, entry)
     plan, runner = entry

@@ -105,7 +105,11 @@ def _compile(
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + shared_bytes) from None
         plan = ModelPlan(chain_plan, tuple(chain.infos), shared_bytes, capture_seconds)
-        log.info("%s", plan.summary())
+        log.info(
+            "planned %s: %d stages, predicted peak %d B, step %.1f ms", type(model).__name__, len(plan.stages),
+            plan.predicted_peak_bytes, plan.predicted_step_time * 1e3,
+        )
+        log.debug("%s", plan.summary())
     elif plan.signatures != tuple(signatures):
         raise ValueError(
             "plan does not match this model and input: its stages have other signatures "

@@ -225,6 +225,9 @@ def _profile_stage(i: int, stage: Callable, call: Callable, x: torch.Tensor, req
         with torch.enable_grad():
             return call(tap_input(x, anchor)[0])
 
+    warm = grad_forward()  # first grad-mode run and backward pay one-off costs: not timed
+    backward_through(gradient_edges(warm), _ones_for(warm))
+    del warm
     fwd_time = _median_seconds(grad_forward, repeats, device)
     bwd_samples = []
     for _ in range(repeats):

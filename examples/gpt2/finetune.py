@@ -1,0 +1,271 @@
+"""Fine-tune a Hugging Face GPT-2 on a text file under a memory budget with hierremat.
+
+    python examples/gpt2/finetune.py                         # tiny random GPT-2, shipped text, CPU
+    python examples/gpt2/finetune.py --budget-fraction 0.4   # 40% of the no-remat peak
+    python examples/gpt2/finetune.py --model ./gpt2 --budget 3GiB --dtype bf16 --device cuda
+
+Without ``--model`` a GPT-2 of ``--size`` (tiny, small, medium) is built with random
+weights and text is tokenized byte by byte; with ``--model PATH`` weights and tokenizer are
+loaded offline from a local directory. Nothing is downloaded.
+
+The budget counts what one training step creates (activations, recomputed tensors,
+gradients in flight), not parameters, gradients kept across steps or optimizer state.
+``--budget-fraction`` measures plain autograd's peak in a probe step and takes a fraction
+of it. At the end the script prints the plan, the measured peak against the budget, the
+step time against plain autograd and the validation loss, and writes the model, a JSON
+report and a PNG (loss curve; predicted and measured memory during one step) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import hierremat as hr
+from hierremat.runtime import LiveTensorTracker, memory_meter
+from hierremat.simulate import simulate
+
+HERE = Path(__file__).resolve().parent
+SIZES = {
+    "tiny": dict(n_layer=4, n_embd=128, n_head=4),
+    "small": dict(n_layer=12, n_embd=768, n_head=12),
+    "medium": dict(n_layer=24, n_embd=1024, n_head=16),
+}
+log = logging.getLogger("finetune")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="local directory with a pretrained GPT-2 (from_pretrained, offline)")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="random-init size without --model")
+    p.add_argument("--data", type=Path, default=HERE / "data" / "public_domain.txt")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=3e-4)
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget", help="bytes or '2GiB'; 'auto' on CUDA: free memory after weights and optimizer")
+    budget.add_argument("--budget-fraction", type=float, default=0.5, help="fraction of plain autograd's peak")
+    budget.add_argument("--no-remat", action="store_true", help="plain autograd (the baseline)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=Path("runs/gpt2"))
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+class ByteTokenizer:
+    """Fallback tokenizer: one token per UTF-8 byte (vocabulary 256)."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def load_model_and_tokenizer(args):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if args.model:
+        from transformers import AutoTokenizer
+
+        model = GPT2LMHeadModel.from_pretrained(args.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        return model, tokenizer
+    config = GPT2Config(
+        vocab_size=ByteTokenizer.vocab_size, n_positions=max(args.seq_len, 128), bos_token_id=0, eos_token_id=0,
+        **SIZES[args.size],
+    )
+    return GPT2LMHeadModel(config), ByteTokenizer()
+
+
+def load_data(path: Path, tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences of seq_len tokens, 90% train / 10% validation."""
+    ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=torch.long)
+    n = len(ids) // seq_len
+    if n < 2:
+        raise SystemExit(f"--data {path} has {len(ids)} tokens: too short for two sequences of --seq-len {seq_len}")
+    seqs = ids[: n * seq_len].view(n, seq_len)
+    n_val = max(1, n // 10)
+    return seqs[n_val:], seqs[:n_val]
+
+
+def batches(data: torch.Tensor, batch: int, generator: torch.Generator):
+    while True:
+        order = torch.randperm(len(data), generator=generator)
+        for i in range(0, len(order) - batch + 1, batch):
+            yield data[order[i : i + batch]]
+
+
+def train_step(module, batch, dtype, device) -> torch.Tensor:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        loss = module(batch, labels=batch, use_cache=False).loss
+    loss.backward()
+    return loss.detach()
+
+
+def measure_step(module, batch, args, device, timeline: bool = False):
+    """Peak bytes of one step (tracker on CPU, allocator on CUDA), and the tracker's timeline."""
+    meter = LiveTensorTracker(record_timeline=True) if timeline and device.type == "cpu" else memory_meter(device)
+    with meter:
+        loss = train_step(module, batch, args.dtype, device)
+    return loss, meter.peak_bytes, getattr(meter, "timeline", [])
+
+
+def resolve_budget(args, model, batch, device, optimizer) -> int | None:
+    if args.no_remat:
+        return None
+    if args.budget == "auto":
+        if device.type != "cuda":
+            raise SystemExit("--budget auto needs CUDA; give bytes (e.g. --budget 2GiB) or --budget-fraction")
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    if args.budget:
+        return hr.parse_budget(args.budget)
+    _, plain_peak, _ = measure_step(model, batch, args, device)
+    optimizer.zero_grad(set_to_none=False)
+    return int(plain_peak * args.budget_fraction)
+
+
+def median_step_seconds(module, batch, args, device, optimizer, repeats: int = 3) -> float:
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        train_step(module, batch, args.dtype, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - t0)
+        optimizer.zero_grad(set_to_none=False)
+    return statistics.median(samples)
+
+
+@torch.no_grad()
+def validation_loss(model, data: torch.Tensor, batch: int) -> float:
+    model.eval()
+    losses = [model(chunk, labels=chunk, use_cache=False).loss.item() for chunk in data.split(batch)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def plot(path: Path, losses: list[float], predicted: list[tuple[float, int]], measured: list[tuple[float, int]], budget):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(range(1, len(losses) + 1), losses)
+    ax1.set(xlabel="step", ylabel="training loss", title="Loss")
+    if predicted:
+        ax2.step(*zip(*[(x, y / 2**20) for x, y in predicted]), where="post", label="predicted (simulator)")
+    if measured:
+        ax2.plot(*zip(*[(x, y / 2**20) for x, y in measured]), label="measured (live tensors)", alpha=0.7)
+    if budget:
+        ax2.axhline(budget / 2**20, color="red", linestyle="--", label="budget")
+    ax2.set(xlabel="fraction of one step", ylabel="MiB", title="Memory during one step")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    model, tokenizer = load_model_and_tokenizer(args)
+    model.to(device).train()
+    train, val = load_data(args.data, tokenizer, args.seq_len)
+    if len(train) < args.batch:
+        raise SystemExit(f"--batch {args.batch} is larger than the {len(train)} training sequences")
+    stream = batches(train, args.batch, torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    probe = next(stream).to(device)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # allocated once, as after any first step: not part of the budget
+
+    budget = resolve_budget(args, model, probe, device, optimizer)
+    plain_seconds = median_step_seconds(model, probe, args, device, optimizer)
+    module, plan = model, None
+    if budget is not None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            module = hr.remat(model, (probe,), {"labels": probe, "use_cache": False}, budget=budget)
+        plan = module.plans[0]
+        print(plan.summary(), "\n")
+    remat_seconds = median_step_seconds(module, probe, args, device, optimizer) if plan else plain_seconds
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional
+        def tqdm(iterable, **_):
+            return iterable
+
+    losses, peak, timeline = [], 0, []
+    progress = tqdm(range(args.steps), desc="train", unit="step")
+    for step in progress:
+        started = time.perf_counter()
+        total = 0.0
+        for micro in range(args.accum):
+            batch = next(stream).to(device)
+            measured = step == 0 and micro == 0
+            if measured:
+                loss, peak, timeline = measure_step(module, batch, args, device, timeline=True)
+            else:
+                loss = train_step(module, batch, args.dtype, device)
+            total += loss.item() / args.accum
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        losses.append(total)
+        if hasattr(progress, "set_postfix"):
+            progress.set_postfix(loss=f"{total:.3f}", step_s=f"{time.perf_counter() - started:.2f}",
+                                 peak=hr.format_bytes(peak))
+        if not math.isfinite(total):
+            raise SystemExit(f"loss is {total} at step {step}")
+
+    val_loss = validation_loss(model, val.to(device), args.batch)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out / "model")
+    predicted_timeline = []
+    if plan:
+        events = simulate(plan.chain.costs, plan.chain.schedule).timeline
+        offset = plan.shared_bytes + plan.chain.reserved_bytes
+        predicted_timeline = [(i / len(events), e.peak_bytes + offset) for i, e in enumerate(events)]
+    measured_timeline = [(i / max(1, len(timeline)), b) for i, (_, b) in enumerate(timeline)]
+    plot(args.out / "report.png", losses, predicted_timeline, measured_timeline, budget)
+    report = {
+        "budget_bytes": budget,
+        "measured_peak_bytes": peak,
+        "predicted_peak_bytes": plan.predicted_peak_bytes if plan else None,
+        "within_budget": budget is None or peak <= budget,
+        "step_seconds": remat_seconds,
+        "plain_step_seconds": plain_seconds,
+        "train_losses": losses,
+        "validation_loss": val_loss,
+        "device": str(device),
+    }
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    if plan:
+        (args.out / "plan.json").write_text(plan.to_json())
+    log.info(
+        "measured peak %s %s budget %s (predicted %s); step %.3f s vs %.3f s plain autograd (%+.0f%%); "
+        "validation loss %.4f; wrote %s",
+        hr.format_bytes(peak), "<=" if report["within_budget"] else "ABOVE", hr.format_bytes(budget or 0),
+        hr.format_bytes(report["predicted_peak_bytes"] or 0), remat_seconds, plain_seconds,
+        100 * (remat_seconds / plain_seconds - 1), val_loss, args.out,
+    )
+    return report
+
+
+if __name__ == "__main__":
+    main()
