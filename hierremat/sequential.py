@@ -18,7 +18,6 @@ from .sequential_plan import SequentialPlan
 from .runtime.executor import ChainRunner, stage_buffers
 from .runtime.profile import ChainProfile, profile_chain
 from .runtime.rng import CPU_RNG_STATE_BYTES
-from .schedule import Backward, FAll, Loss
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +66,11 @@ def fixed_schedule(costs, strategy: str):
 
 
 def _fastest_fitting(costs, budget_bytes: int, reserve: list[int], reserved: Callable, slots: int):
+    keep_all = keep_all_schedule(costs)
+    fastest = all(st.options[0].fwd_time + st.options[0].bwd_time <= min(o.fwd_time + o.bwd_time for o in st.options)
+                  for st in costs.stages)
+    if fastest and keep_all.predicted_peak_bytes <= budget_bytes:
+        return keep_all  # no recomputation at all; it runs as plain autograd
     for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - sum(reserve))):
         if dp_budget <= 0:
             continue
@@ -148,13 +152,6 @@ def _check_input(input) -> None:
         raise TypeError(f"input must be a tensor, got {type(input).__name__}")
 
 
-def keeps_everything(plan: SequentialPlan) -> bool:
-    """True when the schedule is plain autograd: every stage forwarded once, with grad."""
-    L = plan.schedule.length
-    expected = tuple(FAll(i, 0) for i in range(L)) + (Loss(),) + tuple(Backward(i) for i in reversed(range(L)))
-    return plan.schedule.ops == expected
-
-
 class PlanCache:
     """Plans per (stages, input shape/dtype/device, budget, slots); ``hits``/``misses`` count lookups."""
 
@@ -234,7 +231,7 @@ def checkpoint_sequential(
         entry = (plan, ChainRunner(stages, plan.schedule, plan.mutated_buffers))
         plan_cache.put(key, entry)
     plan, runner = entry
-    if keeps_everything(plan):
+    if plan.runs_as_plain_autograd:
         for stage in stages:
             input = stage(input)
         return input

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .budget import format_bytes
 from .costs import ChainCosts
-from .schedule import Backward, ChainSchedule, FAll, FCk, FNone
+from .schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,19 @@ class SequentialPlan:
     def no_remat_step_time(self) -> float:
         """Seconds of one forward+backward keeping everything (each stage's option 0)."""
         return sum(st.options[0].fwd_time + st.options[0].bwd_time for st in self.costs.stages)
+
+    @property
+    def runs_as_plain_autograd(self) -> bool:
+        """True when the schedule keeps everything: the runtime then calls the stages plainly."""
+        L = self.schedule.length
+        expected = tuple(FAll(i, 0) for i in range(L)) + (Loss(),) + tuple(Backward(i) for i in reversed(range(L)))
+        return self.schedule.ops == expected
+
+    def simulate(self):
+        """The simulator's replay of this plan as the runtime executes it."""
+        from .simulate import simulate
+
+        return simulate(self.costs, self.schedule, output_grad_persists=not self.runs_as_plain_autograd)
 
     def stage_actions(self) -> list[str]:
         """Per stage, what the schedule does with it, e.g. 'ck, all' (forward kinds in order)."""

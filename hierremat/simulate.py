@@ -44,8 +44,12 @@ class SimulationResult:
     timeline: tuple[MemoryEvent, ...]
 
 
-def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple) -> SimulationResult:
+def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_persists: bool = True) -> SimulationResult:
     """Replay ``schedule`` (a ChainSchedule or a sequence of ops) under ``costs``.
+
+    output_grad_persists: the output gradient stays until the end (hierremat's runner,
+    whose autograd Function receives it); False frees it after B(L-1), as plain autograd
+    does when the whole chain runs without our Function.
 
     Raises InvalidScheduleError on an op whose inputs are not in memory, a backward
     before its forward, a missing Loss, or an unfinished backward.
@@ -136,7 +140,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple) -> SimulationRe
             state["used"] -= opt.kept_bytes
             release(i, ("tape", i))
             release(i + 1, ("tape", i))
-            if i + 1 < L:
+            if i + 1 < L or not output_grad_persists:
                 grad_alive.discard(i + 1)
                 state["used"] -= a[i + 1]
             grad_alive.add(i)

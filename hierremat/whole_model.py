@@ -24,7 +24,7 @@ from .model_plan import ModelPlan
 from .sequential_plan import SequentialPlan
 from .runtime.executor import ChainRunner, as_tuple
 from .runtime.profile import profile_chain, storage_bytes
-from .sequential import keeps_everything, plan_from_profile
+from .sequential import plan_from_profile
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ChainModule(nn.Module):
                     "a value shared by all stages requires grad; hierremat's chain supports only shared inputs "
                     "without gradient (masks, ids). Pass such tensors with requires_grad=False."
                 )
-        if not torch.is_grad_enabled() or keeps_everything(self.plan):
+        if not torch.is_grad_enabled() or self.plan.runs_as_plain_autograd:
             for i, stage in enumerate(self.stages):
                 x = stage(x, *shared)
             return as_tuple(x)

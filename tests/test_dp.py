@@ -174,8 +174,12 @@ def test_baseline_schedules_are_valid_and_never_beat_the_dp():
     for _ in range(20):
         L = int(rng.integers(1, 12))
         costs = random_chain(rng, L, 1, max_bytes=10**4)
-        baselines = [keep_all_schedule(costs)] + [uniform_segments_schedule(costs, k) for k in range(1, L + 1)]
-        assert baselines[0].ops == baselines[1].ops  # one segment = no checkpointing
+        keep_all = keep_all_schedule(costs)
+        plain = simulate(costs, keep_all, output_grad_persists=False)
+        assert (plain.peak_bytes, plain.time) == (keep_all.predicted_peak_bytes, keep_all.predicted_time)
+        baselines = [uniform_segments_schedule(costs, k) for k in range(1, L + 1)]
+        assert keep_all.ops == baselines[0].ops  # one segment = no checkpointing
+        assert keep_all.predicted_peak_bytes <= baselines[0].predicted_peak_bytes
         for schedule in baselines:
             sim = simulate(costs, schedule)
             assert (sim.peak_bytes, sim.time) == (schedule.predicted_peak_bytes, schedule.predicted_time)

@@ -9,7 +9,6 @@ from torch import nn
 import hierremat as hr
 from hierremat import sequential
 from hierremat.runtime import LiveTensorTracker
-from hierremat.simulate import simulate
 
 from models import conv_chain, random_mlp_chain
 
@@ -50,7 +49,7 @@ def _check_model(model, x):
     y_ref, gx_ref, g_ref, _ = _step(reference, x)
     for budget in _budgets(model, x):
         plan = hr.plan_sequential(model, budget, x)
-        sim = simulate(plan.costs, plan.schedule)
+        sim = plan.simulate()
         assert sim.peak_bytes == plan.schedule.predicted_peak_bytes
         hr.checkpoint_sequential(model, budget, x)  # plans outside the measured step
         y, gx, g, peak = _step(model, x, budget)
@@ -108,8 +107,8 @@ def test_batchnorm_running_stats_updated_once_and_rng_stream_unchanged():
 
 def test_plan_cache_hit_does_not_resolve(monkeypatch):
     calls = []
-    real_solve = sequential.solve_chain
-    monkeypatch.setattr(sequential, "solve_chain", lambda *a, **k: calls.append(1) or real_solve(*a, **k))
+    real_plan = sequential.plan_from_profile
+    monkeypatch.setattr(sequential, "plan_from_profile", lambda *a, **k: calls.append(1) or real_plan(*a, **k))
     sequential.plan_cache.clear()
     model = random_mlp_chain(7)
     x = torch.randn(64, 96, requires_grad=True)
@@ -221,3 +220,14 @@ def test_tracker_counts_new_storages_only():
         del a, view, c
     assert tracker.peak_bytes == 1024 + 2048
     assert tracker.live_bytes == 0
+
+
+def test_profiler_detects_which_tensors_autograd_keeps():
+    from hierremat.runtime.profile import profile_chain
+
+    stages = [nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.5), nn.GELU(), nn.Linear(256, 8)]
+    costs = profile_chain(stages, torch.randn(32, 64, requires_grad=True), repeats=1).costs
+    pins = [(st.options[0].pins_input, st.options[0].pins_output) for st in costs.stages]
+    # Linear saves its input; ReLU its output; Dropout a mask only; GELU its input.
+    assert pins == [(True, False), (False, True), (False, False), (True, False), (True, False)]
+    assert costs.stages[2].options[0].kept_bytes > 0  # the dropout mask

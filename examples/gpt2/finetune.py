@@ -30,7 +30,6 @@ import torch
 
 import hierremat as hr
 from hierremat.runtime import LiveTensorTracker, memory_meter
-from hierremat.simulate import simulate
 
 HERE = Path(__file__).resolve().parent
 SIZES = {
@@ -238,7 +237,7 @@ def main(argv=None) -> dict:
     model.save_pretrained(args.out / "model")
     predicted_timeline = []
     if plan:
-        events = simulate(plan.chain.costs, plan.chain.schedule).timeline
+        events = plan.chain.simulate().timeline
         offset = plan.shared_bytes + plan.chain.reserved_bytes
         predicted_timeline = [(i / len(events), e.peak_bytes + offset) for i, e in enumerate(events)]
     measured_timeline = [(i / max(1, len(timeline)), b) for i, (_, b) in enumerate(timeline)]

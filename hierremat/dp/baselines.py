@@ -11,15 +11,20 @@ from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
 from ..simulate import simulate
 
 
-def _priced(costs: ChainCosts, ops: list) -> ChainSchedule:
-    result = simulate(costs, ops)
+def _priced(costs: ChainCosts, ops: list, **simulate_options) -> ChainSchedule:
+    result = simulate(costs, ops, **simulate_options)
     return ChainSchedule(tuple(ops), costs.length, result.time, result.peak_bytes, result.peak_bytes, 1)
 
 
 def keep_all_schedule(costs: ChainCosts) -> ChainSchedule:
-    """Plain autograd: every stage forwarded once with grad, then every backward."""
+    """Plain autograd: every stage forwarded once with grad (option 0), then every backward.
+
+    hierremat runs this schedule as plain autograd (no chain Function), so it is priced
+    with the output gradient freed after its last use, as autograd frees it.
+    """
     L = costs.length
-    return _priced(costs, [FAll(i, 0) for i in range(L)] + [Loss()] + [Backward(i) for i in reversed(range(L))])
+    ops = [FAll(i, 0) for i in range(L)] + [Loss()] + [Backward(i) for i in reversed(range(L))]
+    return _priced(costs, ops, output_grad_persists=False)
 
 
 def segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:

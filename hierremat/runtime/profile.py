@@ -202,13 +202,14 @@ def _profile_stage(i: int, stage: Callable, call: Callable, x: torch.Tensor, req
         input_freed: list[bool] = []
         outputs_freed: list[bool] = []
         weakref.finalize(x_copy.untyped_storage(), input_freed.append, True)
-        for o in as_tuple(out):
-            weakref.finalize(o.untyped_storage(), outputs_freed.append, True)
-        n_outputs = len(as_tuple(out))
+        for storage in {o.untyped_storage().data_ptr(): o.untyped_storage() for o in as_tuple(out)}.values():
+            weakref.finalize(storage, outputs_freed.append, True)
+        del storage  # no name may keep an output alive, or every stage would look as if it pins it
+        n_storages = len({o.untyped_storage().data_ptr() for o in as_tuple(out)})
         edges, grads = gradient_edges(out), _ones_for(out)
         del out, inp, x_copy
         _sync(device)
-        pins_input, pins_output = not input_freed, len(outputs_freed) < n_outputs
+        pins_input, pins_output = not input_freed, len(outputs_freed) < n_storages
         bwd_peak = 0
         if any(e is not None for e in edges):
             meter.reset_peak()
