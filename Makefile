@@ -24,9 +24,10 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/pip install -q matplotlib
+	$(BIN)/pip install -q -e ".[examples]"
 	$(BIN)/python benchmarks/bench_dp.py
 	$(BIN)/python benchmarks/bench_sequential.py
+	$(BIN)/python benchmarks/bench_plan.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -46,7 +46,7 @@ class ChainModule(nn.Module):
                     "without gradient (masks, ids). Pass such tensors with requires_grad=False."
                 )
         if not torch.is_grad_enabled() or self.plan.runs_as_plain_autograd:
-            for i, stage in enumerate(self.stages):
+            for stage in self.stages:
                 x = stage(x, *shared)
             return as_tuple(x)
         return as_tuple(self.runner.run(x, tuple(shared)))
