@@ -239,23 +239,32 @@ def _copy_meta(src: fx.Node, dst: fx.Node) -> fx.Node:
     return dst
 
 
+def _copier(graph: fx.Graph, env: dict[fx.Node, fx.Node]):
+    """A lookup for node_copy: routed values from ``env``, parameters and buffers as get_attr."""
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a not in env:
+            if a.op != "get_attr":
+                raise AssertionError(f"graph input {a.name} was not routed")
+            env[a] = _copy_meta(a, graph.get_attr(a.target))
+        return env[a]
+
+    return lookup
+
+
+def _copy_nodes(graph: fx.Graph, env: dict[fx.Node, fx.Node], nodes: list[fx.Node]):
+    lookup = _copier(graph, env)
+    for n in nodes:
+        env[n] = graph.node_copy(n, lookup)
+    return lookup
+
+
 def _extract(gm, nodes, carry, shared, outputs, tuple_output: bool) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {carry: _copy_meta(carry, graph.placeholder("x"))}
     for j, s in enumerate(shared):
         env[s] = _copy_meta(s, graph.placeholder(f"shared_{j}"))
-
-    def lookup(a: fx.Node) -> fx.Node:
-        if a not in env:
-            if a.op != "get_attr":
-                raise AssertionError(f"stage input {a.name} was not routed")
-            env[a] = _copy_meta(a, graph.get_attr(a.target))
-        return env[a]
-
-    for n in nodes:
-        for a in n.all_input_nodes:
-            lookup(a)
-        env[n] = graph.node_copy(n, lookup)
+    _copy_nodes(graph, env, nodes)
     graph.output(tuple(env[o] for o in outputs) if tuple_output else env[outputs[0]])
     return fx.GraphModule(gm, graph)
 
@@ -263,21 +272,8 @@ def _extract(gm, nodes, carry, shared, outputs, tuple_output: bool) -> fx.GraphM
 def _orchestrator(gm, placeholders, pre, carry0, shared_nodes, final_outputs, output) -> fx.GraphModule:
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen
-    env: dict[fx.Node, fx.Node] = {}
-
-    def lookup(a: fx.Node) -> fx.Node:
-        if a not in env:
-            if a.op != "get_attr":
-                raise AssertionError(f"orchestrator input {a.name} was not routed")
-            env[a] = _copy_meta(a, graph.get_attr(a.target))
-        return env[a]
-
-    for p in placeholders:
-        env[p] = graph.node_copy(p)
-    for n in pre:
-        for a in n.all_input_nodes:
-            lookup(a)
-        env[n] = graph.node_copy(n, lookup)
+    env: dict[fx.Node, fx.Node] = {p: graph.node_copy(p) for p in placeholders}
+    lookup = _copy_nodes(graph, env, pre)
     chain = graph.call_module(CHAIN_ATTRIBUTE, (env[carry0], *(env[s] for s in shared_nodes)))
     for j, o in enumerate(final_outputs):
         env[o] = _copy_meta(o, graph.call_function(operator.getitem, (chain, j)))
