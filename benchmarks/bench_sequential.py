@@ -564,7 +564,7 @@ def main(argv=None) -> int:
             runner = ChainRunner(list(model.children()), unlimited_row.plan.schedule, unlimited_row.plan.mutated_buffers)
 
             def runner_step():
-                loss_of(runner.run(x)).backward()
+                loss_of(runner.run_schedule(x)).backward()
 
             runner_step()
             runner_row = Method("runner (diagnostic)", "ChainRunner, keep-everything schedule", runner_step,

@@ -98,6 +98,13 @@ class ChainSchedule:
                 return idx
         raise ValueError("schedule has no Loss op")
 
+    @property
+    def keeps_everything(self) -> bool:
+        """True for plain autograd's schedule: every stage forwarded once with option 0, then every backward."""
+        L = self.length
+        expected = tuple(FAll(i, 0) for i in range(L)) + (Loss(),) + tuple(Backward(i) for i in reversed(range(L)))
+        return self.ops == expected
+
     def forward_counts(self) -> list[int]:
         """How many times each stage's forward runs in the step (1 = never recomputed)."""
         counts = [0] * self.length

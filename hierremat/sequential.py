@@ -15,7 +15,7 @@ from .dp.baselines import keep_all_schedule, uniform_segments_schedule
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError
 from .sequential_plan import SequentialPlan
-from .runtime.executor import ChainRunner, stage_buffers
+from .runtime.executor import ChainRunner, run_plainly, stage_buffers
 from .runtime.profile import ChainProfile, profile_chain
 from .runtime.rng import CPU_RNG_STATE_BYTES
 
@@ -220,9 +220,7 @@ def checkpoint_sequential(
         p.requires_grad for s in stages if isinstance(s, torch.nn.Module) for p in s.parameters()
     )
     if not torch.is_grad_enabled() or not needs_grad:
-        for stage in stages:
-            input = stage(input)
-        return input
+        return run_plainly(stages, input)  # nothing to plan for
     key = PlanCache.key(stages, input, budget_bytes, slots)
     entry = plan_cache.get(key)
     if entry is None:
@@ -230,9 +228,4 @@ def checkpoint_sequential(
         log.debug("%s", plan.summary())
         entry = (plan, ChainRunner(stages, plan.schedule, plan.mutated_buffers))
         plan_cache.put(key, entry)
-    plan, runner = entry
-    if plan.runs_as_plain_autograd:
-        for stage in stages:
-            input = stage(input)
-        return input
-    return runner.run(input)
+    return entry[1].run(input)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from .budget import format_bytes
 from .costs import ChainCosts
-from .schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
+from .schedule import Backward, ChainSchedule, FAll, FCk, FNone
+from .simulate import SimulationResult, simulate
 
 
 @dataclass(frozen=True)
@@ -44,18 +45,13 @@ class SequentialPlan:
         """Seconds of one forward+backward keeping everything (each stage's option 0)."""
         return sum(st.options[0].fwd_time + st.options[0].bwd_time for st in self.costs.stages)
 
-    @property
-    def runs_as_plain_autograd(self) -> bool:
-        """True when the schedule keeps everything: the runtime then calls the stages plainly."""
-        L = self.schedule.length
-        expected = tuple(FAll(i, 0) for i in range(L)) + (Loss(),) + tuple(Backward(i) for i in reversed(range(L)))
-        return self.schedule.ops == expected
+    def simulate(self) -> SimulationResult:
+        """The simulator's replay of this plan as the runtime executes it.
 
-    def simulate(self):
-        """The simulator's replay of this plan as the runtime executes it."""
-        from .simulate import simulate
-
-        return simulate(self.costs, self.schedule, output_grad_persists=not self.runs_as_plain_autograd)
+        A schedule that keeps everything runs as plain autograd (see ChainRunner.run), which
+        frees the output gradient after its last use.
+        """
+        return simulate(self.costs, self.schedule, output_grad_persists=not self.schedule.keeps_everything)
 
     def stage_actions(self) -> list[str]:
         """Per stage, what the schedule does with it, e.g. 'ck, all' (forward kinds in order)."""

@@ -45,10 +45,6 @@ class ChainModule(nn.Module):
                     "a value shared by all stages requires grad; hierremat's chain supports only shared inputs "
                     "without gradient (masks, ids). Pass such tensors with requires_grad=False."
                 )
-        if not torch.is_grad_enabled() or self.plan.runs_as_plain_autograd:
-            for stage in self.stages:
-                x = stage(x, *shared)
-            return as_tuple(x)
         return as_tuple(self.runner.run(x, tuple(shared)))
 
 

@@ -239,8 +239,11 @@ def _copy_meta(src: fx.Node, dst: fx.Node) -> fx.Node:
     return dst
 
 
-def _copier(graph: fx.Graph, env: dict[fx.Node, fx.Node]):
-    """A lookup for node_copy: routed values from ``env``, parameters and buffers as get_attr."""
+def _copy_nodes(graph: fx.Graph, env: dict[fx.Node, fx.Node], nodes: list[fx.Node]):
+    """Copy ``nodes`` into ``graph``; inputs come from ``env``, parameters and buffers as get_attr.
+
+    Returns the lookup, for mapping further arguments the same way.
+    """
 
     def lookup(a: fx.Node) -> fx.Node:
         if a not in env:
@@ -249,11 +252,6 @@ def _copier(graph: fx.Graph, env: dict[fx.Node, fx.Node]):
             env[a] = _copy_meta(a, graph.get_attr(a.target))
         return env[a]
 
-    return lookup
-
-
-def _copy_nodes(graph: fx.Graph, env: dict[fx.Node, fx.Node], nodes: list[fx.Node]):
-    lookup = _copier(graph, env)
     for n in nodes:
         env[n] = graph.node_copy(n, lookup)
     return lookup

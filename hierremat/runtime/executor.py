@@ -103,6 +103,13 @@ def tap_input(x: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tenso
         return _GradTap.apply(anchor, x, sink), sink
 
 
+def run_plainly(stages: Sequence[Callable], x, shared: tuple = ()):
+    """Call the stages one after the other, as plain PyTorch would."""
+    for stage in stages:
+        x = stage(x, *shared)
+    return x
+
+
 class ChainRunner:
     """A chain of stages bound to one schedule; ``run(x)`` executes one training step's forward."""
 
@@ -124,7 +131,17 @@ class ChainRunner:
         ]
 
     def run(self, x: torch.Tensor, shared: tuple = ()):
-        """Run the chain on x; every stage is called as ``stage(x_i, *shared)``."""
+        """Run the chain on x; every stage is called as ``stage(x_i, *shared)``.
+
+        Without grad, or when the schedule keeps everything, the stages are simply called:
+        plain autograd then does exactly what the schedule says, at no runner overhead.
+        """
+        if not torch.is_grad_enabled() or self.schedule.keeps_everything:
+            return run_plainly(self.stages, x, shared)
+        return self.run_schedule(x, shared)
+
+    def run_schedule(self, x: torch.Tensor, shared: tuple = ()):
+        """Execute the schedule op by op through the chain's autograd Function, even if it keeps everything."""
         anchor = torch.empty(0, requires_grad=True)  # makes autograd call our backward
         outputs = _ChainFunction.apply(_Step(self, x, tuple(shared)), x, anchor)
         return outputs if len(outputs) > 1 else outputs[0]
@@ -193,18 +210,20 @@ class _Step:
         else:
             raise TypeError(f"unexpected op {op!r}")
 
-    def _forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _call(self, i: int, x: torch.Tensor):
         stage = self.runner.stages[i]
-        last = i == len(self.runner.stages) - 1
+        return check_stage_output(i, stage, stage(x, *self.shared), i == len(self.runner.stages) - 1)
+
+    def _forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
         replay = self.runs[i] > 0
         self.runs[i] += 1
         if self.runner.forward_counts[i] == 1:
-            return check_stage_output(i, stage, stage(x, *self.shared), last)
+            return self._call(i, x)
         buffers = self.runner.buffers[i]
         if not replay:
             self.rng[i] = RngState.capture(self.cuda_devices)
             self.buffers_before[i] = [b.clone() for b in buffers]
-            return check_stage_output(i, stage, stage(x, *self.shared), last)
+            return self._call(i, x)
         self.rng[i].restore()
         updated = [b.clone() for b in buffers]
         # Through .data, so that the version counters that autograd checks on saved
@@ -212,7 +231,7 @@ class _Step:
         for b, before in zip(buffers, self.buffers_before[i]):
             b.data.copy_(before)
         try:
-            return check_stage_output(i, stage, stage(x, *self.shared), last)
+            return self._call(i, x)
         finally:
             for b, after in zip(buffers, updated):
                 b.data.copy_(after)
