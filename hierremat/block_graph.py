@@ -1,0 +1,141 @@
+"""One block's forward/backward operator graph as a plain value (no torch).
+
+This is the interface between ``hierremat.blocks`` (which captures a stage's joint
+forward+backward ATen graph and profiles it) and ``hierremat.ilp`` (which solves it).
+It carries no tensors and no callables, only names, sizes (bytes) and times (seconds),
+and round-trips through JSON.
+
+The block maps its input x (the chain activation x_i) to its output y (x_{i+1}).
+Parameters, buffers and values shared by all stages (attention masks) are not nodes:
+reading them is free and they are not part of the budget (see DESIGN.md, "What a
+budget counts"). Forward nodes may be kept, freed and recomputed; backward nodes run
+exactly once each, in graph order, during the block's backward, reading forward
+results, earlier backward results and the output gradient dy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One operator of the joint graph.
+
+    name: unique within the graph (the fx node name).
+    op: operator name, e.g. ``"aten.mm.default"``.
+    phase: ``"forward"`` or ``"backward"``.
+    inputs: names of the nodes (or of the block input / output gradient) it reads;
+        parameters and shared values are omitted.
+    out_bytes: bytes of the result it allocates (0 for a view: it shares ``alias_of``).
+    time: seconds to run it once on the profiled device.
+    workspace_bytes: transient bytes it needs above its inputs and result.
+    random: it draws random numbers (dropout), so it may only be recomputed with its
+        RNG state replayed.
+    alias_of: name of the node (or block input) whose storage the result shares, "" if none.
+    """
+
+    name: str
+    op: str
+    phase: str
+    inputs: tuple[str, ...]
+    out_bytes: int
+    time: float
+    workspace_bytes: int = 0
+    random: bool = False
+    alias_of: str = ""
+
+    def __post_init__(self) -> None:
+        if self.phase not in (FORWARD, BACKWARD):
+            raise ValueError(f"node {self.name}: phase must be 'forward' or 'backward', got {self.phase!r}")
+        if self.out_bytes < 0 or self.workspace_bytes < 0 or self.time < 0:
+            raise ValueError(f"node {self.name}: negative size or time")
+
+
+@dataclass(frozen=True)
+class BlockGraph:
+    """A block's joint graph, nodes in a topological order (forward nodes first).
+
+    input_name / input_bytes: the block input x (allocated by the caller; the chain
+        DP accounts for it).
+    output_name: the forward node whose result is the block output y.
+    output_grad_name / output_grad_bytes: the gradient of y, given to the backward.
+    input_grad_name: the backward node whose result is the gradient of x ("" when x
+        needs no gradient).
+    """
+
+    nodes: tuple[GraphNode, ...]
+    input_name: str
+    input_bytes: int
+    output_name: str
+    output_grad_name: str
+    output_grad_bytes: int
+    input_grad_name: str = ""
+    _index: dict = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index = {}
+        seen_backward = False
+        known = {self.input_name, self.output_grad_name}
+        for i, node in enumerate(self.nodes):
+            if node.name in index or node.name in (self.input_name, self.output_grad_name):
+                raise ValueError(f"duplicate node name {node.name!r}")
+            if node.phase == BACKWARD:
+                seen_backward = True
+            elif seen_backward:
+                raise ValueError(f"forward node {node.name!r} comes after a backward node")
+            for name in node.inputs:
+                if name not in known:
+                    raise ValueError(f"node {node.name!r} reads {name!r}, which is not defined before it")
+                if node.phase == FORWARD and name == self.output_grad_name:
+                    raise ValueError(f"forward node {node.name!r} reads the output gradient")
+            index[node.name] = i
+            known.add(node.name)
+        if self.output_name not in index or self.nodes[index[self.output_name]].phase != FORWARD:
+            raise ValueError(f"output_name {self.output_name!r} is not a forward node")
+        if self.input_grad_name and (
+            self.input_grad_name not in index or self.nodes[index[self.input_grad_name]].phase != BACKWARD
+        ):
+            raise ValueError(f"input_grad_name {self.input_grad_name!r} is not a backward node")
+        object.__setattr__(self, "_index", index)
+
+    def node(self, name: str) -> GraphNode:
+        return self.nodes[self._index[name]]
+
+    def index(self, name: str) -> int:
+        return self._index[name]
+
+    @property
+    def forward_nodes(self) -> tuple[GraphNode, ...]:
+        return tuple(n for n in self.nodes if n.phase == FORWARD)
+
+    @property
+    def backward_nodes(self) -> tuple[GraphNode, ...]:
+        return tuple(n for n in self.nodes if n.phase == BACKWARD)
+
+    def to_dict(self) -> dict:
+        return {
+            "nodes": [{**asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
+            "input_name": self.input_name,
+            "input_bytes": self.input_bytes,
+            "output_name": self.output_name,
+            "output_grad_name": self.output_grad_name,
+            "output_grad_bytes": self.output_grad_bytes,
+            "input_grad_name": self.input_grad_name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockGraph":
+        nodes = tuple(GraphNode(**{**n, "inputs": tuple(n["inputs"])}) for n in d["nodes"])
+        return cls(
+            nodes=nodes,
+            input_name=d["input_name"],
+            input_bytes=int(d["input_bytes"]),
+            output_name=d["output_name"],
+            output_grad_name=d["output_grad_name"],
+            output_grad_bytes=int(d["output_grad_bytes"]),
+            input_grad_name=d.get("input_grad_name", ""),
+        )
