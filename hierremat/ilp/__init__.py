@@ -1,0 +1,1 @@
+"""Per-block integer programs (block options) and their on-disk cache; never imports torch."""

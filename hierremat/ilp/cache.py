@@ -1,0 +1,405 @@
+"""Cache of per-block ILP solutions (block option menus), in memory and on disk.
+
+A block's menu of options depends only on its structural signature, the device it was
+profiled on, the dtype, and the versions of the cost model and of the ILP formulation;
+:class:`CacheKey` holds exactly those. The payload is an opaque JSON-serialisable
+``dict`` produced by the ILP code.
+
+On disk, each key is one UTF-8 JSON file ``<directory>/<key.digest()>.json``::
+
+    {"format": "hierremat-options", "format_version": 1,
+     "key": {<CacheKey fields>}, "payload": {...},
+     "checksum": sha256 hex of canonical JSON of {"key": ..., "payload": ...}}
+
+Canonical JSON = ``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True)``.
+A file that is unreadable, not JSON (corrupted, truncated), of another format or
+format_version, holding another key, or whose checksum does not match is never trusted:
+it is logged (logger ``hierremat.cache``, WARNING, naming the file and the reason) and
+treated as a miss; the next :meth:`OptionsCache.put` of that key overwrites it.
+Writes go to a temp file in the same directory, are flushed and fsync'ed, then
+``os.replace``'d into place, so concurrent writers and readers of the same key (two
+training processes) only ever see a complete file. Nothing is ever pickled.
+
+Pure Python: this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BUNDLE_FORMAT",
+    "CacheKey",
+    "ENV_VAR",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "OptionsCache",
+    "default_cache",
+    "default_directory",
+]
+
+logger = logging.getLogger("hierremat.cache")
+
+FORMAT = "hierremat-options"
+FORMAT_VERSION = 1
+BUNDLE_FORMAT = "hierremat-options-bundle"
+ENV_VAR = "HIERREMAT_CACHE_DIR"
+
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
+_TEMP_NAME = re.compile(r"^\.[0-9a-f]{64}\..*\.tmp$")
+_STALE_TEMP_S = 60.0  # clear() leaves younger temp files alone (a writer may be mid-write)
+
+
+def canonical_json(obj: Any) -> str:
+    """Deterministic JSON text of ``obj`` (sorted keys, no spaces, ASCII). Raises
+    TypeError/ValueError when ``obj`` is not JSON-serialisable."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _checksum(key: dict, payload: dict) -> str:
+    return _sha256(canonical_json({"key": key, "payload": payload}))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """Everything a block's option menu depends on. All fields are strings.
+
+    signature: the block's structural signature (hash of ops, edges, shapes, dtypes).
+    device_type: e.g. ``"cuda"``, ``"cpu"``.  device_name: e.g. ``"NVIDIA H100 80GB HBM3"``.
+    dtype: e.g. ``"float32"``.  cost_model_version, formulation_version: bump these when
+    profiling or the ILP changes, so that old solutions are no longer found.
+    """
+
+    signature: str
+    device_type: str
+    device_name: str
+    dtype: str
+    cost_model_version: str
+    formulation_version: str
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), str):
+                raise TypeError(
+                    f"CacheKey.{f.name} must be a str, got {type(getattr(self, f.name)).__name__}"
+                )
+
+    def to_dict(self) -> dict[str, str]:
+        """The key as a plain dict (field name -> value)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CacheKey:
+        """Inverse of :meth:`to_dict`; raises ValueError/TypeError unless ``d`` has exactly
+        the key's fields, all strings."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a cache key needs exactly the fields {sorted(names)}")
+        return cls(**d)
+
+    def digest(self) -> str:
+        """Stable 64-hex-digit id: sha256 of the canonical JSON of :meth:`to_dict`.
+        Used as the file name."""
+        return _sha256(canonical_json(self.to_dict()))
+
+
+class _Invalid(Exception):
+    """A cache document that must not be trusted; the message says why."""
+
+
+def _check_document(doc: Any, expect: CacheKey | None = None) -> tuple[CacheKey, dict]:
+    """Validate one parsed entry document; return (key, payload) or raise _Invalid."""
+    if not isinstance(doc, dict):
+        raise _Invalid("not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise _Invalid(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise _Invalid(
+            f"format_version is {doc.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
+    try:
+        key = CacheKey.from_dict(doc.get("key"))
+    except (TypeError, ValueError) as e:
+        raise _Invalid(f"bad key: {e}") from None
+    payload = doc.get("payload")
+    if not isinstance(payload, dict):
+        raise _Invalid("payload is not a JSON object")
+    if doc.get("checksum") != _checksum(key.to_dict(), payload):
+        raise _Invalid("checksum mismatch (file modified or damaged)")
+    if expect is not None and key != expect:
+        raise _Invalid(f"holds another key ({key.to_dict()}), expected {expect.to_dict()}")
+    return key, payload
+
+
+def _document(key: CacheKey, payload: dict) -> dict:
+    k = key.to_dict()
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "key": k,
+        "payload": payload,
+        "checksum": _checksum(k, payload),
+    }
+
+
+def _read_json(path: Path) -> Any:
+    """Parse a JSON file; raise _Invalid (unreadable, corrupted, truncated)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Invalid(f"not UTF-8 (corrupted): {e}") from None
+    except OSError as e:
+        raise _Invalid(f"unreadable: {e}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise _Invalid(f"not valid JSON (corrupted or truncated): {e}") from None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: temp file in the same directory, flush,
+    fsync, os.replace. Creates the directory. Raises OSError on failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable; not possible everywhere
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def default_directory() -> Path:
+    """``$HIERREMAT_CACHE_DIR`` if set and non-empty, else ``~/.cache/hierremat``."""
+    return Path(os.environ.get(ENV_VAR) or "~/.cache/hierremat").expanduser()
+
+
+class OptionsCache:
+    """Block-option cache: a per-instance in-memory dict in front of a directory of JSON files.
+
+    Args:
+        directory: where entry files live; default :func:`default_directory` (resolved
+            once, here). It is created on the first write, not before.
+        enabled: ``False`` (what ``cache=False`` maps to) makes :meth:`get` return None
+            and :meth:`put` do nothing. The maintenance methods (:meth:`entries`,
+            :meth:`clear`, :meth:`export`, :meth:`import_`) work on the directory either way.
+
+    Payloads are copied in and out (via JSON), so callers may mutate what they get.
+    Disk errors on write are logged and swallowed: a cache never fails a training run.
+    Thread-safe; safe across processes sharing the directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, enabled: bool = True):
+        self.directory = Path(directory).expanduser() if directory is not None else default_directory()
+        self.enabled = bool(enabled)
+        self._memory: dict[str, str] = {}  # digest -> canonical JSON of the payload
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"OptionsCache(directory={str(self.directory)!r}, enabled={self.enabled})"
+
+    def path_for(self, key: CacheKey) -> Path:
+        """The entry file of ``key`` (may not exist)."""
+        return self.directory / f"{key.digest()}.json"
+
+    def get(self, key: CacheKey) -> dict | None:
+        """The payload stored for ``key``, or None on a miss (also when the file is invalid,
+        which is logged as a WARNING)."""
+        if not self.enabled:
+            return None
+        digest = key.digest()
+        with self._lock:
+            hit = self._memory.get(digest)
+        if hit is not None:
+            return json.loads(hit)
+        path = self.directory / f"{digest}.json"
+        if not path.exists():
+            return None
+        try:
+            _, payload = _check_document(_read_json(path), expect=key)
+        except _Invalid as e:
+            logger.warning(
+                "hierremat cache: ignoring %s: %s; treated as a miss (the next put of this "
+                "key overwrites it)", path, e,
+            )
+            return None
+        with self._lock:
+            self._memory[digest] = canonical_json(payload)
+        return payload
+
+    def put(self, key: CacheKey, payload: dict) -> None:
+        """Store ``payload`` (a JSON-serialisable dict) for ``key`` in memory and on disk.
+        Raises TypeError if the payload is not a JSON-serialisable dict."""
+        if not self.enabled:
+            return
+        text = self._payload_text(payload)
+        with self._lock:
+            self._memory[key.digest()] = text
+        self._write(key, json.loads(text))
+
+    @staticmethod
+    def _payload_text(payload: Any) -> str:
+        if not isinstance(payload, dict):
+            raise TypeError(f"cache payload must be a dict, got {type(payload).__name__}")
+        try:
+            return canonical_json(payload)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"cache payload is not JSON-serialisable: {e}") from None
+
+    def _write(self, key: CacheKey, payload: dict) -> bool:
+        path = self.path_for(key)
+        try:
+            _atomic_write(path, canonical_json(_document(key, payload)) + "\n")
+            return True
+        except OSError as e:
+            logger.warning("hierremat cache: could not write %s: %s", path, e)
+            return False
+
+    def _files(self) -> list[Path]:
+        try:
+            return sorted(p for p in self.directory.iterdir() if _ENTRY_NAME.match(p.name))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def entries(self) -> list[dict]:
+        """Metadata of every entry file on disk, sorted by file name. Each is a dict:
+        the six key fields (None if the file is invalid), ``digest`` (str), ``size``
+        (file size in bytes), ``created`` (file mtime, seconds since the epoch: when the
+        entry was last written), ``file`` (str path), ``valid`` (bool) and ``problem``
+        (why it is invalid, else None). Does not log."""
+        out = []
+        for path in self._files():
+            meta: dict[str, Any] = {f.name: None for f in dataclasses.fields(CacheKey)}
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # removed meanwhile
+            meta.update(digest=path.stem, size=st.st_size, created=st.st_mtime,
+                        file=str(path), valid=True, problem=None)
+            try:
+                key, _ = _check_document(_read_json(path))
+                if key.digest() != path.stem:
+                    raise _Invalid("file name does not match its key")
+                meta.update(key.to_dict())
+            except _Invalid as e:
+                meta.update(valid=False, problem=str(e))
+            out.append(meta)
+        return out
+
+    def clear(self) -> int:
+        """Delete every entry file (and stale temp files) in the directory and empty the
+        memory layer; other files are left alone. Returns the number of entry files removed."""
+        with self._lock:
+            self._memory.clear()
+        removed = 0
+        for path in self._files():
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        try:
+            temps = [p for p in self.directory.iterdir() if _TEMP_NAME.match(p.name)]
+        except (FileNotFoundError, NotADirectoryError):
+            temps = []
+        for path in temps:
+            try:
+                if time.time() - path.stat().st_mtime > _STALE_TEMP_S:
+                    path.unlink()
+            except OSError:
+                pass
+        return removed
+
+    def export(self, path: str | os.PathLike) -> int:
+        """Write every valid entry to one JSON bundle file at ``path`` (written atomically):
+        ``{"format": "hierremat-options-bundle", "format_version": 1, "entries": [<entry
+        documents, as on disk>]}``. Invalid files are skipped with a WARNING. Returns the
+        number of entries exported."""
+        docs = []
+        for file in self._files():
+            try:
+                key, payload = _check_document(_read_json(file))
+                if key.digest() != file.stem:
+                    raise _Invalid("file name does not match its key")
+            except _Invalid as e:
+                logger.warning("hierremat cache: not exporting %s: %s", file, e)
+                continue
+            docs.append(_document(key, payload))
+        bundle = {"format": BUNDLE_FORMAT, "format_version": FORMAT_VERSION, "entries": docs}
+        _atomic_write(Path(path).expanduser(), json.dumps(bundle, sort_keys=True, indent=1) + "\n")
+        return len(docs)
+
+    def import_(self, path: str | os.PathLike) -> int:
+        """Add the entries of a bundle written by :meth:`export`. Every entry is validated
+        like a file on disk (format, version, key, checksum); invalid ones are skipped with
+        a WARNING. Existing entries with the same key are replaced. Returns the number
+        imported. Raises ValueError if the file is not a readable bundle at all."""
+        path = Path(path).expanduser()
+        try:
+            bundle = _read_json(path)
+        except _Invalid as e:
+            raise ValueError(f"{path}: {e}") from None
+        if (not isinstance(bundle, dict) or bundle.get("format") != BUNDLE_FORMAT
+                or not isinstance(bundle.get("entries"), list)):
+            raise ValueError(f"{path}: not a {BUNDLE_FORMAT!r} file")
+        if bundle.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: bundle format_version is {bundle.get('format_version')!r}, "
+                f"expected {FORMAT_VERSION}"
+            )
+        count = 0
+        for i, doc in enumerate(bundle["entries"]):
+            try:
+                key, payload = _check_document(doc)
+            except _Invalid as e:
+                logger.warning("hierremat cache: skipping entry %d of %s: %s", i, path, e)
+                continue
+            with self._lock:
+                self._memory.pop(key.digest(), None)
+            if self._write(key, payload):
+                count += 1
+        return count
+
+
+_defaults: dict[tuple[str, bool], OptionsCache] = {}
+_defaults_lock = threading.Lock()
+
+
+def default_cache(directory: str | os.PathLike | None = None, enabled: bool = True) -> OptionsCache:
+    """A process-wide :class:`OptionsCache` per (directory, enabled), so that repeated
+    planning calls share one memory layer. ``directory=None`` resolves
+    :func:`default_directory` now (the environment variable is read on every call)."""
+    d = Path(directory).expanduser() if directory is not None else default_directory()
+    k = (str(d.absolute()), bool(enabled))
+    with _defaults_lock:
+        if k not in _defaults:
+            _defaults[k] = OptionsCache(d, enabled=enabled)
+        return _defaults[k]
