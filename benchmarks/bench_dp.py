@@ -59,9 +59,7 @@ def random_chain(rng: np.random.Generator, L: int, K: int) -> ChainCosts:
 def dp_inputs(costs: ChainCosts, budget: int, slots: int) -> tuple:
     """The arguments solve_chain passes to the kernel at its first attempt."""
     unit = max(1, ceil_div(budget, slots))
-    ar = discretize(costs, unit)
-    return (ar.A, ar.A_floor, ar.OFN, ar.UFN, ar.nk, ar.TIME, ar.KEPT, ar.OF, ar.OB,
-            ar.PIN_OUT, ar.PIN_IN, np.int64(budget // unit))
+    return discretize(costs, unit).kernel_args(budget // unit)
 
 
 def reference_work(L: int, K: int, M: int) -> float:

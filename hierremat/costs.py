@@ -62,11 +62,20 @@ class ChainCosts:
 
     activation_bytes: L + 1 sizes, bytes of x_0 .. x_L (a gradient has its tensor's size).
     input_requires_grad: whether B(0) produces a gradient for x_0 (else it costs 0 bytes).
+    output_held: whether the caller keeps the chain output x_L alive through the whole
+        backward (``y = chain(x); loss_fn(y).backward()`` with ``y`` still referenced).
+        When False, x_L is freed at the Loss (once its gradient exists), unless the last
+        stage's option pins it.
+    output_grad_bytes: bytes of the gradient that arrives for x_L (None: x_L's size).
+        Smaller when only part of a tuple output is differentiated, e.g. a model that
+        returns (loss, logits) and is trained with ``.loss.backward()``.
     """
 
     activation_bytes: tuple[int, ...]
     stages: tuple[StageCosts, ...]
     input_requires_grad: bool = True
+    output_held: bool = True
+    output_grad_bytes: int | None = None
 
     def __post_init__(self) -> None:
         L = len(self.stages)
@@ -76,6 +85,8 @@ class ChainCosts:
             raise ValueError(f"activation_bytes needs L + 1 = {L + 1} sizes, got {len(self.activation_bytes)}")
         if any(a < 0 for a in self.activation_bytes):
             raise ValueError("activation_bytes must be >= 0")
+        if self.output_grad_bytes is not None and self.output_grad_bytes < 0:
+            raise ValueError("output_grad_bytes must be >= 0")
         for i, st in enumerate(self.stages):
             out = self.activation_bytes[i + 1]
             if not st.options:
@@ -100,10 +111,22 @@ class ChainCosts:
             return 0
         return self.activation_bytes[i]
 
+    @property
+    def output_grad(self) -> int:
+        """Bytes of the gradient of x_L."""
+        return self.activation_bytes[-1] if self.output_grad_bytes is None else self.output_grad_bytes
+
+    @property
+    def output_resident(self) -> int:
+        """Bytes that stay from the Loss to the end of the backward: the held output and its gradient."""
+        return (self.activation_bytes[-1] if self.output_held else 0) + self.output_grad
+
     def to_dict(self) -> dict:
         return {
             "activation_bytes": list(self.activation_bytes),
             "input_requires_grad": self.input_requires_grad,
+            "output_held": self.output_held,
+            "output_grad_bytes": self.output_grad_bytes,
             "stages": [
                 {
                     "name": st.name,
@@ -130,4 +153,6 @@ class ChainCosts:
             activation_bytes=tuple(int(a) for a in d["activation_bytes"]),
             stages=stages,
             input_requires_grad=bool(d.get("input_requires_grad", True)),
+            output_held=bool(d.get("output_held", True)),
+            output_grad_bytes=None if d.get("output_grad_bytes") is None else int(d["output_grad_bytes"]),
         )

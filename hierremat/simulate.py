@@ -4,8 +4,10 @@ This is the reference for the memory model that the chain DP optimises; it is wr
 independently of the DP's recurrences (it tracks who holds each value) so that tests
 can compare the two. Rules:
 
-* x_0 is the step's input and is not counted; x_L (held by the caller) and the output
-  gradient (held by the autograd engine during our backward) are never freed.
+* x_0 is the step's input and is not counted. x_L is held by the caller until the end
+  when ``costs.output_held``, else until the Loss (which creates its gradient of
+  ``costs.output_grad`` bytes); the output gradient (held by the autograd engine
+  during our backward) is never freed.
 * An activation x_j is in memory while something holds it: the chain (from the forward
   that produces it until F_none(j) or F_all(j) consumes it; F_ck(j) keeps it), the
   tape of F_all(j) if the option pins its input, the tape of F_all(j-1) if that option
@@ -123,9 +125,11 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             if L not in holders:
                 fail(idx, op, f"the chain output x_{L} was not computed")
             loss_done = True
-            state["used"] += a[L]
+            state["used"] += costs.output_grad
             grad_alive.add(L)
             peak_op = state["used"]
+            if not costs.output_held:
+                release(L, "caller")
         elif isinstance(op, Backward):
             i = op.stage
             if not 0 <= i < L:
@@ -142,7 +146,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             release(i + 1, ("tape", i))
             if i + 1 < L or not output_grad_persists:
                 grad_alive.discard(i + 1)
-                state["used"] -= a[i + 1]
+                state["used"] -= a[i + 1] if i + 1 < L else costs.output_grad
             grad_alive.add(i)
             state["used"] += costs.grad_bytes(i)
             done_backward.add(i)

@@ -64,8 +64,7 @@ def test_numba_kernel_tables_equal_reference():
         costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200)
         arrays = discretize(costs, int(rng.integers(1, 20)))
         M = int(rng.integers(0, 80))
-        args = (arrays.A, arrays.A_floor, arrays.OFN, arrays.UFN, arrays.nk, arrays.TIME, arrays.KEPT,
-                arrays.OF, arrays.OB, arrays.PIN_OUT, arrays.PIN_IN, np.int64(M))
+        args = arrays.kernel_args(M)
         C_fast, D_fast = fill_tables(*args)
         C_ref, D_ref = fill_tables_reference(*args)
         np.testing.assert_array_equal(C_fast, C_ref)

@@ -30,6 +30,8 @@ class ChainArrays:
               stage i: forward + backward time (s), kept slots, forward and backward
               overhead slots, 1 if the option pins the stage output / input.
     option_ids[i, k]  index of that option in costs.stages[i].options
+    HL        slots of x_L held by the caller through the backward (0 when not held)
+    GL        slots of the gradient of x_L
     """
 
     A: np.ndarray
@@ -44,7 +46,17 @@ class ChainArrays:
     PIN_OUT: np.ndarray
     PIN_IN: np.ndarray
     option_ids: np.ndarray
+    HL: int
+    GL: int
     unit: int
+
+
+    def kernel_args(self, M: int) -> tuple:
+        """The arguments of ``fill_tables`` (kernel and reference) for M slots of budget."""
+        return (
+            self.A, self.A_floor, self.OFN, self.UFN, self.nk, self.TIME, self.KEPT, self.OF, self.OB,
+            self.PIN_OUT, self.PIN_IN, np.int64(self.HL), np.int64(self.GL), np.int64(M),
+        )
 
 
 def _dominates(p: tuple, q: tuple) -> bool:
@@ -109,4 +121,6 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
             TIME[i, j] = key[0]
             KEPT[i, j], OF[i, j], OB[i, j], PIN_OUT[i, j], PIN_IN[i, j] = kept, of, ob, pin, pin_in
             ids[i, j] = k
-    return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, unit)
+    HL = int(A[L]) if costs.output_held else 0
+    GL = ceil_div(costs.output_grad, unit)
+    return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, HL, GL, unit)

@@ -4,7 +4,8 @@ Recurrence (Rotor, Beaumont et al. 2019, Sec. 4, extended to per-stage options a
 HiRemate, Zhao et al. 2023). C[v, s, t, m] is the least time to process stages s..t
 forward and backward, starting with x_s in memory (and, when t < L-1, the gradient of
 x_{t+1}), using at most m slots above the memory in use at the start. When t = L-1 the
-subproblem also runs the Loss, after which x_L and its gradient (2 A[L]) stay. v = 1
+subproblem also runs the Loss, which adds the output gradient (GL slots); from then on
+x_L stays only if the caller holds it (HL = A[L], else 0) or option k pins it. v = 1
 when x_s is also held by the caller's tape (the previous stage's option pins its
 output), so that F_all(s) cannot free it; v = 0 otherwise.
 
@@ -14,8 +15,10 @@ output), so that F_all(s) cannot free it; v = 0 otherwise.
                                    C[v, s, s'-1, m - A[s'] - resid]
 c = A_floor[s] is the credit of freeing x_s after F_all(s) when v = 0, s > 0 and the
 option does not pin its input (else 0). resid is what a right part leaves beyond its
-input gradient: 2 A[L] (output and its gradient) when t = L-1, else -A_floor[t+1] (the
-consumed gradient of x_{t+1}). Memory left to a subproblem is capped at M, exact for
+input gradient: HL + GL (held output and its gradient) when t = L-1, else -A_floor[t+1]
+(the consumed gradient of x_{t+1}). For s = t = L-1 the backward peak is
+KEPT - c + GL + max(A[L], OB + max(HL, PIN_OUT A[L])): at the Loss x_L and its gradient
+coexist; during B(s) x_L is there if held or pinned. Memory left to a subproblem is capped at M, exact for
 every state reachable from the top.
 
 Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint split.
@@ -31,7 +34,7 @@ from numba import njit
 
 
 @njit(cache=True)
-def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, M):  # pragma: no cover - compiled
+def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, M):  # pragma: no cover - compiled
     L = OFN.shape[0]
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -41,7 +44,7 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, M
         for s in range(L - d):
             t = s + d
             last = t == L - 1
-            resid = 2 * AL if last else -A_floor[t + 1]
+            resid = HL + GL if last else -A_floor[t + 1]
             for v in range(2):
                 best = C[v, s, t]
                 choice = D[v, s, t]
@@ -51,7 +54,8 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, M
                         credit = A_floor[s]
                     if s == t:
                         if last:
-                            bpeak = KEPT[s, k] + OB[s, k] - credit + 2 * AL
+                            present = max(HL, PIN_OUT[s, k] * AL)
+                            bpeak = KEPT[s, k] - credit + GL + max(AL, OB[s, k] + present)
                         else:
                             bpeak = KEPT[s, k] + OB[s, k] - credit + PIN_OUT[s, k] * A[s + 1]
                     else:

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 
-def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, M):
+def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, M):
     L = len(OFN)
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -22,7 +22,7 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
 
     def resident_after_right_part(t: int) -> int:
         """Slots a right part leaves behind beyond its input gradient."""
-        return 2 * AL if t == L - 1 else -int(A_floor[t + 1])
+        return HL + GL if t == L - 1 else -int(A_floor[t + 1])
 
     def input_credit(v: int, s: int, k: int) -> int:
         """Slots freed when F_all(s, k) drops x_s (nobody else holds it)."""
@@ -32,9 +32,13 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
         if OF[s, k] > m:
             return math.inf
         credit = input_credit(v, s, k)
+        if s == t and t == L - 1:
+            # the Loss (x_L and its gradient), then B(s) with x_L if held or pinned
+            present = max(HL, PIN_OUT[s, k] * AL)
+            fits = KEPT[s, k] - credit + GL + max(AL, OB[s, k] + present) <= m
+            return TIME[s, k] if fits else math.inf
         if s == t:
-            resident = 2 * AL if t == L - 1 else PIN_OUT[s, k] * A[s + 1]
-            fits = KEPT[s, k] + OB[s, k] - credit + resident <= m
+            fits = KEPT[s, k] + OB[s, k] - credit + PIN_OUT[s, k] * A[s + 1] <= m
             return TIME[s, k] if fits else math.inf
         backward_peak = KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit + resident_after_right_part(t)
         rest = min(M, m - KEPT[s, k] - A[s + 1] + credit)

@@ -57,7 +57,7 @@ class _Expander:
         self.L = costs.length
 
     def resident_after_right(self, t: int) -> int:
-        return 2 * self.a[self.L] if t == self.L - 1 else -self.a[t + 1]
+        return self.costs.output_resident if t == self.L - 1 else -self.a[t + 1]
 
     def input_credit(self, v: int, s: int, k: int) -> int:
         pins = self.costs.stages[s].options[k].pins_input
@@ -68,8 +68,12 @@ class _Expander:
         op = self.costs.stages[s].options[k]
         a, L = self.a, self.L
         credit = self.input_credit(v, s, k)
+        if s == t == L - 1:
+            held = a[L] if self.costs.output_held or op.pins_output else 0
+            loss_and_backward = max(a[L], op.bwd_overhead_bytes + held)
+            return max(op.fwd_overhead_bytes, op.kept_bytes - credit + self.costs.output_grad + loss_and_backward)
         if s == t:
-            resident = 2 * a[L] if t == L - 1 else int(op.pins_output) * a[s + 1]
+            resident = int(op.pins_output) * a[s + 1]
             return max(op.fwd_overhead_bytes, op.kept_bytes + op.bwd_overhead_bytes - credit + resident)
         backward = op.kept_bytes + (1 + int(op.pins_output)) * a[s + 1] + op.bwd_overhead_bytes - credit
         return max(
@@ -134,7 +138,7 @@ def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
             return ("option", int(arrays.option_ids[s, c]), m_rest)
         sp = c - K
         m_right = m - int(A[sp])
-        m_left = m_right - 2 * int(A[L]) if t == L - 1 else m_right + int(A_floor[t + 1])
+        m_left = m_right - arrays.HL - arrays.GL if t == L - 1 else m_right + int(A_floor[t + 1])
         return ("split", sp, m_right, min(M, m_left))
 
     return choose
@@ -147,10 +151,7 @@ def _fill(arrays: ChainArrays, M: int, kernel: str):
         from .reference import fill_tables_reference as fill_tables
     else:
         raise ValueError(f"kernel must be 'numba' or 'reference', got {kernel!r}")
-    return fill_tables(
-        arrays.A, arrays.A_floor, arrays.OFN, arrays.UFN, arrays.nk,
-        arrays.TIME, arrays.KEPT, arrays.OF, arrays.OB, arrays.PIN_OUT, arrays.PIN_IN, np.int64(M),
-    )
+    return fill_tables(*arrays.kernel_args(M))
 
 
 def _schedule(costs: ChainCosts, choose: Chooser, M: int, budget: int, unit: int) -> ChainSchedule:
