@@ -216,7 +216,7 @@ def cached_plan(model: nn.Sequential, x: torch.Tensor, budget_bytes: int):
 
         entry = hierremat.plan_cache.get(PlanCache.key(as_stages(model), x, budget_bytes, DEFAULT_SLOTS))
         if entry is not None:
-            return entry[0]
+            return entry.plan
     except Exception:  # the cache layout changed: fall back to a fresh plan
         pass
     print(f"  (plan for {budget_bytes} B not found in hierremat.plan_cache; planning again to report it)")

@@ -15,7 +15,7 @@ from .dp.baselines import keep_all_schedule, uniform_segments_schedule
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError
 from .sequential_plan import SequentialPlan
-from .runtime.executor import ChainRunner, run_plainly, stage_buffers
+from .runtime.executor import ChainRunner, OutputUse, run_plainly, stage_buffers
 from .runtime.profile import ChainProfile, profile_chain
 from .runtime.rng import CPU_RNG_STATE_BYTES
 
@@ -96,6 +96,7 @@ def plan_from_profile(
     slots: int,
     profile_seconds: float = 0.0,
     strategy: str = "optimal",
+    output_held: bool | None = None,
 ) -> SequentialPlan:
     """Solve the chain so that the schedule's peak plus the runtime's replay reserve fits.
 
@@ -103,47 +104,141 @@ def plan_from_profile(
     which the plan decides: try the whole budget first and keep that plan if its own
     reserve still fits; else plan with the reserve of every stage set aside; else the
     schedule of least peak. Baseline strategies (see STRATEGIES) use a fixed schedule.
+
+    output_held: whether the caller keeps the chain output alive through the backward.
+    None (default) plans as if it does, unless only a plan that assumes it is released
+    fits the budget; the runtime checks the assumption on every backward (PlannedChain).
     """
     reserve = _replay_reserve(stages, profile, device)
 
     def reserved(schedule) -> int:
         return sum(r for r, c in zip(reserve, schedule.forward_counts()) if c > 1)
 
-    started = time.perf_counter()
-    if strategy == "optimal":
-        schedule = _fastest_fitting(profile.costs, budget_bytes, reserve, reserved, slots)
-    else:
-        schedule = fixed_schedule(profile.costs, strategy)
+    def solve(costs):
+        if strategy == "optimal":
+            return _fastest_fitting(costs, budget_bytes, reserve, reserved, slots)
+        schedule = fixed_schedule(costs, strategy)
         needed = schedule.predicted_peak_bytes + reserved(schedule)
         if needed > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, needed, what=f"budget for strategy={strategy!r}")
+        return schedule
+
+    started = time.perf_counter()
+    costs = replace(profile.costs, output_held=True if output_held is None else output_held)
+    try:
+        schedule = solve(costs)
+    except InfeasibleBudgetError:
+        if output_held is not None:
+            raise
+        costs = replace(costs, output_held=False)
+        schedule = solve(costs)
+        log.info(
+            "budget %d B fits only if the caller releases the chain output before backward (e.g. `loss = "
+            "model(x).loss`); planned so. Each backward checks it and warns if the output was held.", budget_bytes,
+        )
     schedule = replace(schedule, budget_bytes=budget_bytes)
     return SequentialPlan(
-        profile.costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started
+        costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started,
+        profile.output_grad_mask,
     )
 
 
+class PlannedChain:
+    """A chain of stages bound to its plan, which it adapts to how the caller uses the output.
+
+    Every backward of the chain records how the caller used its output (held or released,
+    which outputs got a gradient: hierremat.runtime.executor.OutputUse). When that differs
+    from what the plan assumed, the next call re-plans: with the output held when the caller
+    held it (warning: that step may have exceeded the budget by the output's bytes), released
+    when it was released (a faster plan), and with the stages re-profiled when other outputs
+    received gradients than expected.
+    """
+
+    def __init__(
+        self, stages: Sequence[Callable], plan: SequentialPlan, *, slots: int, strategy: str = "optimal",
+        signatures: Sequence[str] | None = None,
+    ):
+        self.stages = list(stages)
+        self.slots = slots
+        self.strategy = strategy
+        self.signatures = signatures
+        self._bind(plan)
+
+    def _bind(self, plan: SequentialPlan) -> None:
+        self.plan = plan
+        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers)
+
+    @property
+    def assumed_output_use(self) -> OutputUse:
+        return OutputUse(self.plan.costs.output_held, self.plan.output_grad_mask)
+
+    def run(self, x: torch.Tensor, shared: tuple = ()):
+        seen = self.runner.observed_output_use
+        if seen is not None and seen != self.assumed_output_use:
+            self._replan(seen, x, shared)
+        return self.runner.run(x, shared)
+
+    def _replan(self, seen: OutputUse, x: torch.Tensor, shared: tuple) -> None:
+        assumed = self.assumed_output_use
+        out_bytes = self.plan.costs.activation_bytes[-1]
+        if seen.held and not assumed.held:
+            log.warning(
+                "the caller held the chain output (%d B) through the backward, which the plan assumed released: "
+                "that step may have exceeded the budget by up to that much. Re-planning with it held; release the "
+                "output before backward (e.g. `loss = model(x).loss`) to keep the faster plan.", out_bytes,
+            )
+        unexpected = [i for i, (s, a) in enumerate(zip(seen.grad_mask, assumed.grad_mask)) if s and not a]
+        if unexpected:
+            log.warning(
+                "gradients arrived for chain outputs %s, which the plan expected none for: that step may have "
+                "exceeded the budget by their bytes. Re-profiling and re-planning.", unexpected,
+            )
+        log.info("chain output used as %s, planned as %s: re-planning", seen, assumed)
+        profile = ChainProfile(self.plan.costs, self.plan.mutated_buffers, self.plan.output_grad_mask)
+        profile_seconds = self.plan.profile_seconds
+        if seen.grad_mask != assumed.grad_mask:
+            started = time.perf_counter()
+            profile = profile_chain(
+                self.stages, x, shared=shared, signatures=self.signatures, output_grad_mask=seen.grad_mask
+            )
+            profile_seconds = time.perf_counter() - started
+        self._bind(
+            plan_from_profile(
+                self.stages, profile, self.plan.budget_bytes, x.device, slots=self.slots,
+                profile_seconds=profile_seconds, strategy=self.strategy, output_held=seen.held,
+            )
+        )
+
+
 def plan_sequential(
-    functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal"
+    functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal",
+    output_held: bool | None = True,
 ) -> SequentialPlan:
     """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
 
     budget: bytes (int, at least 1 MiB) or a string such as "512MiB". Raises
     InfeasibleBudgetError with the smallest feasible budget when none fits.
     strategy: 'optimal', or a baseline ('none', 'segments=K') planned the same way.
+    output_held: whether the caller keeps the output alive through the backward (True,
+    the usual ``y = ...; loss_fn(y).backward()``); False when it is released once the
+    loss is computed; None to assume held unless only a released plan fits.
     """
     stages = as_stages(functions)
     _check_input(input)
-    return _plan(stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy)
+    return _plan(
+        stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held
+    )
 
 
 def _plan(
-    stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3, strategy: str = "optimal"
+    stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3,
+    strategy: str = "optimal", output_held: bool | None = True,
 ) -> SequentialPlan:
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
     return plan_from_profile(
-        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=time.perf_counter() - started, strategy=strategy
+        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=time.perf_counter() - started,
+        strategy=strategy, output_held=output_held,
     )
 
 
@@ -156,7 +251,7 @@ class PlanCache:
     """Plans per (stages, input shape/dtype/device, budget, slots); ``hits``/``misses`` count lookups."""
 
     def __init__(self):
-        self._plans: dict[tuple, tuple[SequentialPlan, ChainRunner]] = {}
+        self._plans: dict[tuple, PlannedChain] = {}
         self.hits = 0
         self.misses = 0
 
@@ -183,7 +278,7 @@ class PlanCache:
             self.hits += 1
         return entry
 
-    def put(self, key: tuple, entry: tuple[SequentialPlan, ChainRunner]) -> None:
+    def put(self, key: tuple, entry: PlannedChain) -> None:
         self._plans[key] = entry
 
 
@@ -197,6 +292,7 @@ def checkpoint_sequential(
     use_reentrant: bool | None = None,
     *,
     slots: int = DEFAULT_SLOTS,
+    output_held: bool | None = True,
     **kwargs,
 ) -> torch.Tensor:
     """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with a budget instead of segments.
@@ -206,6 +302,12 @@ def checkpoint_sequential(
     forward+backward peak stays within ``budget`` (bytes or "512MiB"). Gradients equal
     plain autograd's, dropout and BatchNorm included. The plan is made on the first call
     for a given input shape and reused afterwards.
+
+    output_held: whether the caller keeps the returned tensor alive through the backward
+    (as in ``y = checkpoint_sequential(...); loss_fn(y).backward()``); see plan_sequential.
+    Every backward checks how the output was used, and a different use re-plans the
+    next call (releasing it early gives a faster plan; holding it when the plan assumed
+    otherwise logs a warning).
 
     ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
     RNG state is always preserved.
@@ -224,8 +326,8 @@ def checkpoint_sequential(
     key = PlanCache.key(stages, input, budget_bytes, slots)
     entry = plan_cache.get(key)
     if entry is None:
-        plan = _plan(stages, budget_bytes, input, slots=slots)
+        plan = _plan(stages, budget_bytes, input, slots=slots, output_held=output_held)
         log.debug("%s", plan.summary())
-        entry = (plan, ChainRunner(stages, plan.schedule, plan.mutated_buffers))
+        entry = PlannedChain(stages, plan, slots=slots)
         plan_cache.put(key, entry)
-    return entry[1].run(input)
+    return entry.run(input)

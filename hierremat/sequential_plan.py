@@ -18,6 +18,9 @@ class SequentialPlan:
     reserved_bytes: memory the runtime needs beyond the schedule's model (RNG states and
     buffer snapshots of recomputed stages); predicted_peak_bytes includes it.
     profile_seconds, solve_seconds: planning cost.
+    output_grad_mask: per output of the last stage, whether the plan expects a gradient
+        for it; with ``costs.output_held``, what the plan assumes of how the caller uses
+        the output (the runtime checks it on every backward and re-plans if it differs).
     """
 
     costs: ChainCosts
@@ -26,6 +29,7 @@ class SequentialPlan:
     reserved_bytes: int
     profile_seconds: float
     solve_seconds: float
+    output_grad_mask: tuple[bool, ...] = (True,)
 
     @property
     def budget_bytes(self) -> int:
@@ -76,6 +80,8 @@ class SequentialPlan:
             f"({self.no_remat_step_time * 1e3:.2f} ms)",
             f"  planning: profile {self.profile_seconds:.2f} s, solve {self.solve_seconds:.3f} s, "
             f"memory unit {format_bytes(s.memory_unit_bytes)}",
+            f"  assumes the caller {'holds' if self.costs.output_held else 'releases'} the output during backward; "
+            f"output gradient {format_bytes(self.costs.output_grad)}",
             "",
             f"  {'stage':>5}  {'module':<18} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
         ]
@@ -101,6 +107,7 @@ class SequentialPlan:
                 "reserved_bytes": self.reserved_bytes,
                 "profile_seconds": self.profile_seconds,
                 "solve_seconds": self.solve_seconds,
+                "output_grad_mask": list(self.output_grad_mask),
             }
         )
 
@@ -116,4 +123,5 @@ class SequentialPlan:
             reserved_bytes=int(d["reserved_bytes"]),
             profile_seconds=float(d["profile_seconds"]),
             solve_seconds=float(d["solve_seconds"]),
+            output_grad_mask=tuple(bool(m) for m in d.get("output_grad_mask", (True,))),
         )

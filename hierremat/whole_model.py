@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -21,10 +21,9 @@ from .budget import parse_budget
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .model_plan import ModelPlan
-from .sequential_plan import SequentialPlan
-from .runtime.executor import ChainRunner, as_tuple
+from .runtime.executor import as_tuple
 from .runtime.profile import profile_chain, storage_bytes
-from .sequential import plan_from_profile
+from .sequential import PlannedChain, plan_from_profile
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +31,10 @@ log = logging.getLogger(__name__)
 class ChainModule(nn.Module):
     """Runs the stages of a captured model as the plan's schedule (the orchestrator's chain)."""
 
-    def __init__(self, stages: list[nn.Module], plan: SequentialPlan):
+    def __init__(self, stages: list[nn.Module], planned: PlannedChain):
         super().__init__()
         self.stages = nn.ModuleList(stages)
-        self.plan = plan
-        self.runner = ChainRunner(list(stages), plan.schedule, plan.mutated_buffers)
+        self.planned = planned
 
     def forward(self, x: torch.Tensor, *shared) -> tuple:
         for value in shared:
@@ -45,7 +43,7 @@ class ChainModule(nn.Module):
                     "a value shared by all stages requires grad; hierremat's chain supports only shared inputs "
                     "without gradient (masks, ids). Pass such tensors with requires_grad=False."
                 )
-        return as_tuple(self.runner.run(x, tuple(shared)))
+        return as_tuple(self.planned.run(x, tuple(shared)))
 
 
 class _ChainInputs(Exception):
@@ -70,14 +68,25 @@ def _chain_inputs(chain: ChainGraph, args: tuple, kwargs: dict):
     raise AssertionError("the orchestrator did not reach the chain")
 
 
-@dataclass
 class _Compiled:
-    chain: ChainGraph
-    plan: ModelPlan
+    """A captured model bound to its plan; ``plan`` follows the chain's re-plans (PlannedChain)."""
+
+    def __init__(self, chain: ChainGraph, plan: ModelPlan, chain_module: "ChainModule"):
+        self.chain = chain
+        self._plan = plan
+        self.chain_module = chain_module
+
+    @property
+    def plan(self) -> ModelPlan:
+        current = self.chain_module.planned.plan
+        if self._plan.chain is not current:
+            self._plan = replace(self._plan, chain=current)
+        return self._plan
 
 
 def _compile(
-    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, slots: int, strategy: str
+    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, slots: int,
+    strategy: str, output_held: bool | None,
 ) -> _Compiled:
     started = time.perf_counter()
     captured = capture(model, args, kwargs)
@@ -96,7 +105,7 @@ def _compile(
         try:
             chain_plan = plan_from_profile(
                 chain.stages, profile, budget_bytes - shared_bytes, x0.device,
-                slots=slots, profile_seconds=profile_seconds, strategy=strategy,
+                slots=slots, profile_seconds=profile_seconds, strategy=strategy, output_held=output_held,
             )
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + shared_bytes) from None
@@ -111,8 +120,10 @@ def _compile(
             "plan does not match this model and input: its stages have other signatures "
             f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
         )
-    setattr(chain.orchestrator, CHAIN_ATTRIBUTE, ChainModule(chain.stages, plan.chain))
-    return _Compiled(chain, plan)
+    planned = PlannedChain(chain.stages, plan.chain, slots=slots, strategy=strategy, signatures=signatures)
+    chain_module = ChainModule(chain.stages, planned)
+    setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
+    return _Compiled(chain, plan, chain_module)
 
 
 def _input_key(args: tuple, kwargs: dict) -> tuple:
@@ -129,7 +140,10 @@ class RematModule(nn.Module):
     (``on_new_shape="replan"``) or raises (``"error"``).
     """
 
-    def __init__(self, model: nn.Module, budget_bytes: int, slots: int, on_new_shape: str, strategy: str = "optimal"):
+    def __init__(
+        self, model: nn.Module, budget_bytes: int, slots: int, on_new_shape: str, strategy: str = "optimal",
+        output_held: bool | None = None,
+    ):
         super().__init__()
         if on_new_shape not in ("replan", "error"):
             raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
@@ -138,6 +152,7 @@ class RematModule(nn.Module):
         self.slots = slots
         self.on_new_shape = on_new_shape
         self.strategy = strategy
+        self.output_held = output_held
         self._compiled: dict[tuple, _Compiled] = {}
 
     @property
@@ -145,7 +160,9 @@ class RematModule(nn.Module):
         return [c.plan for c in self._compiled.values()]
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
-        compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.slots, self.strategy)
+        compiled = _compile(
+            self.model, args, kwargs, self.budget_bytes, plan, self.slots, self.strategy, self.output_held
+        )
         self._compiled[_input_key(args, kwargs)] = compiled
         return compiled
 
@@ -173,14 +190,22 @@ def plan(
     budget,
     slots: int = DEFAULT_SLOTS,
     strategy: str = "optimal",
+    output_held: bool | None = None,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
     strategy: 'optimal' (default), or a baseline on the same chain and runtime: 'none'
     (no checkpointing) or 'segments=K' (torch's uniform checkpoint_sequential segments).
+    output_held: whether the caller keeps the model's outputs alive through the backward
+    (``out = model(...); out.loss.backward()``) or not (``model(...).loss.backward()``).
+    None (default): assume held unless only a plan assuming release fits; the module
+    checks on every backward and re-plans if the caller does otherwise. Of several
+    outputs, only scalar losses are expected to receive gradients (also checked).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, slots, strategy).plan
+    return _compile(
+        model, args, example_kwargs or {}, parse_budget(budget), None, slots, strategy, output_held
+    ).plan
 
 
 def remat(
@@ -193,15 +218,16 @@ def remat(
     slots: int = DEFAULT_SLOTS,
     on_new_shape: str = "replan",
     strategy: str = "optimal",
+    output_held: bool | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy: as for hierremat.plan.
+    strategy, output_held: as for hierremat.plan.
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
-    module = RematModule(model, budget_bytes, slots, on_new_shape, strategy)
+    module = RematModule(model, budget_bytes, slots, on_new_shape, strategy, output_held)
     module._add(args, example_kwargs or {}, plan)
     return module

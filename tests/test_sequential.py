@@ -60,7 +60,7 @@ def _check_model(model, x):
             _assert_same(a, b)
         budget_bytes = hr.parse_budget(budget)
         assert peak <= budget_bytes, (budget, peak, plan.summary())
-        cached_plan = sequential.plan_cache.get(sequential.PlanCache.key(list(model), x, budget_bytes, 500))[0]
+        cached_plan = sequential.plan_cache.get(sequential.PlanCache.key(list(model), x, budget_bytes, 500)).plan
         predicted = cached_plan.predicted_peak_bytes
         assert abs(peak - predicted) <= max(0.1 * predicted, MiB), (budget, peak, predicted)
 

@@ -19,6 +19,8 @@ autocast settings.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -51,6 +53,40 @@ def check_stage_output(index: int, stage: Callable, out, last: bool = False):
 
 def as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
+
+
+@dataclass(frozen=True)
+class OutputUse:
+    """How the caller uses the chain's output during the backward.
+
+    held: the caller keeps the output alive through the backward (``y = chain(x)`` still
+        referenced), rather than letting it go once its gradient exists.
+    grad_mask: per output of the last stage, whether a gradient arrives for it (a model
+        returning (loss, logits) trained with ``.loss.backward()``: (True, False)).
+    """
+
+    held: bool
+    grad_mask: tuple[bool, ...]
+
+
+def default_grad_mask(out) -> tuple[bool, ...]:
+    """Which outputs to expect gradients for: the scalar losses among several outputs, else all that require grad."""
+    outputs = as_tuple(out)
+    differentiable = [o.requires_grad and o.is_floating_point() for o in outputs]
+    losses = [d and o.numel() == 1 for d, o in zip(differentiable, outputs)]
+    return tuple(losses) if len(outputs) > 1 and any(losses) else tuple(differentiable)
+
+
+def watch_storages(value) -> tuple[list, int]:
+    """Watch the distinct storages behind a tensor or tuple of tensors without keeping them alive.
+
+    Returns (a list that receives one entry per storage freed, the number of storages).
+    """
+    found = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in as_tuple(value)}
+    freed: list[bool] = []
+    for storage in found.values():
+        weakref.finalize(storage, freed.append, True)
+    return freed, len(found)
 
 
 def gradient_edges(out) -> list:
@@ -123,6 +159,8 @@ class ChainRunner:
                 )
         self.stages = list(stages)
         self.schedule = schedule
+        #: How the caller used the output in the latest backward this runner executed (None before).
+        self.observed_output_use: OutputUse | None = None
         self.loss_index = schedule.loss_index
         self.forward_counts = schedule.forward_counts()
         self.buffers = [
@@ -167,9 +205,14 @@ class _Step:
     def run_forward(self) -> tuple:
         for op in self.runner.schedule.ops[: self.runner.loss_index]:
             self._execute(op)
-        return as_tuple(self.x.pop(len(self.runner.stages)))
+        outputs = as_tuple(self.x.pop(len(self.runner.stages)))
+        self.outputs_freed, self.output_storages = watch_storages(outputs)
+        return outputs
 
     def run_backward(self, grad_outputs: tuple) -> torch.Tensor | None:
+        self.runner.observed_output_use = OutputUse(
+            held=len(self.outputs_freed) < self.output_storages, grad_mask=tuple(g is not None for g in grad_outputs)
+        )
         self.grad[len(self.runner.stages)] = grad_outputs
         outer_rng = RngState.capture(self.cuda_devices)
         try:

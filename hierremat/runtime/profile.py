@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
@@ -25,7 +24,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..costs import ChainCosts, OptionCosts, StageCosts
-from .executor import as_tuple, backward_through, check_stage_output, gradient_edges, tap_input
+from .executor import (
+    as_tuple, backward_through, check_stage_output, default_grad_mask, gradient_edges, tap_input, watch_storages,
+)
 from .memory import memory_meter
 from .rng import cuda_devices_of
 
@@ -35,10 +36,13 @@ class ChainProfile:
     """Measured costs plus what the runtime needs to replay stages exactly.
 
     mutated_buffers[i]: names of stage i's buffers that its forward updates in place.
+    output_grad_mask: per output of the last stage, whether it was profiled as receiving
+        a gradient (costs.output_grad_bytes counts those).
     """
 
     costs: ChainCosts
     mutated_buffers: tuple[tuple[str, ...], ...]
+    output_grad_mask: tuple[bool, ...]
 
 
 def storage_bytes(value) -> int:
@@ -127,8 +131,11 @@ def _mutated_buffer_names(stage: Callable, run: Callable[[], object]) -> tuple[s
     )
 
 
-def _ones_for(out) -> tuple:
-    return tuple(torch.ones_like(o) if o.requires_grad else None for o in as_tuple(out))
+def _ones_for(out, mask: tuple[bool, ...] | None = None) -> tuple:
+    """Output gradients for a profiling backward: ones where a gradient is expected (mask), else None."""
+    outputs = as_tuple(out)
+    mask = tuple(o.requires_grad for o in outputs) if mask is None else mask
+    return tuple(torch.ones_like(o) if o.requires_grad and m else None for o, m in zip(outputs, mask))
 
 
 def profile_chain(
@@ -138,10 +145,14 @@ def profile_chain(
     shared: tuple = (),
     repeats: int = 3,
     signatures: Sequence[str] | None = None,
+    output_grad_mask: tuple[bool, ...] | None = None,
 ) -> ChainProfile:
     """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
 
     Stages with equal ``signatures`` (same graph, shapes and dtypes) are measured once.
+    output_grad_mask: which outputs of the last stage receive a gradient (default:
+    hierremat.runtime.executor.default_grad_mask). The costs assume the caller holds the
+    output through the backward (``output_held``); planning may relax that.
     """
     device = x0.device
     activation_bytes = [storage_bytes(x0)]
@@ -150,7 +161,8 @@ def profile_chain(
     with _no_side_effects(stages, x0):
         x = x0.detach()
         for i, stage in enumerate(stages):
-            call = functools.partial(_call_stage, stage, shared, i == len(stages) - 1, i)
+            last = i == len(stages) - 1
+            call = functools.partial(_call_stage, stage, shared, last, i)
             signature = signatures[i] if signatures is not None else None
             if signature is not None and signature in measured:
                 j = measured[signature]
@@ -162,23 +174,38 @@ def profile_chain(
             else:
                 requires_grad = i > 0 or x0.requires_grad
                 with _scratch_grads(stage):
-                    cost, names, y = _profile_stage(i, stage, call, x, requires_grad, repeats, device)
+                    cost, names, y, mask = _profile_stage(
+                        i, stage, call, x, requires_grad, repeats, device, output_grad_mask if last else None
+                    )
+                if last:
+                    output_grad_mask = mask
                 if signature is not None:
                     measured[signature] = i
             stage_costs.append(cost)
             mutated.append(names)
             activation_bytes.append(storage_bytes(y))
             x = y
-    costs = ChainCosts(tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad)
-    return ChainProfile(costs, tuple(mutated))
+    if output_grad_mask is None:  # the last stage shared a signature with an earlier one: one output
+        output_grad_mask = (True,)
+    output_grad_bytes = storage_bytes(tuple(o for o, m in zip(as_tuple(y), output_grad_mask) if m))
+    costs = ChainCosts(
+        tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad,
+        output_grad_bytes=output_grad_bytes,
+    )
+    return ChainProfile(costs, tuple(mutated), output_grad_mask)
 
 
 def _call_stage(stage: Callable, shared: tuple, last: bool, index: int, x: torch.Tensor):
     return check_stage_output(index, stage, stage(x, *shared), last)
 
 
-def _profile_stage(i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device):
-    """Costs of one stage on input x; returns (StageCosts, mutated buffer names, output)."""
+def _profile_stage(
+    i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
+    grad_mask: tuple[bool, ...] | None,
+):
+    """Costs of one stage on input x, its backward fed gradients for the outputs in ``grad_mask``
+    (None: hierremat.runtime.executor.default_grad_mask). Returns (StageCosts, mutated buffer
+    names, output, the mask used)."""
     with torch.no_grad():
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
     meter = memory_meter(device)
@@ -199,14 +226,10 @@ def _profile_stage(i: int, stage: Callable, call: Callable, x: torch.Tensor, req
             out = call(inp)
         fwd_peak = meter.peak_bytes - base
         kept = max(0, meter.live_bytes - base - out_bytes)
-        input_freed: list[bool] = []
-        outputs_freed: list[bool] = []
-        weakref.finalize(x_copy.untyped_storage(), input_freed.append, True)
-        for storage in {o.untyped_storage().data_ptr(): o.untyped_storage() for o in as_tuple(out)}.values():
-            weakref.finalize(storage, outputs_freed.append, True)
-        del storage  # no name may keep an output alive, or every stage would look as if it pins it
-        n_storages = len({o.untyped_storage().data_ptr() for o in as_tuple(out)})
-        edges, grads = gradient_edges(out), _ones_for(out)
+        input_freed, _ = watch_storages(x_copy)
+        outputs_freed, n_storages = watch_storages(out)
+        grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
+        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out, inp, x_copy
         _sync(device)
         pins_input, pins_output = not input_freed, len(outputs_freed) < n_storages
@@ -227,13 +250,13 @@ def _profile_stage(i: int, stage: Callable, call: Callable, x: torch.Tensor, req
             return call(tap_input(x, anchor)[0])
 
     warm = grad_forward()  # first grad-mode run and backward pay one-off costs: not timed
-    backward_through(gradient_edges(warm), _ones_for(warm))
+    backward_through(gradient_edges(warm), _ones_for(warm, grad_mask))
     del warm
     fwd_time = _median_seconds(grad_forward, repeats, device)
     bwd_samples = []
     for _ in range(repeats):
         out = grad_forward()
-        edges, grads = gradient_edges(out), _ones_for(out)
+        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out
         if all(e is None for e in edges):
             break
@@ -257,7 +280,7 @@ def _profile_stage(i: int, stage: Callable, call: Callable, x: torch.Tensor, req
         options=(option,),
         name=_stage_name(i, stage),
     )
-    return cost, mutated, y
+    return cost, mutated, y, grad_mask
 
 
 def _stage_name(i: int, stage: Callable) -> str:
