@@ -3,6 +3,7 @@
     python examples/gpt2/finetune.py                         # tiny random GPT-2, shipped text, CPU
     python examples/gpt2/finetune.py --budget-fraction 0.4   # 40% of the no-remat peak
     python examples/gpt2/finetune.py --model ./gpt2 --budget 3GiB --dtype bf16 --device cuda
+    torchrun --standalone --nproc_per_node 2 examples/gpt2/finetune.py   # DDP: gloo on CPU, nccl on CUDA
 
 Without ``--model`` a GPT-2 of ``--size`` (tiny, small, medium) is built with random
 weights and text is tokenized byte by byte; with ``--model PATH`` weights and tokenizer are
@@ -14,6 +15,15 @@ gradients in flight), not parameters, gradients kept across steps or optimizer s
 of it. At the end the script prints the plan, the measured peak against the budget, the
 step time against plain autograd and the validation loss, and writes the model, a JSON
 report and a PNG (loss curve; predicted and measured memory during one step) to ``--out``.
+
+Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel:
+``--batch`` is per rank, each rank trains on its own slice of the global batch of
+``--batch`` x WORLD_SIZE sequences (so N ranks with ``--batch b`` see the same data as one
+process with ``--batch N*b``), rank 0 plans and broadcasts the plan to the other ranks,
+and only rank 0 prints and writes ``--out``. With dropout active every rank draws its own
+masks (seed + rank), which one process with the whole batch would not draw the same way;
+``--dropout 0`` makes N ranks and one process train the same weights (up to float
+rounding).
 """
 
 from __future__ import annotations
@@ -22,11 +32,14 @@ import argparse
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import hierremat as hr
 from hierremat.runtime import LiveTensorTracker, memory_meter
@@ -58,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("runs/gpt2"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dropout", type=float, help="set GPT-2's dropouts (resid, embd, attn); default: the config's")
     return p.parse_args(argv)
 
 
@@ -70,6 +84,10 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
 
+def dropouts(args) -> dict:
+    return {} if args.dropout is None else dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), args.dropout)
+
+
 def load_model_and_tokenizer(args):
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
@@ -78,12 +96,12 @@ def load_model_and_tokenizer(args):
     if args.model:
         from transformers import AutoTokenizer
 
-        model = GPT2LMHeadModel.from_pretrained(args.model, local_files_only=True)
+        model = GPT2LMHeadModel.from_pretrained(args.model, local_files_only=True, **dropouts(args))
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         return model, tokenizer
     config = GPT2Config(
         vocab_size=ByteTokenizer.vocab_size, n_positions=max(args.seq_len, 128), bos_token_id=0, eos_token_id=0,
-        **SIZES[args.size],
+        **SIZES[args.size], **dropouts(args),
     )
     return GPT2LMHeadModel(config), ByteTokenizer()
 
@@ -148,12 +166,64 @@ def median_step_seconds(module, batch, args, device, optimizer, repeats: int = 3
     return statistics.median(samples)
 
 
+class Distributed:
+    """Rank and world size; a process group when launched by torchrun with WORLD_SIZE > 1."""
+
+    def __init__(self, device: torch.device):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0")) if self.world > 1 else 0
+        self.device = device
+        if self.world > 1:
+            if device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a global batch (all of it in one process)."""
+        per_rank = len(batch) // self.world
+        return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def mean(self, *values: float) -> list[float]:
+        """Mean of each value over the ranks."""
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return (t / self.world).tolist()
+
+    def broadcast(self, value):
+        """Rank 0's value (any picklable object) on every rank."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @torch.no_grad()
-def validation_loss(model, data: torch.Tensor, batch: int) -> float:
+def validation_loss(model, data: torch.Tensor, batch: int, ddp: Distributed | None = None) -> float:
+    """Mean loss over the validation chunks; under DDP each rank takes every world-th chunk."""
+    rank, world = (ddp.rank, ddp.world) if ddp else (0, 1)
     model.eval()
-    losses = [model(chunk, labels=chunk, use_cache=False).loss.item() for chunk in data.split(batch)]
+    losses = [model(chunk, labels=chunk, use_cache=False).loss.item() for chunk in data.split(batch)[rank::world]]
     model.train()
-    return sum(losses) / len(losses)
+    total, count = sum(losses), len(losses)
+    if ddp and ddp.enabled:
+        total, count = (v * world for v in ddp.mean(total, count))
+    return total / count
 
 
 def plot(path: Path, losses: list[float], predicted: list[tuple[float, int]], measured: list[tuple[float, int]], budget):
@@ -180,29 +250,69 @@ def plot(path: Path, losses: list[float], predicted: list[tuple[float, int]], me
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    ddp = Distributed(torch.device(args.device))
+    try:
+        return run(args, ddp)
+    finally:
+        ddp.close()
+
+
+def run(args, ddp: Distributed) -> dict:
+    logging.basicConfig(level=logging.INFO if ddp.main else logging.WARNING, format="%(message)s")
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    device = ddp.device
     model, tokenizer = load_model_and_tokenizer(args)
     model.to(device).train()
+    if ddp.enabled:
+        torch.manual_seed(args.seed + ddp.rank)  # dropout: each rank its own masks
     train, val = load_data(args.data, tokenizer, args.seq_len)
-    if len(train) < args.batch:
-        raise SystemExit(f"--batch {args.batch} is larger than the {len(train)} training sequences")
-    stream = batches(train, args.batch, torch.Generator().manual_seed(args.seed))
+    global_batch = args.batch * ddp.world
+    if len(train) < global_batch:
+        raise SystemExit(f"--batch {args.batch} x {ddp.world} ranks is larger than the {len(train)} training sequences")
+    # Every rank draws the same global batches (same generator seed) and keeps its slice.
+    stream = map(ddp.shard, batches(train, global_batch, torch.Generator().manual_seed(args.seed)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     probe = next(stream).to(device)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # allocated once, as after any first step: not part of the budget
 
-    budget = resolve_budget(args, model, probe, device, optimizer)
-    plain_seconds = median_step_seconds(model, probe, args, device, optimizer)
+    # Rank 0 measures and plans; the other ranks take its plan: profiled timings differ from
+    # process to process, and ranks running different schedules would be harder to reason about.
+    budget = plain_seconds = None
+    if ddp.main:
+        budget = resolve_budget(args, model, probe, device, optimizer)
+        plain_seconds = median_step_seconds(model, probe, args, device, optimizer)
     module, plan = model, None
-    if budget is not None:
+    if not args.no_remat:
+        example = ((probe,), {"labels": probe, "use_cache": False})
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            module = hr.remat(model, (probe,), {"labels": probe, "use_cache": False}, budget=budget)
-        plan = module.plans[0]
-        print(plan.summary(), "\n")
-    remat_seconds = median_step_seconds(module, probe, args, device, optimizer) if plan else plain_seconds
+            if ddp.main:
+                module = hr.remat(model, *example, budget=budget)
+                plan = module.plans[0]
+            plan_json = ddp.broadcast(plan.to_json() if ddp.main else None)
+            if not ddp.main:
+                plan = hr.ModelPlan.from_json(plan_json)
+                module = hr.remat(model, *example, plan=plan)
+                budget = plan.budget_bytes
+        if ddp.main:
+            print(plan.summary(), "\n")
+    remat_seconds = plain_seconds
+    if plan and ddp.main:
+        remat_seconds = median_step_seconds(module, probe, args, device, optimizer)
+    if ddp.enabled:
+        # static_graph=True is required with the rematerialized model. Its parameter gradients
+        # are accumulated by nested torch.autograd.backward calls inside the chain's autograd
+        # Function (one per stage), so a parameter used in two stages gets its AccumulateGrad
+        # hook called once per stage rather than once per step: GPT-2's tied wte/lm_head
+        # weight is used by the embedding (first stage) and by the head (last stage). The
+        # default reducer (with or without find_unused_parameters) then fails with "Expected
+        # to mark a variable ready only once"; with static_graph it counts the hook calls of
+        # the first iteration and all-reduces a parameter after its last one. The graph is
+        # static here (one input shape, one plan) and every parameter receives a gradient,
+        # so find_unused_parameters is not needed.
+        module = DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None, static_graph=True
+        )
 
     try:
         from tqdm import tqdm
@@ -211,13 +321,14 @@ def main(argv=None) -> dict:
             return iterable
 
     losses, peak, timeline = [], 0, []
-    progress = tqdm(range(args.steps), desc="train", unit="step")
+    progress = tqdm(range(args.steps), desc="train", unit="step", disable=not ddp.main)
     for step in progress:
         started = time.perf_counter()
         total = 0.0
         for micro in range(args.accum):
+            # Under DDP every micro-step all-reduces (no no_sync()): simple, and still exact.
             batch = next(stream).to(device)
-            measured = step == 0 and micro == 0
+            measured = ddp.main and step == 0 and micro == 0
             if measured:
                 loss, peak, timeline = measure_step(module, batch, args, device, timeline=True)
             else:
@@ -225,6 +336,7 @@ def main(argv=None) -> dict:
             total += loss.item() / args.accum
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+        (total,) = ddp.mean(total)
         losses.append(total)
         if hasattr(progress, "set_postfix"):
             progress.set_postfix(loss=f"{total:.3f}", step_s=f"{time.perf_counter() - started:.2f}",
@@ -232,16 +344,7 @@ def main(argv=None) -> dict:
         if not math.isfinite(total):
             raise SystemExit(f"loss is {total} at step {step}")
 
-    val_loss = validation_loss(model, val.to(device), args.batch)
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out / "model")
-    predicted_timeline = []
-    if plan:
-        events = plan.chain.simulate().timeline
-        offset = plan.shared_bytes + plan.chain.reserved_bytes
-        predicted_timeline = [(i / len(events), e.peak_bytes + offset) for i, e in enumerate(events)]
-    measured_timeline = [(i / max(1, len(timeline)), b) for i, (_, b) in enumerate(timeline)]
-    plot(args.out / "report.png", losses, predicted_timeline, measured_timeline, budget)
+    val_loss = validation_loss(model, val.to(device), args.batch, ddp)
     report = {
         "budget_bytes": budget,
         "measured_peak_bytes": peak,
@@ -252,7 +355,25 @@ def main(argv=None) -> dict:
         "train_losses": losses,
         "validation_loss": val_loss,
         "device": str(device),
+        "world_size": ddp.world,
+        "global_batch": global_batch,
     }
+    if ddp.main:
+        write_outputs(args, model, plan, report, timeline)
+    return report
+
+
+def write_outputs(args, model, plan, report: dict, timeline) -> None:
+    budget, peak = report["budget_bytes"], report["measured_peak_bytes"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out / "model")
+    predicted_timeline = []
+    if plan:
+        events = plan.chain.simulate().timeline
+        offset = plan.shared_bytes + plan.chain.reserved_bytes
+        predicted_timeline = [(i / len(events), e.peak_bytes + offset) for i, e in enumerate(events)]
+    measured_timeline = [(i / max(1, len(timeline)), b) for i, (_, b) in enumerate(timeline)]
+    plot(args.out / "report.png", report["train_losses"], predicted_timeline, measured_timeline, budget)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     if plan:
         (args.out / "plan.json").write_text(plan.to_json())
@@ -260,10 +381,9 @@ def main(argv=None) -> dict:
         "measured peak %s %s budget %s (predicted %s); step %.3f s vs %.3f s plain autograd (%+.0f%%); "
         "validation loss %.4f; wrote %s",
         hr.format_bytes(peak), "<=" if report["within_budget"] else "ABOVE", hr.format_bytes(budget or 0),
-        hr.format_bytes(report["predicted_peak_bytes"] or 0), remat_seconds, plain_seconds,
-        100 * (remat_seconds / plain_seconds - 1), val_loss, args.out,
+        hr.format_bytes(report["predicted_peak_bytes"] or 0), report["step_seconds"], report["plain_step_seconds"],
+        100 * (report["step_seconds"] / report["plain_step_seconds"] - 1), report["validation_loss"], args.out,
     )
-    return report
 
 
 if __name__ == "__main__":
