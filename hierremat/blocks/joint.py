@@ -1,0 +1,439 @@
+"""One stage's joint forward+backward ATen graph, and its BlockGraph.
+
+How the joint graph is obtained
+-------------------------------
+With PyTorch's own AOTAutograd, through
+``torch._functorch.aot_autograd.aot_export_joint_with_descriptors`` (the API behind
+autoparallel). It traces ``stage(x, *shared)`` and ``torch.autograd.grad`` of its
+outputs with fake tensors (nothing runs, no buffer changes, no RNG drawn) into ONE
+functional ATen graph:
+
+* parameters and buffers are lifted as placeholders (``ParamAOTInput`` /
+  ``BufferAOTInput`` descriptors in ``node.meta["desc"]``), then the plain inputs
+  ``x, *shared`` (``PlainAOTInput(idx)``), then one ``tangents_*`` placeholder per
+  differentiable output (``TangentAOTInput``);
+* the graph is functionalised: in-place buffer updates (BatchNorm running stats) become
+  extra forward outputs (``InputMutationAOTOutput``) that the caller copies back;
+* outputs are described too: ``PlainAOTOutput(idx)`` (the stage's outputs),
+  ``GradAOTOutput(grad_of=...)`` (gradients of parameters and of x);
+* every node carries ``meta["partitioner_tag"]``: ``"is_forward"`` for what was traced
+  before ``autograd.grad`` started, ``"is_backward"`` after: that is the phase;
+* every node has a fake tensor in ``meta["val"]`` (shape, dtype, storage identity, so
+  views and their bases are known without running anything).
+
+Random operators stay stateful ATen ops (``aten.native_dropout``, ``aten.bernoulli``,
+...) tagged ``torch.Tag.nondeterministic_seeded``; run in graph order from the same RNG
+state they draw exactly what eager autograd draws. (AOTAutograd can also functionalise
+RNG into philox seed/offset inputs, CUDA only, via
+``torch._functorch.config.functionalize_rng_ops``; we do not enable it, and refuse
+graphs that have such inputs rather than misread them.)
+
+In the BlockGraph, a multi-output operator (``native_layer_norm``, ``native_dropout``,
+``_native_batch_norm_legit_functional``) is one node with ``out_bytes == 0`` that carries
+the time; each of its ``getitem`` users is a node owning that element's bytes (time 0),
+so keeping a dropout mask does not mean keeping the dropout output. Elements no
+``getitem`` reads are freed at once, so their bytes are the operator's workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..block_graph import BACKWARD, FORWARD, BlockGraph, GraphNode
+
+try:  # descriptor classes (torch >= 2.9)
+    from torch._functorch._aot_autograd.descriptors import (
+        BufferAOTInput,
+        GradAOTOutput,
+        InputMutationAOTOutput,
+        ParamAOTInput,
+        PlainAOTInput,
+        PlainAOTOutput,
+        TangentAOTInput,
+    )
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+except ImportError:  # pragma: no cover - older torch
+    aot_export_joint_with_descriptors = None
+
+
+@dataclass
+class JointGraph:
+    """A stage's joint forward+backward graph and what its inputs and outputs mean.
+
+    module: the joint fx GraphModule; run it flat with :func:`joint_inputs` (or use
+        :func:`run_joint`), outputs in ``module.graph``'s output node order.
+    stage: the traced stage (its parameters and buffers feed the param/buffer placeholders).
+    param_inputs / buffer_inputs: placeholder name -> parameter / buffer target in ``stage``.
+    input_name: placeholder of x; shared_names: placeholders of ``shared`` (in order).
+    tangent_names: placeholder of the gradient of each differentiable output (output
+        index -> name).
+    output_names: node of each stage output, in the stage's output order.
+    input_grad_name: node computing the gradient of x ("" if x needs none).
+    param_grad_names: parameter target -> node computing its gradient.
+    mutations: (node, buffer target): forward results to copy into buffers (BatchNorm
+        running statistics), in order.
+    phase: node name -> "forward" / "backward" for every call_function node.
+    """
+
+    module: fx.GraphModule
+    stage: nn.Module
+    param_inputs: dict[str, str]
+    buffer_inputs: dict[str, str]
+    input_name: str
+    shared_names: tuple[str, ...]
+    tangent_names: dict[int, str]
+    output_names: tuple[str, ...]
+    input_grad_name: str
+    param_grad_names: dict[str, str]
+    mutations: tuple[tuple[str, str], ...]
+    phase: dict[str, str] = field(repr=False)
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return list(self.module.graph.nodes)
+
+    def compute_nodes(self) -> list[fx.Node]:
+        return [n for n in self.module.graph.nodes if n.op == "call_function"]
+
+    @property
+    def forward_node_names(self) -> list[str]:
+        return [name for name, ph in self.phase.items() if ph == FORWARD]
+
+    @property
+    def backward_node_names(self) -> list[str]:
+        return [name for name, ph in self.phase.items() if ph == BACKWARD]
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.module.graph.nodes if n.op == "placeholder"]
+
+    def output_descs(self) -> list:
+        return list(_output_node(self.module).meta.get("desc") or [])
+
+
+def _output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def is_random_node(node: fx.Node) -> bool:
+    """The op draws random numbers: tagged ``nondeterministic_seeded``, except attention
+    kernels (``_scaled_dot_product_*``, tagged whatever their arguments) called with
+    ``dropout_p == 0``, which draw nothing."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+            return value is None or not isinstance(value, (int, float)) or value > 0
+    return True
+
+
+def is_view_node(node: fx.Node) -> bool:
+    """Whether the op's schema says its (first) result aliases an input (views, getitem of a list of views)."""
+    target = node.target
+    if target is operator.getitem:
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None
+    return False
+
+
+def trace_joint(stage: nn.Module, x: torch.Tensor, shared: tuple = (), input_requires_grad: bool | None = None) -> JointGraph:
+    """Trace ``stage(x, *shared)`` forward and backward into one functional ATen graph.
+
+    input_requires_grad: whether the gradient of x is part of the graph (default: x is
+        floating point). Shared values are traced without gradient.
+    Tracing uses fake tensors: the stage's buffers and the RNG state are not touched.
+    """
+    if aot_export_joint_with_descriptors is None:  # pragma: no cover
+        raise RuntimeError("hierremat.blocks.joint needs torch >= 2.9 (aot_export_joint_with_descriptors)")
+    shared = tuple(shared)
+    if input_requires_grad is None:
+        input_requires_grad = x.is_floating_point() or x.is_complex()
+    x_in = x.detach().requires_grad_(input_requires_grad)
+    shared_in = tuple(s.detach() if isinstance(s, torch.Tensor) else s for s in shared)
+    with contextlib.ExitStack() as stack:
+        exported = aot_export_joint_with_descriptors(stack, stage, (x_in, *shared_in))
+        gm = exported.graph_module
+
+    params, buffers, tangents = {}, {}, {}
+    plain: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        desc = node.meta.get("desc")
+        if isinstance(desc, ParamAOTInput):
+            params[node.name] = desc.target
+        elif isinstance(desc, BufferAOTInput):
+            buffers[node.name] = desc.target
+        elif isinstance(desc, PlainAOTInput):
+            plain[desc.idx] = node.name
+        elif isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput):
+            tangents[desc.output.idx] = node.name
+        else:
+            raise NotImplementedError(
+                f"joint graph input {node.name} has a descriptor hierremat does not handle: {desc!r}"
+            )
+    if 0 not in plain:
+        raise ValueError("the traced stage does not read its input x")
+
+    out_node = _output_node(gm)
+    outs = list(out_node.args[0])
+    descs = out_node.meta.get("desc") or [None] * len(outs)
+    outputs: dict[int, str] = {}
+    param_grads: dict[str, str] = {}
+    input_grad = ""
+    mutations = []
+    for value, desc in zip(outs, descs):
+        if value is None or desc is None:
+            continue
+        if not isinstance(value, fx.Node):
+            raise NotImplementedError(f"joint graph output {value!r} is not a graph value")
+        if isinstance(desc, PlainAOTOutput):
+            outputs[desc.idx] = value.name
+        elif isinstance(desc, InputMutationAOTOutput) and isinstance(desc.mutated_input, BufferAOTInput):
+            mutations.append((value.name, desc.mutated_input.target))
+        elif isinstance(desc, GradAOTOutput):
+            of = desc.grad_of
+            if isinstance(of, ParamAOTInput):
+                param_grads[of.target] = value.name
+            elif isinstance(of, PlainAOTInput) and of.idx == 0:
+                input_grad = value.name
+            # gradients of shared values are dropped: they are grad-free by contract
+        else:
+            raise NotImplementedError(f"joint graph output {value.name} has a descriptor hierremat does not handle: {desc!r}")
+
+    phase = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            phase[node.name] = BACKWARD if node.meta.get("partitioner_tag") == "is_backward" else FORWARD
+    _check_phase_order(gm, phase, set(tangents.values()))
+    return JointGraph(
+        module=gm,
+        stage=stage,
+        param_inputs=params,
+        buffer_inputs=buffers,
+        input_name=plain[0],
+        shared_names=tuple(plain[i] for i in sorted(plain) if i != 0),
+        tangent_names=dict(sorted(tangents.items())),
+        output_names=tuple(outputs[i] for i in sorted(outputs)),
+        input_grad_name=input_grad,
+        param_grad_names=param_grads,
+        mutations=tuple(mutations),
+        phase=phase,
+    )
+
+
+def _check_phase_order(gm: fx.GraphModule, phase: dict[str, str], tangents: set[str]) -> None:
+    """Forward nodes read no tangent and no backward node (the graph order may interleave; data may not)."""
+    for node in gm.graph.nodes:
+        if phase.get(node.name) != FORWARD:
+            continue
+        for a in node.all_input_nodes:
+            if a.name in tangents or phase.get(a.name) == BACKWARD:
+                raise AssertionError(f"forward node {node.name} reads {a.name}, which belongs to the backward")
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def joint_inputs(joint: JointGraph, x: torch.Tensor, shared: tuple, tangents) -> list:
+    """Flat inputs of ``joint.module`` in placeholder order.
+
+    tangents: one tensor, or a sequence with one per differentiable output (by output index).
+    """
+    shared = tuple(shared)
+    if isinstance(tangents, torch.Tensor):
+        tangents = (tangents,)
+    named = dict(joint.stage.named_parameters(remove_duplicate=False))
+    named.update(joint.stage.named_buffers(remove_duplicate=False))
+    plain = {joint.input_name: x, **dict(zip(joint.shared_names, shared))}
+    by_tangent = {name: tangents[i] for i, name in joint.tangent_names.items()}
+    args = []
+    for node in joint.placeholders():
+        if node.name in joint.param_inputs:
+            args.append(named[joint.param_inputs[node.name]].detach())
+        elif node.name in joint.buffer_inputs:
+            args.append(named[joint.buffer_inputs[node.name]].detach())
+        elif node.name in plain:
+            value = plain[node.name]
+            args.append(value.detach() if isinstance(value, torch.Tensor) else value)
+        elif node.name in by_tangent:
+            args.append(by_tangent[node.name])
+        else:  # pragma: no cover - trace_joint refuses other placeholders
+            raise AssertionError(node.name)
+    return args
+
+
+@dataclass
+class JointResult:
+    outputs: tuple[torch.Tensor, ...]
+    input_grad: torch.Tensor | None
+    param_grads: dict[str, torch.Tensor]
+    buffer_updates: dict[str, torch.Tensor]
+
+
+def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bool = True) -> JointResult:
+    """Execute the joint graph node by node (fx Interpreter), without autograd.
+
+    apply_mutations: copy the new buffer values (BatchNorm running stats) into the
+    stage's buffers, as eager training would.
+    """
+    args = joint_inputs(joint, x, shared, tangents)
+    with torch.no_grad():
+        flat = fx.Interpreter(joint.module).run(*args, enable_io_processing=False)
+    out_node = _output_node(joint.module)
+    values = {a.name: v for a, v in zip(out_node.args[0], flat) if isinstance(a, fx.Node)}
+    updates = {target: values[name] for name, target in joint.mutations}
+    if apply_mutations:
+        buffers = dict(joint.stage.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for target, value in updates.items():
+                buffers[target].copy_(value)
+    return JointResult(
+        outputs=tuple(values[n] for n in joint.output_names),
+        input_grad=values.get(joint.input_grad_name) if joint.input_grad_name else None,
+        param_grads={t: values[n] for t, n in joint.param_grad_names.items()},
+        buffer_updates=updates,
+    )
+
+
+# --------------------------------------------------------------------------- BlockGraph
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # pragma: no cover - tensors without storage
+        return int(t.numel() * t.element_size())
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.target is operator.getitem:
+        return "getitem"
+    return str(node.target)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Per node: bytes it owns, the node/input whose storage it shares, unused tuple bytes."""
+
+    out_bytes: dict[str, int]
+    alias_of: dict[str, str]
+    unused_bytes: dict[str, int]
+
+
+def storage_layout(joint: JointGraph) -> NodeLayout:
+    """Who owns which storage, from the fake tensors in ``meta["val"]``.
+
+    A node whose result's storage already exists (a view, a getitem of a list of views,
+    ``_unsafe_view``, ``detach``) owns nothing and aliases the storage's owner (a node or
+    a placeholder). A tuple-valued node owns nothing either; its getitems own the elements.
+    """
+    owner: dict[StorageWeakRef, str] = {}
+    out_bytes, alias_of, unused = {}, {}, {}
+    for node in joint.module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor):
+                owner.setdefault(StorageWeakRef(val.untyped_storage()), node.name)
+            continue
+        if node.op != "call_function":
+            continue
+        out_bytes[node.name] = 0
+        if isinstance(val, torch.Tensor):
+            key = StorageWeakRef(val.untyped_storage())
+            if key in owner:
+                alias_of[node.name] = owner[key]
+            else:
+                owner[key] = node.name
+                out_bytes[node.name] = _tensor_bytes(val)
+        elif isinstance(val, (tuple, list)):
+            used = {u.args[1] for u in node.users if u.target is operator.getitem}
+            unused[node.name] = sum(
+                _tensor_bytes(v)
+                for i, v in enumerate(val)
+                if isinstance(v, torch.Tensor) and i not in used and StorageWeakRef(v.untyped_storage()) not in owner
+            )
+    return NodeLayout(out_bytes, alias_of, unused)
+
+
+def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] | None = None) -> BlockGraph:
+    """The BlockGraph of a traced stage: forward nodes, then backward nodes, in graph order.
+
+    node_costs: node name -> (seconds, workspace bytes), e.g. from
+    :func:`hierremat.blocks.node_profile.profile_nodes`; missing nodes cost 0.
+    Inputs list only activation-carrying names (nodes, x, the output gradient);
+    parameters, buffers and shared values are omitted. Views own 0 bytes and name the
+    storage's owner in ``alias_of`` ("" when that is a parameter, buffer or shared value).
+    """
+    if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
+        raise ValueError(
+            f"a BlockGraph has one output with a gradient; this stage has {len(joint.output_names)} outputs "
+            f"and {len(joint.tangent_names)} differentiable ones"
+        )
+    node_costs = node_costs or {}
+    layout = storage_layout(joint)
+    (tangent,) = joint.tangent_names.values()
+    activation = {joint.input_name, tangent}
+    placeholders = {n.name: n for n in joint.placeholders()}
+    nodes_fwd, nodes_bwd = [], []
+    for node in joint.compute_nodes():
+        name = node.name
+        activation.add(name)
+        inputs = tuple(dict.fromkeys(a.name for a in node.all_input_nodes if a.name in activation))
+        alias = layout.alias_of.get(name, "")
+        if alias and alias in placeholders and alias not in (joint.input_name, tangent):
+            alias = ""  # a view of a parameter, buffer or shared value: free, no activation storage
+        time_s, workspace = node_costs.get(name, (0.0, 0))
+        graph_node = GraphNode(
+            name=name,
+            op=_op_name(node),
+            phase=joint.phase[name],
+            inputs=inputs,
+            out_bytes=layout.out_bytes[name],
+            time=float(time_s),
+            workspace_bytes=int(workspace) + layout.unused_bytes.get(name, 0),
+            random=is_random_node(node),
+            alias_of=alias,
+        )
+        (nodes_fwd if graph_node.phase == FORWARD else nodes_bwd).append(graph_node)
+    x_val = placeholders[joint.input_name].meta["val"]
+    t_val = placeholders[tangent].meta["val"]
+    return BlockGraph(
+        nodes=tuple(nodes_fwd + nodes_bwd),
+        input_name=joint.input_name,
+        input_bytes=_tensor_bytes(x_val),
+        output_name=joint.output_names[0],
+        output_grad_name=tangent,
+        output_grad_bytes=_tensor_bytes(t_val),
+        input_grad_name=joint.input_grad_name,
+    )
+
+
+def saved_for_backward(joint: JointGraph) -> dict[str, int]:
+    """Storages the backward reads from the forward: owner name -> bytes.
+
+    Owners are forward nodes (through views and getitems to the node owning the storage);
+    reads of x, parameters, buffers and shared values are not counted. This is what
+    plain autograd keeps between forward and backward, up to its own choices.
+    """
+    layout = storage_layout(joint)
+    saved: dict[str, int] = {}
+    for node in joint.compute_nodes():
+        if joint.phase[node.name] != BACKWARD:
+            continue
+        for a in node.all_input_nodes:
+            if joint.phase.get(a.name) != FORWARD:
+                continue
+            base = layout.alias_of.get(a.name, a.name)
+            if joint.phase.get(base) == FORWARD and layout.out_bytes.get(base, 0) > 0:
+                saved[base] = layout.out_bytes[base]
+    return saved
