@@ -1,1 +1,24 @@
-"""Per-block integer programs (block options) and their on-disk cache; never imports torch."""
+"""Per-block integer programs (block options) and their on-disk cache; never imports torch.
+
+The model is documented in ``formulation``; solving in ``solve``; the option menu and
+the op-list simulator in ``options``.
+"""
+
+from .formulation import CompactGraph, Decisions, compact
+from .options import BlockOption, BlockOptions, OptionSimulation, simulate_option, solve_menu
+from .solve import BlockIlp, IlpResult, solve_block, solve_count
+
+__all__ = [
+    "BlockIlp",
+    "BlockOption",
+    "BlockOptions",
+    "CompactGraph",
+    "Decisions",
+    "IlpResult",
+    "OptionSimulation",
+    "compact",
+    "simulate_option",
+    "solve_block",
+    "solve_count",
+    "solve_menu",
+]

@@ -1,0 +1,427 @@
+"""Block options: solved schedules as explicit op lists, the per-block menu, a simulator.
+
+``solve_menu(graph)`` sweeps a grid of (retained bytes, peak) budgets between the
+smallest feasible and keep-everything, reusing one ILP (budgets are variable bounds,
+see ``formulation``), adds the two trivial options (keep every forward result the
+backward reads; keep nothing and recompute from the input), and drops dominated
+options. ``simulate_option`` replays an option's op lists on the *original* graph,
+independently of the ILP, to check its predicted times and peaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..block_graph import BlockGraph
+from ..costs import OptionCosts
+from .formulation import Decisions, Evaluation, Structure, evaluate, op_lists
+from .solve import BlockIlp, solve_count
+
+log = logging.getLogger("hierremat.ilp")
+
+# Per-solve limit of a menu sweep: solves near the least feasible peak are the slow ones
+# (seconds to tens of seconds on a GPT-2-sized block); a stopped one keeps its incumbent.
+MENU_TIME_LIMIT = 10.0
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """One way to run a block's forward (with grad) and backward.
+
+    fwd_ops / bwd_ops: ("compute" | "free", node name) in execution order. The forward
+        phase starts with x in memory; the backward phase starts with dy, the kept
+        values, x if pins_input and y (and its names) if pins_output.
+    fwd_time / bwd_time: seconds (bwd includes recomputation).
+    kept_bytes: retained from the end of the forward to the end of the backward, x and y
+        not counted. fwd_peak_bytes: peak of the forward above its entry (x).
+    bwd_peak_bytes: peak of the backward above its entry (pinned x, kept, pinned y, dy).
+    input_grad_bytes: bytes of dx as the chain DP counts it (0 without dx).
+    optimal: proven optimal by the ILP for (kept_budget, peak_budget); False for the
+        trivial options and for solves stopped by the time limit.
+    """
+
+    name: str
+    fwd_ops: tuple
+    bwd_ops: tuple
+    fwd_time: float
+    bwd_time: float
+    kept_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    pins_input: bool
+    pins_output: bool
+    optimal: bool
+    input_grad_bytes: int = 0
+    kept_budget: int | None = None
+    peak_budget: int | None = None
+
+    @property
+    def total_time(self) -> float:
+        return self.fwd_time + self.bwd_time
+
+    def to_option_costs(self) -> OptionCosts:
+        return OptionCosts(
+            fwd_time=self.fwd_time,
+            bwd_time=self.bwd_time,
+            kept_bytes=self.kept_bytes,
+            fwd_overhead_bytes=self.fwd_peak_bytes,
+            bwd_overhead_bytes=max(self.bwd_peak_bytes, self.input_grad_bytes),
+            pins_output=self.pins_output,
+            pins_input=self.pins_input,
+            name=self.name,
+        )
+
+    def dominates(self, other: "BlockOption") -> bool:
+        """No worse in time, kept bytes, both DP overheads, and pins (fewer is better)."""
+        a, b = self.to_option_costs(), other.to_option_costs()
+        return (
+            a.fwd_time + a.bwd_time <= b.fwd_time + b.bwd_time
+            and a.kept_bytes <= b.kept_bytes
+            and a.fwd_overhead_bytes <= b.fwd_overhead_bytes
+            and a.bwd_overhead_bytes <= b.bwd_overhead_bytes
+            and a.pins_input <= b.pins_input
+            and a.pins_output <= b.pins_output
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "fwd_ops": [list(op) for op in self.fwd_ops],
+            "bwd_ops": [list(op) for op in self.bwd_ops],
+            "fwd_time": self.fwd_time,
+            "bwd_time": self.bwd_time,
+            "kept_bytes": self.kept_bytes,
+            "fwd_peak_bytes": self.fwd_peak_bytes,
+            "bwd_peak_bytes": self.bwd_peak_bytes,
+            "pins_input": self.pins_input,
+            "pins_output": self.pins_output,
+            "optimal": self.optimal,
+            "input_grad_bytes": self.input_grad_bytes,
+            "kept_budget": self.kept_budget,
+            "peak_budget": self.peak_budget,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockOption":
+        return cls(
+            name=d["name"],
+            fwd_ops=tuple((str(a), str(b)) for a, b in d["fwd_ops"]),
+            bwd_ops=tuple((str(a), str(b)) for a, b in d["bwd_ops"]),
+            fwd_time=float(d["fwd_time"]),
+            bwd_time=float(d["bwd_time"]),
+            kept_bytes=int(d["kept_bytes"]),
+            fwd_peak_bytes=int(d["fwd_peak_bytes"]),
+            bwd_peak_bytes=int(d["bwd_peak_bytes"]),
+            pins_input=bool(d["pins_input"]),
+            pins_output=bool(d["pins_output"]),
+            optimal=bool(d["optimal"]),
+            input_grad_bytes=int(d.get("input_grad_bytes", 0)),
+            kept_budget=None if d.get("kept_budget") is None else int(d["kept_budget"]),
+            peak_budget=None if d.get("peak_budget") is None else int(d["peak_budget"]),
+        )
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """The Pareto-pruned menu of one block graph."""
+
+    options: tuple
+    solve_seconds: float = 0.0
+    n_solves: int = 0
+    n_variables: int = 0
+    n_constraints: int = 0
+
+    def __len__(self) -> int:
+        return len(self.options)
+
+    def __iter__(self):
+        return iter(self.options)
+
+    def by_name(self, name: str) -> BlockOption:
+        for o in self.options:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def to_option_costs(self) -> tuple:
+        return tuple(o.to_option_costs() for o in self.options)
+
+    def to_dict(self) -> dict:
+        return {
+            "options": [o.to_dict() for o in self.options],
+            "solve_seconds": self.solve_seconds,
+            "n_solves": self.n_solves,
+            "n_variables": self.n_variables,
+            "n_constraints": self.n_constraints,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockOptions":
+        return cls(
+            options=tuple(BlockOption.from_dict(o) for o in d["options"]),
+            solve_seconds=float(d.get("solve_seconds", 0.0)),
+            n_solves=int(d.get("n_solves", 0)),
+            n_variables=int(d.get("n_variables", 0)),
+            n_constraints=int(d.get("n_constraints", 0)),
+        )
+
+
+# ----------------------------------------------------------------------------- building options
+
+
+def make_option(st: Structure, d: Decisions, name: str, optimal: bool, ev: Evaluation | None = None, **budgets) -> BlockOption:
+    ev = ev or evaluate(st, d)
+    if not ev.valid:
+        raise ValueError(f"option {name}: {ev.why}")
+    graph = st.cg.graph
+    fwd_ops, bwd_ops = op_lists(st, d)
+    return BlockOption(
+        name=name,
+        fwd_ops=fwd_ops,
+        bwd_ops=bwd_ops,
+        fwd_time=float(ev.fwd_time),
+        bwd_time=float(ev.bwd_time),
+        kept_bytes=int(ev.kept_bytes),
+        fwd_peak_bytes=int(ev.fwd_peak - graph.input_bytes),
+        bwd_peak_bytes=int(ev.bwd_peak - ev.bwd_entry),
+        pins_input=bool(d.pin_input),
+        pins_output=bool(d.pin_output),
+        optimal=bool(optimal),
+        input_grad_bytes=graph.input_bytes if graph.input_grad_name else 0,
+        **budgets,
+    )
+
+
+def keep_all_decisions(st: Structure) -> Decisions:
+    """Keep every forward result the backward reads; no recomputation."""
+    cg = st.cg
+    y = cg.out_group
+    reads = set()
+    for t in cg.stages:
+        reads |= set(cg.bwd[t].fwd_reads)
+    kept = frozenset(g for g in reads if g not in (0, y))
+    carry = [kept] + [frozenset(g for g in kept if g in st.useful[k]) for k in range(1, st.K)]
+    return Decisions(kept, 0 in reads, y in reads, tuple(frozenset() for _ in range(st.K)), tuple(carry))
+
+
+def recompute_all_decisions(st: Structure) -> Decisions:
+    """Keep nothing but x (and random results, which may not be recomputed); every stage
+    recomputes what it needs from them (values held by backward views are carried)."""
+    cg = st.cg
+    G = cg.groups
+    needed = set().union(*st.need) if st.K else set()
+    kept = frozenset(g for g in needed if g != 0 and G[g].random)
+    rec, carry = [], [kept]
+    for k in range(st.K):
+        if k >= 1:
+            carry.append(frozenset({g for g in kept if g in st.useful[k]} | st.forced[k]))
+        rec.append(frozenset(g for g in st.cone[k] if g not in carry[k]))
+    return Decisions(kept, 0 in needed, False, tuple(rec), tuple(carry))
+
+
+def _prune(options: list) -> list:
+    out = []
+    for i, o in enumerate(options):
+        dominated = False
+        for j, p in enumerate(options):
+            if i == j or not p.dominates(o):
+                continue
+            # equal options: keep the first (prefer optimal ILP options, then earlier)
+            if o.dominates(p) and (o.optimal, -i) > (p.optimal, -j):
+                continue
+            dominated = True
+            break
+        if not dominated:
+            out.append(o)
+    out.sort(key=lambda o: (o.kept_bytes, o.total_time))
+    return out
+
+
+def solve_menu(
+    graph: BlockGraph,
+    *,
+    n_kept: int = 4,
+    n_peak: int = 3,
+    peak_step: float = 0.15,
+    time_limit: float = MENU_TIME_LIMIT,
+    backend: str = "auto",
+    ilp: BlockIlp | None = None,
+) -> BlockOptions:
+    """The option menu of ``graph``: a (retained bytes x peak) budget sweep of the ILP,
+    plus keep-all and recompute-all, Pareto-pruned.
+
+    n_kept budgets of retained bytes from the least feasible to keep-all; for each, the
+    fastest schedule, then up to n_peak peak budgets at (1 - peak_step * i) times its peak,
+    stopping at the first infeasible one and adding one bisection step after it.
+    Each solve is limited to ``time_limit`` seconds (a stopped solve keeps its incumbent,
+    marked ``optimal=False``).
+    """
+    t0 = time.perf_counter()
+    solves0 = solve_count()
+    ilp = ilp or BlockIlp(graph)
+    st = ilp.structure
+    kw = dict(time_limit=time_limit, backend=backend)
+    cands: list[BlockOption] = []
+    keep_all = make_option(st, keep_all_decisions(st), "keep_all", optimal=False)
+    cands.append(keep_all)
+    try:
+        cands.append(make_option(st, recompute_all_decisions(st), "recompute_all", optimal=False))
+    except ValueError as err:
+        log.info("recompute_all option skipped: %s", err)
+
+    seen = set()
+
+    def add(res, K, P):
+        if not res.has_solution or res.decisions in seen:
+            return
+        seen.add(res.decisions)
+        cands.append(
+            make_option(
+                st,
+                res.decisions,
+                f"ilp_kept{int(K)}_peak{int(P) if P is not None else 'inf'}",
+                optimal=res.optimal,
+                ev=res.evaluation,
+                kept_budget=int(K),
+                peak_budget=None if P is None else int(P),
+            )
+        )
+
+    kmin = ilp.solve(objective="kept", **kw)
+    if not kmin.has_solution:
+        log.warning("block ILP: no schedule found for the least-kept solve (%s)", kmin.status)
+    else:
+        k_lo = int(kmin.objective)
+        k_hi = max(k_lo, keep_all.kept_bytes + (graph.input_bytes if keep_all.pins_input else 0) + _y_bytes(st, keep_all))
+        for K in sorted({int(round(v)) for v in np.linspace(k_lo, k_hi, max(1, n_kept))}):
+            fastest = ilp.solve(kept=K, **kw)
+            add(fastest, K, None)
+            if not fastest.has_solution:
+                continue
+            # Peak budgets below the fastest schedule's peak, descending until infeasible,
+            # then one bisection step towards the least feasible peak. (Solving for the
+            # least peak directly is a min-max ILP that HiGHS proves slowly on real blocks.)
+            p_hi = int(max(fastest.evaluation.fwd_peak, fastest.evaluation.bwd_peak))
+            feasible, infeasible = p_hi, None
+            for i in range(1, max(1, n_peak) + 1):
+                P = int(p_hi * (1.0 - peak_step * i))
+                if P <= 0:
+                    break
+                res = ilp.solve(kept=K, peak=P, **kw)
+                if not res.has_solution:
+                    infeasible = P if res.status == "infeasible" else None
+                    break
+                add(res, K, P)
+                feasible = int(max(res.evaluation.fwd_peak, res.evaluation.bwd_peak))
+            if infeasible is not None and feasible - infeasible > 1:
+                P = (feasible + infeasible) // 2
+                add(ilp.solve(kept=K, peak=P, **kw), K, P)
+    options = _prune(cands)
+    seconds = time.perf_counter() - t0
+    log.info(
+        "block menu: %d options (of %d candidates), %d solves, %d variables, %d constraints, %.2fs",
+        len(options),
+        len(cands),
+        solve_count() - solves0,
+        ilp.model.n_vars,
+        ilp.model.n_constraints,
+        seconds,
+    )
+    return BlockOptions(tuple(options), seconds, solve_count() - solves0, ilp.model.n_vars, ilp.model.n_constraints)
+
+
+def _y_bytes(st: Structure, o: BlockOption) -> int:
+    return st.cg.groups[st.cg.out_group].out_bytes if o.pins_output else 0
+
+
+# ----------------------------------------------------------------------------- simulator
+
+
+@dataclass(frozen=True)
+class OptionSimulation:
+    fwd_time: float
+    bwd_time: float
+    fwd_peak_bytes: int  # above the forward's entry (x)
+    bwd_peak_bytes: int  # above the backward's entry
+    kept_bytes: int  # retained storage at the end of the forward, x and y not counted
+
+
+def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
+    """Replay ``option``'s op lists on ``graph``; independent of the ILP.
+
+    Memory is counted per storage (a view, with no bytes of its own, shares its base's
+    storage, found by following ``alias_of``); a storage is allocated while any of its
+    names is live. A compute's
+    peak is the memory before it, plus its storage if new, plus its workspace. Raises
+    ValueError on an op that reads a value not in memory, frees a dead name, runs a
+    backward node twice or out of order, or leaves a forward node or dx missing.
+    """
+    x, dy = graph.input_name, graph.output_grad_name
+    nodes = {n.name: n for n in graph.nodes}
+    size = {x: graph.input_bytes, dy: graph.output_grad_bytes}
+    root = {x: x, dy: dy}
+    for n in graph.nodes:
+        # a result that owns bytes is a storage of its own even when attached to another node
+        # (the elements of a multi-output op, see hierremat.blocks.joint); a view owns none
+        owns = n.out_bytes > 0 or not n.alias_of
+        root[n.name] = n.name if owns else root.get(n.alias_of, n.alias_of)
+        size.setdefault(n.name, n.out_bytes)
+
+    def storage_bytes(live: set) -> int:
+        return sum(size[r] for r in {root[nm] for nm in live})
+
+    def run(ops, live: set, phase: str):
+        mem = storage_bytes(live)
+        entry, peak, clock = mem, mem, 0.0
+        for i, (kind, nm) in enumerate(ops):
+            if kind == "compute":
+                n = nodes.get(nm)
+                if n is None or (phase == "forward" and n.phase != "forward"):
+                    raise ValueError(f"{phase} op {i}: {nm!r} is not a node this phase may run")
+                missing = [a for a in n.inputs if a not in live]
+                if missing:
+                    raise ValueError(f"{phase} op {i}: {nm} reads {missing}, not in memory")
+                if nm in live:
+                    raise ValueError(f"{phase} op {i}: {nm} is already in memory")
+                new = 0 if any(root[o] == root[nm] for o in live) else size[root[nm]]
+                peak = max(peak, mem + new + n.workspace_bytes)
+                live.add(nm)
+                mem += new
+                clock += n.time
+            elif kind == "free":
+                if nm not in live:
+                    raise ValueError(f"{phase} op {i}: frees {nm!r}, which is not in memory")
+                live.discard(nm)
+                if not any(root[o] == root[nm] for o in live):
+                    mem -= size[root[nm]]
+            else:
+                raise ValueError(f"{phase} op {i}: unknown kind {kind!r}")
+        return entry, peak, clock
+
+    live = {x}
+    entry_f, peak_f, t_f = run(option.fwd_ops, live, "forward")
+    computed = [nm for k, nm in option.fwd_ops if k == "compute"]
+    if sorted(computed) != sorted(n.name for n in graph.forward_nodes):
+        raise ValueError("the forward phase does not compute every forward node exactly once")
+    if graph.output_name not in live:
+        raise ValueError("the block output is not in memory at the end of the forward")
+    x_names = {nm for nm in live if root[nm] == x}
+    y_names = {nm for nm in live if root[nm] == root[graph.output_name]}
+    kept_names = live - x_names - y_names
+    kept = storage_bytes(kept_names)
+    blive = {dy} | kept_names
+    if option.pins_input:
+        blive |= x_names
+    if option.pins_output:
+        blive |= y_names
+    entry_b, peak_b, t_b = run(option.bwd_ops, blive, "backward")
+    order = [nm for k, nm in option.bwd_ops if k == "compute" and nodes[nm].phase == "backward"]
+    if order != [n.name for n in graph.backward_nodes]:
+        raise ValueError("the backward phase does not run every backward node once, in order")
+    if graph.input_grad_name and graph.input_grad_name not in blive:
+        raise ValueError("dx is not in memory at the end of the backward")
+    return OptionSimulation(t_f, t_b, peak_f - entry_f, peak_b - entry_b, kept)
