@@ -62,10 +62,11 @@ class ChainCosts:
 
     activation_bytes: L + 1 sizes, bytes of x_0 .. x_L (a gradient has its tensor's size).
     input_requires_grad: whether B(0) produces a gradient for x_0 (else it costs 0 bytes).
-    output_held: whether the caller keeps the chain output x_L alive through the whole
-        backward (``y = chain(x); loss_fn(y).backward()`` with ``y`` still referenced).
-        When False, x_L is freed at the Loss (once its gradient exists), unless the last
-        stage's option pins it.
+    output_held_bytes: bytes of x_L that the caller keeps alive through the whole
+        backward (None: all of it, as with ``y = chain(x); loss_fn(y).backward()`` and
+        ``y`` still referenced; 0 when released; a model returning (loss, logits) trained
+        with ``.loss.backward()`` keeps only the loss). The rest of x_L is freed at the
+        Loss (once its gradient exists), unless the last stage's option pins it.
     output_grad_bytes: bytes of the gradient that arrives for x_L (None: x_L's size).
         Smaller when only part of a tuple output is differentiated, e.g. a model that
         returns (loss, logits) and is trained with ``.loss.backward()``.
@@ -74,7 +75,7 @@ class ChainCosts:
     activation_bytes: tuple[int, ...]
     stages: tuple[StageCosts, ...]
     input_requires_grad: bool = True
-    output_held: bool = True
+    output_held_bytes: int | None = None
     output_grad_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -87,6 +88,8 @@ class ChainCosts:
             raise ValueError("activation_bytes must be >= 0")
         if self.output_grad_bytes is not None and self.output_grad_bytes < 0:
             raise ValueError("output_grad_bytes must be >= 0")
+        if self.output_held_bytes is not None and not 0 <= self.output_held_bytes <= self.activation_bytes[-1]:
+            raise ValueError("output_held_bytes must be between 0 and the bytes of the output")
         for i, st in enumerate(self.stages):
             out = self.activation_bytes[i + 1]
             if not st.options:
@@ -117,15 +120,20 @@ class ChainCosts:
         return self.activation_bytes[-1] if self.output_grad_bytes is None else self.output_grad_bytes
 
     @property
+    def held_output(self) -> int:
+        """Bytes of x_L the caller holds through the backward."""
+        return self.activation_bytes[-1] if self.output_held_bytes is None else self.output_held_bytes
+
+    @property
     def output_resident(self) -> int:
         """Bytes that stay from the Loss to the end of the backward: the held output and its gradient."""
-        return (self.activation_bytes[-1] if self.output_held else 0) + self.output_grad
+        return self.held_output + self.output_grad
 
     def to_dict(self) -> dict:
         return {
             "activation_bytes": list(self.activation_bytes),
             "input_requires_grad": self.input_requires_grad,
-            "output_held": self.output_held,
+            "output_held_bytes": self.output_held_bytes,
             "output_grad_bytes": self.output_grad_bytes,
             "stages": [
                 {
@@ -153,6 +161,6 @@ class ChainCosts:
             activation_bytes=tuple(int(a) for a in d["activation_bytes"]),
             stages=stages,
             input_requires_grad=bool(d.get("input_requires_grad", True)),
-            output_held=bool(d.get("output_held", True)),
+            output_held_bytes=None if d.get("output_held_bytes") is None else int(d["output_held_bytes"]),
             output_grad_bytes=None if d.get("output_grad_bytes") is None else int(d["output_grad_bytes"]),
         )

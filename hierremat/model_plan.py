@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .blocks_info import StageInfo
 from .budget import format_bytes
@@ -16,12 +16,20 @@ class ModelPlan:
 
     shared_bytes: bytes of the values computed once before the chain and held during it
     (attention masks, position ids); predicted_peak_bytes includes them.
+    menus: stage signature -> its block-option menu as a dict (hierremat.stage_options.
+    StageMenu), so that a saved plan runs without solving again; options k >= 1 of a
+    stage in ``chain.costs`` are that menu's options in order.
+    options_seconds, options_solves: time spent building the menus (trace, profile, ILP)
+    and the number of ILP solves (0 when every menu came from the cache).
     """
 
     chain: SequentialPlan
     stages: tuple[StageInfo, ...]
     shared_bytes: int
     capture_seconds: float
+    menus: dict = field(default_factory=dict)
+    options_seconds: float = 0.0
+    options_solves: int = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -48,7 +56,9 @@ class ModelPlan:
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
             f" + shared inputs {format_bytes(self.shared_bytes)})",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
-            f"  planning: capture {self.capture_seconds:.2f} s, profile {c.profile_seconds:.2f} s, solve {c.solve_seconds:.3f} s",
+            f"  planning: capture {self.capture_seconds:.2f} s, profile {c.profile_seconds:.2f} s, block options "
+            f"{self.options_seconds:.2f} s ({len(self.menus)} menus, {self.options_solves} ILP solves), "
+            f"chain DP {c.solve_seconds:.3f} s",
             "",
             f"  {'stage':>5}  {'module':<28} {'signature':<16} {'nodes':>5} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
         ]
@@ -71,6 +81,9 @@ class ModelPlan:
                 "stages": [s.__dict__ for s in self.stages],
                 "shared_bytes": self.shared_bytes,
                 "capture_seconds": self.capture_seconds,
+                "menus": self.menus,
+                "options_seconds": self.options_seconds,
+                "options_solves": self.options_solves,
             }
         )
 
@@ -84,4 +97,7 @@ class ModelPlan:
             stages=tuple(StageInfo(**s) for s in d["stages"]),
             shared_bytes=int(d["shared_bytes"]),
             capture_seconds=float(d["capture_seconds"]),
+            menus=dict(d.get("menus", {})),
+            options_seconds=float(d.get("options_seconds", 0.0)),
+            options_solves=int(d.get("options_solves", 0)),
         )

@@ -105,9 +105,11 @@ def plan_from_profile(
     reserve still fits; else plan with the reserve of every stage set aside; else the
     schedule of least peak. Baseline strategies (see STRATEGIES) use a fixed schedule.
 
-    output_held: whether the caller keeps the chain output alive through the backward.
-    None (default) plans as if it does, unless only a plan that assumes it is released
-    fits the budget; the runtime checks the assumption on every backward (PlannedChain).
+    output_held: whether the caller keeps the chain output alive through the backward
+    (True), releases it once the loss is computed (False), or holds that many bytes of it
+    (an int, as observed by the runtime). None (default) plans as if it is held, unless
+    only a plan that assumes it released fits the budget; the runtime checks the
+    assumption on every backward (PlannedChain).
     """
     reserve = _replay_reserve(stages, profile, device)
 
@@ -124,13 +126,13 @@ def plan_from_profile(
         return schedule
 
     started = time.perf_counter()
-    costs = replace(profile.costs, output_held=True if output_held is None else output_held)
+    costs = replace(profile.costs, output_held_bytes=held_bytes(output_held, profile.costs))
     try:
         schedule = solve(costs)
     except InfeasibleBudgetError:
         if output_held is not None:
             raise
-        costs = replace(costs, output_held=False)
+        costs = replace(costs, output_held_bytes=least_held_bytes(profile))
         schedule = solve(costs)
         log.info(
             "budget %d B fits only if the caller releases the chain output before backward (e.g. `loss = "
@@ -141,6 +143,22 @@ def plan_from_profile(
         costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started,
         profile.output_grad_mask,
     )
+
+
+def held_bytes(output_held: bool | int | None, costs) -> int | None:
+    """ChainCosts.output_held_bytes for an ``output_held`` argument (None and True: all of it)."""
+    if output_held is None or output_held is True:
+        return None
+    if output_held is False:
+        return 0
+    return min(int(output_held), costs.activation_bytes[-1])
+
+
+def least_held_bytes(profile: ChainProfile) -> int:
+    """What a caller that releases the output still holds: the losses among several outputs
+    (``loss = model(x).loss; loss.backward()`` keeps the loss); nothing of a single output."""
+    mask = profile.output_grad_mask
+    return profile.costs.output_grad if len(mask) > 1 and not all(mask) else 0
 
 
 class PlannedChain:
@@ -156,21 +174,24 @@ class PlannedChain:
 
     def __init__(
         self, stages: Sequence[Callable], plan: SequentialPlan, *, slots: int, strategy: str = "optimal",
-        signatures: Sequence[str] | None = None,
+        signatures: Sequence[str] | None = None, menus=None,
     ):
+        """menus: the stages' block-option menus (hierremat.stage_options.ChainMenus), if any."""
         self.stages = list(stages)
         self.slots = slots
         self.strategy = strategy
         self.signatures = signatures
+        self.menus = menus
         self._bind(plan)
 
     def _bind(self, plan: SequentialPlan) -> None:
         self.plan = plan
-        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers)
+        executors = self.menus.executors if self.menus is not None else None
+        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers, executors)
 
     @property
     def assumed_output_use(self) -> OutputUse:
-        return OutputUse(self.plan.costs.output_held, self.plan.output_grad_mask)
+        return OutputUse(self.plan.costs.held_output, self.plan.output_grad_mask)
 
     def run(self, x: torch.Tensor, shared: tuple = ()):
         seen = self.runner.observed_output_use
@@ -181,11 +202,12 @@ class PlannedChain:
     def _replan(self, seen: OutputUse, x: torch.Tensor, shared: tuple) -> None:
         assumed = self.assumed_output_use
         out_bytes = self.plan.costs.activation_bytes[-1]
-        if seen.held and not assumed.held:
+        if seen.held_bytes > assumed.held_bytes:
             log.warning(
-                "the caller held the chain output (%d B) through the backward, which the plan assumed released: "
-                "that step may have exceeded the budget by up to that much. Re-planning with it held; release the "
-                "output before backward (e.g. `loss = model(x).loss`) to keep the faster plan.", out_bytes,
+                "the caller held %d B of the chain output (%d B) through the backward, where the plan assumed %d B: "
+                "that step may have exceeded the budget by up to the difference. Re-planning with it held; release "
+                "the output before backward (e.g. `loss = model(x).loss`) to keep the faster plan.",
+                seen.held_bytes, out_bytes, assumed.held_bytes,
             )
         unexpected = [i for i, (s, a) in enumerate(zip(seen.grad_mask, assumed.grad_mask)) if s and not a]
         if unexpected:
@@ -201,11 +223,13 @@ class PlannedChain:
             profile = profile_chain(
                 self.stages, x, shared=shared, signatures=self.signatures, output_grad_mask=seen.grad_mask
             )
+            if self.menus is not None:
+                profile = self.menus.extend(profile)
             profile_seconds = time.perf_counter() - started
         self._bind(
             plan_from_profile(
                 self.stages, profile, self.plan.budget_bytes, x.device, slots=self.slots,
-                profile_seconds=profile_seconds, strategy=self.strategy, output_held=seen.held,
+                profile_seconds=profile_seconds, strategy=self.strategy, output_held=seen.held_bytes,
             )
         )
 

@@ -19,7 +19,7 @@ class SequentialPlan:
     buffer snapshots of recomputed stages); predicted_peak_bytes includes it.
     profile_seconds, solve_seconds: planning cost.
     output_grad_mask: per output of the last stage, whether the plan expects a gradient
-        for it; with ``costs.output_held``, what the plan assumes of how the caller uses
+        for it; with ``costs.output_held_bytes``, what the plan assumes of how the caller uses
         the output (the runtime checks it on every backward and re-plans if it differs).
     """
 
@@ -80,7 +80,8 @@ class SequentialPlan:
             f"({self.no_remat_step_time * 1e3:.2f} ms)",
             f"  planning: profile {self.profile_seconds:.2f} s, solve {self.solve_seconds:.3f} s, "
             f"memory unit {format_bytes(s.memory_unit_bytes)}",
-            f"  assumes the caller {'holds' if self.costs.output_held else 'releases'} the output during backward; "
+            f"  assumes the caller holds {format_bytes(self.costs.held_output)} of the "
+            f"{format_bytes(self.costs.activation_bytes[-1])} output during backward; "
             f"output gradient {format_bytes(self.costs.output_grad)}",
             "",
             f"  {'stage':>5}  {'module':<18} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",

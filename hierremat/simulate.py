@@ -4,10 +4,10 @@ This is the reference for the memory model that the chain DP optimises; it is wr
 independently of the DP's recurrences (it tracks who holds each value) so that tests
 can compare the two. Rules:
 
-* x_0 is the step's input and is not counted. x_L is held by the caller until the end
-  when ``costs.output_held``, else until the Loss (which creates its gradient of
-  ``costs.output_grad`` bytes); the output gradient (held by the autograd engine
-  during our backward) is never freed.
+* x_0 is the step's input and is not counted. x_L is held by the caller until the Loss
+  (which creates its gradient of ``costs.output_grad`` bytes); from then on the caller
+  holds ``costs.held_output`` bytes of it to the end. The output gradient (held by the
+  autograd engine during our backward) is never freed.
 * An activation x_j is in memory while something holds it: the chain (from the forward
   that produces it until F_none(j) or F_all(j) consumes it; F_ck(j) keeps it), the
   tape of F_all(j) if the option pins its input, the tape of F_all(j-1) if that option
@@ -63,7 +63,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
     grad_alive: set[int] = set()
     tapes: dict[int, int] = {}  # stage -> option index of its live F_all tape
     done_backward: set[int] = set()
-    state = {"used": 0}
+    state = {"used": 0, "caller_part": 0}
     clock = 0.0
     loss_done = False
     timeline = []
@@ -79,7 +79,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             holders[j].discard(who)
             if not holders[j]:
                 del holders[j]
-                state["used"] -= a[j]
+                state["used"] -= a[j] - (state["caller_part"] if j == L else 0)
 
     def fail(idx: int, op, why: str):
         raise InvalidScheduleError(f"op {idx} ({op}): {why}")
@@ -128,7 +128,9 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             state["used"] += costs.output_grad
             grad_alive.add(L)
             peak_op = state["used"]
-            if not costs.output_held:
+            if costs.held_output < a[L]:
+                # the caller keeps only part of x_L: it stays whole while a tape pins it
+                state["caller_part"] = costs.held_output
                 release(L, "caller")
         elif isinstance(op, Backward):
             i = op.stage

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -23,7 +23,9 @@ from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .model_plan import ModelPlan
 from .runtime.executor import as_tuple
 from .runtime.profile import profile_chain, storage_bytes
+from .ilp.cache import OptionsCache, default_cache
 from .sequential import PlannedChain, plan_from_profile
+from .stage_options import StageMenu, build_menus
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +86,33 @@ class _Compiled:
         return self._plan
 
 
+@dataclass(frozen=True)
+class PlanSettings:
+    """How a whole model is planned (see hierremat.plan for each field)."""
+
+    slots: int = DEFAULT_SLOTS
+    strategy: str = "optimal"
+    output_held: bool | None = None
+    block_options: str = "ilp"
+    cache: bool | str = True
+
+    def __post_init__(self) -> None:
+        if self.block_options not in BLOCK_OPTIONS:
+            raise ValueError(f"block_options={self.block_options!r} is not one of {sorted(BLOCK_OPTIONS)}")
+
+    def options_cache(self) -> OptionsCache:
+        if isinstance(self.cache, str):
+            return default_cache(self.cache)
+        return default_cache(enabled=bool(self.cache))
+
+
+#: 'ilp': each distinct block gets the optimal options of its ILP menu beside autograd's;
+#: 'autograd': only what autograd keeps (and the chain DP's keep-input choice): Rotor on blocks.
+BLOCK_OPTIONS = {"ilp", "autograd"}
+
+
 def _compile(
-    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, slots: int,
-    strategy: str, output_held: bool | None,
+    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings
 ) -> _Compiled:
     started = time.perf_counter()
     captured = capture(model, args, kwargs)
@@ -96,31 +122,46 @@ def _compile(
         raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
     capture_seconds = time.perf_counter() - started
     x0, shared = _chain_inputs(chain, args, kwargs)
+    shared = tuple(shared)
     shared_bytes = sum(storage_bytes(v) for v in shared if isinstance(v, torch.Tensor))
     signatures = [info.signature for info in chain.infos]
+    menus = None
     if plan is None:
         started = time.perf_counter()
-        profile = profile_chain(chain.stages, x0, shared=tuple(shared), signatures=signatures)
+        profile = profile_chain(chain.stages, x0, shared=shared, signatures=signatures)
         profile_seconds = time.perf_counter() - started
+        if settings.block_options == "ilp" and settings.strategy == "optimal":
+            menus = build_menus(chain.stages, x0, shared, signatures, cache=settings.options_cache())
+            profile = menus.extend(profile)
         try:
             chain_plan = plan_from_profile(
-                chain.stages, profile, budget_bytes - shared_bytes, x0.device,
-                slots=slots, profile_seconds=profile_seconds, strategy=strategy, output_held=output_held,
+                chain.stages, profile, budget_bytes - shared_bytes, x0.device, slots=settings.slots,
+                profile_seconds=profile_seconds, strategy=settings.strategy, output_held=settings.output_held,
             )
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + shared_bytes) from None
-        plan = ModelPlan(chain_plan, tuple(chain.infos), shared_bytes, capture_seconds)
+        plan = ModelPlan(
+            chain_plan, tuple(chain.infos), shared_bytes, capture_seconds,
+            menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
+            options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
+        )
         log.info(
             "planned %s: %d stages, predicted peak %d B, step %.1f ms", type(model).__name__, len(plan.stages),
             plan.predicted_peak_bytes, plan.predicted_step_time * 1e3,
         )
         log.debug("%s", plan.summary())
-    elif plan.signatures != tuple(signatures):
-        raise ValueError(
-            "plan does not match this model and input: its stages have other signatures "
-            f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
-        )
-    planned = PlannedChain(chain.stages, plan.chain, slots=slots, strategy=strategy, signatures=signatures)
+    else:
+        if plan.signatures != tuple(signatures):
+            raise ValueError(
+                "plan does not match this model and input: its stages have other signatures "
+                f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
+            )
+        if plan.menus:
+            stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
+            menus = build_menus(chain.stages, x0, shared, signatures, stored=stored)
+    planned = PlannedChain(
+        chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus
+    )
     chain_module = ChainModule(chain.stages, planned)
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
     return _Compiled(chain, plan, chain_module)
@@ -140,19 +181,14 @@ class RematModule(nn.Module):
     (``on_new_shape="replan"``) or raises (``"error"``).
     """
 
-    def __init__(
-        self, model: nn.Module, budget_bytes: int, slots: int, on_new_shape: str, strategy: str = "optimal",
-        output_held: bool | None = None,
-    ):
+    def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings):
         super().__init__()
         if on_new_shape not in ("replan", "error"):
             raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
         self.model = model
         self.budget_bytes = budget_bytes
-        self.slots = slots
         self.on_new_shape = on_new_shape
-        self.strategy = strategy
-        self.output_held = output_held
+        self.settings = settings
         self._compiled: dict[tuple, _Compiled] = {}
 
     @property
@@ -160,9 +196,7 @@ class RematModule(nn.Module):
         return [c.plan for c in self._compiled.values()]
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
-        compiled = _compile(
-            self.model, args, kwargs, self.budget_bytes, plan, self.slots, self.strategy, self.output_held
-        )
+        compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.settings)
         self._compiled[_input_key(args, kwargs)] = compiled
         return compiled
 
@@ -191,11 +225,18 @@ def plan(
     slots: int = DEFAULT_SLOTS,
     strategy: str = "optimal",
     output_held: bool | None = None,
+    block_options: str = "ilp",
+    cache: bool | str = True,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
     strategy: 'optimal' (default), or a baseline on the same chain and runtime: 'none'
     (no checkpointing) or 'segments=K' (torch's uniform checkpoint_sequential segments).
+    block_options: 'ilp' (default): every distinct block also offers the optimal options
+    of its per-block ILP (hierremat.stage_options); 'autograd': only what autograd keeps
+    (Rotor on blocks, a baseline).
+    cache: where solved block options are cached: True (``$HIERREMAT_CACHE_DIR`` or
+    ``~/.cache/hierremat``), a directory, or False (no cache).
     output_held: whether the caller keeps the model's outputs alive through the backward
     (``out = model(...); out.loss.backward()``) or not (``model(...).loss.backward()``).
     None (default): assume held unless only a plan assuming release fits; the module
@@ -203,9 +244,8 @@ def plan(
     outputs, only scalar losses are expected to receive gradients (also checked).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    return _compile(
-        model, args, example_kwargs or {}, parse_budget(budget), None, slots, strategy, output_held
-    ).plan
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache)
+    return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, settings).plan
 
 
 def remat(
@@ -219,15 +259,18 @@ def remat(
     on_new_shape: str = "replan",
     strategy: str = "optimal",
     output_held: bool | None = None,
+    block_options: str = "ilp",
+    cache: bool | str = True,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy, output_held: as for hierremat.plan.
+    strategy, output_held, block_options, cache: as for hierremat.plan.
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
-    module = RematModule(model, budget_bytes, slots, on_new_shape, strategy, output_held)
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache)
+    module = RematModule(model, budget_bytes, on_new_shape, settings)
     module._add(args, example_kwargs or {}, plan)
     return module

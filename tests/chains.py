@@ -42,7 +42,8 @@ def random_chain(rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 2
     output_grad = None if rng.integers(0, 2) else int(rng.integers(low, max_bytes))
     return ChainCosts(
         tuple(a), tuple(stages), input_requires_grad=bool(rng.integers(0, 2)),
-        output_held=bool(rng.integers(0, 2)), output_grad_bytes=output_grad,
+        output_held_bytes=[None, 0, int(rng.integers(0, a[-1] + 1))][int(rng.integers(0, 3))],
+        output_grad_bytes=output_grad,
     )
 
 

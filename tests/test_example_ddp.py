@@ -91,7 +91,8 @@ def test_two_ranks_train_the_same_weights_as_one_process(tmp_path):
     import hierremat as hr
 
     plan = hr.ModelPlan.from_json((ddp_out / "plan.json").read_text())
-    assert max(plan.chain.schedule.forward_counts()) > 1, "the plan should recompute (exercise the chain's backward)"
+    # the gradients must come through hierremat's chain backward (recomputed stages or block options)
+    assert not plan.chain.schedule.keeps_everything, "the plan should not run as plain autograd"
 
     ddp = safetensors_torch.load_file(str(ddp_out / "model" / "model.safetensors"))
     single = safetensors_torch.load_file(str(single_out / "model" / "model.safetensors"))

@@ -29,10 +29,13 @@ RNG into philox seed/offset inputs, CUDA only, via
 graphs that have such inputs rather than misread them.)
 
 In the BlockGraph, a multi-output operator (``native_layer_norm``, ``native_dropout``,
-``_native_batch_norm_legit_functional``) is one node with ``out_bytes == 0`` that carries
-the time; each of its ``getitem`` users is a node owning that element's bytes (time 0),
-so keeping a dropout mask does not mean keeping the dropout output. Elements no
-``getitem`` reads are freed at once, so their bytes are the operator's workspace.
+``_native_batch_norm_legit_functional``, ``convolution_backward``) is one node that
+carries the time and owns the bytes of every element some ``getitem`` reads: the kernel
+allocates them all at once. Its ``getitem`` users are views of it (0 bytes, time 0), so
+the ILP computes, keeps and frees the operator's results together (they cannot be
+recomputed one by one). Elements no ``getitem`` reads are freed at once, so their bytes
+are the operator's workspace. A list of views of one storage (``split``) aliases that
+storage's owner.
 """
 
 from __future__ import annotations
@@ -356,6 +359,11 @@ def storage_layout(joint: JointGraph) -> NodeLayout:
                 owner[key] = node.name
                 out_bytes[node.name] = _tensor_bytes(val)
         elif isinstance(val, (tuple, list)):
+            tensors = [v for v in val if isinstance(v, torch.Tensor)]
+            owners = {owner.get(StorageWeakRef(v.untyped_storage())) for v in tensors}
+            if tensors and None not in owners and len(owners) == 1:
+                alias_of[node.name] = owners.pop()  # a list of views (split, unbind) of one storage
+                continue
             used = {u.args[1] for u in node.users if u.target is operator.getitem}
             unused[node.name] = sum(
                 _tensor_bytes(v)
@@ -384,21 +392,34 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
     (tangent,) = joint.tangent_names.values()
     activation = {joint.input_name, tangent}
     placeholders = {n.name: n for n in joint.placeholders()}
+    # the elements of a multi-output op are allocated by the op: it owns their bytes
+    element_bytes: dict[str, int] = {}
+    element_of: dict[str, str] = {}  # getitem owning an element -> its op
+    for node in joint.compute_nodes():
+        source = node.args[0] if node.target is operator.getitem and node.args else None
+        if isinstance(source, fx.Node) and source.name in layout.unused_bytes and not layout.alias_of.get(node.name):
+            element_bytes[source.name] = element_bytes.get(source.name, 0) + layout.out_bytes[node.name]
+            element_of[node.name] = source.name
     nodes_fwd, nodes_bwd = [], []
     for node in joint.compute_nodes():
         name = node.name
         activation.add(name)
         inputs = tuple(dict.fromkeys(a.name for a in node.all_input_nodes if a.name in activation))
         alias = layout.alias_of.get(name, "")
+        alias = element_of.get(alias, alias)  # a view of an op's element is a view of the op
         if alias and alias in placeholders and alias not in (joint.input_name, tangent):
             alias = ""  # a view of a parameter, buffer or shared value: free, no activation storage
+        out_bytes = layout.out_bytes[name] + element_bytes.get(name, 0)
+        source = node.args[0] if node.target is operator.getitem and node.args else None
+        if not alias and isinstance(source, fx.Node) and source.name in element_bytes:
+            alias, out_bytes = source.name, 0  # an element of a multi-output op: a view of the op
         time_s, workspace = node_costs.get(name, (0.0, 0))
         graph_node = GraphNode(
             name=name,
             op=_op_name(node),
             phase=joint.phase[name],
             inputs=inputs,
-            out_bytes=layout.out_bytes[name],
+            out_bytes=out_bytes,
             time=float(time_s),
             workspace_bytes=int(workspace) + layout.unused_bytes.get(name, 0),
             random=is_random_node(node),

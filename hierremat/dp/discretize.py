@@ -30,7 +30,7 @@ class ChainArrays:
               stage i: forward + backward time (s), kept slots, forward and backward
               overhead slots, 1 if the option pins the stage output / input.
     option_ids[i, k]  index of that option in costs.stages[i].options
-    HL        slots of x_L held by the caller through the backward (0 when not held)
+    HL        slots of x_L held by the caller through the backward
     GL        slots of the gradient of x_L
     """
 
@@ -121,6 +121,6 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
             TIME[i, j] = key[0]
             KEPT[i, j], OF[i, j], OB[i, j], PIN_OUT[i, j], PIN_IN[i, j] = kept, of, ob, pin, pin_in
             ids[i, j] = k
-    HL = int(A[L]) if costs.output_held else 0
+    HL = ceil_div(costs.held_output, unit)
     GL = ceil_div(costs.output_grad, unit)
     return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, HL, GL, unit)

@@ -5,7 +5,7 @@ HiRemate, Zhao et al. 2023). C[v, s, t, m] is the least time to process stages s
 forward and backward, starting with x_s in memory (and, when t < L-1, the gradient of
 x_{t+1}), using at most m slots above the memory in use at the start. When t = L-1 the
 subproblem also runs the Loss, which adds the output gradient (GL slots); from then on
-x_L stays only if the caller holds it (HL = A[L], else 0) or option k pins it. v = 1
+the caller holds HL slots of x_L, and all of it stays while option k pins it. v = 1
 when x_s is also held by the caller's tape (the previous stage's option pins its
 output), so that F_all(s) cannot free it; v = 0 otherwise.
 

@@ -69,7 +69,7 @@ class _Expander:
         a, L = self.a, self.L
         credit = self.input_credit(v, s, k)
         if s == t == L - 1:
-            held = a[L] if self.costs.output_held or op.pins_output else 0
+            held = max(self.costs.held_output, int(op.pins_output) * a[L])
             loss_and_backward = max(a[L], op.bwd_overhead_bytes + held)
             return max(op.fwd_overhead_bytes, op.kept_bytes - credit + self.costs.output_grad + loss_and_backward)
         if s == t:

@@ -226,6 +226,11 @@ class OptionsCache:
     def __repr__(self) -> str:
         return f"OptionsCache(directory={str(self.directory)!r}, enabled={self.enabled})"
 
+    def forget_memory(self) -> None:
+        """Drop the in-memory layer (the next get reads the disk, as a new process would)."""
+        with self._lock:
+            self._memory.clear()
+
     def path_for(self, key: CacheKey) -> Path:
         """The entry file of ``key`` (may not exist)."""
         return self.directory / f"{key.digest()}.json"

@@ -59,13 +59,14 @@ def as_tuple(value) -> tuple:
 class OutputUse:
     """How the caller uses the chain's output during the backward.
 
-    held: the caller keeps the output alive through the backward (``y = chain(x)`` still
-        referenced), rather than letting it go once its gradient exists.
+    held_bytes: bytes of the output the caller keeps alive through the backward (all of
+        it with ``y = chain(x)`` still referenced; only the loss with
+        ``loss = model(x).loss``).
     grad_mask: per output of the last stage, whether a gradient arrives for it (a model
         returning (loss, logits) trained with ``.loss.backward()``: (True, False)).
     """
 
-    held: bool
+    held_bytes: int
     grad_mask: tuple[bool, ...]
 
 
@@ -80,13 +81,13 @@ def default_grad_mask(out) -> tuple[bool, ...]:
 def watch_storages(value) -> tuple[list, int]:
     """Watch the distinct storages behind a tensor or tuple of tensors without keeping them alive.
 
-    Returns (a list that receives one entry per storage freed, the number of storages).
+    Returns (a list that receives the bytes of each storage when it is freed, their total bytes).
     """
     found = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in as_tuple(value)}
-    freed: list[bool] = []
+    freed: list[int] = []
     for storage in found.values():
-        weakref.finalize(storage, freed.append, True)
-    return freed, len(found)
+        weakref.finalize(storage, freed.append, storage.nbytes())
+    return freed, sum(s.nbytes() for s in found.values())
 
 
 def gradient_edges(out) -> list:
@@ -149,14 +150,23 @@ def run_plainly(stages: Sequence[Callable], x, shared: tuple = ()):
 class ChainRunner:
     """A chain of stages bound to one schedule; ``run(x)`` executes one training step's forward."""
 
-    def __init__(self, stages: Sequence[Callable], schedule: ChainSchedule, mutated_buffers: Sequence[Sequence[str]]):
+    def __init__(
+        self, stages: Sequence[Callable], schedule: ChainSchedule, mutated_buffers: Sequence[Sequence[str]],
+        option_executors: Sequence[Sequence] | None = None,
+    ):
+        """option_executors[i][k]: runs option k >= 1 of stage i (hierremat.runtime.block_exec);
+        option 0 is always the stage itself under autograd."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
+        self.option_executors = option_executors or [()] * len(stages)
         for op in schedule.ops:
             if isinstance(op, FAll) and op.option != 0:
-                raise UnsupportedModelError(
-                    f"{op}: only option 0 (keep what autograd keeps) runs on a chain of callables"
-                )
+                executors = self.option_executors[op.stage]
+                if op.option >= len(executors) or executors[op.option] is None:
+                    raise UnsupportedModelError(
+                        f"{op}: stage {op.stage} has no executor for option {op.option}; only option 0 (keep what "
+                        "autograd keeps) runs on a chain of callables"
+                    )
         self.stages = list(stages)
         self.schedule = schedule
         #: How the caller used the output in the latest backward this runner executed (None before).
@@ -206,12 +216,12 @@ class _Step:
         for op in self.runner.schedule.ops[: self.runner.loss_index]:
             self._execute(op)
         outputs = as_tuple(self.x.pop(len(self.runner.stages)))
-        self.outputs_freed, self.output_storages = watch_storages(outputs)
+        self.outputs_freed, self.output_bytes = watch_storages(outputs)
         return outputs
 
     def run_backward(self, grad_outputs: tuple) -> torch.Tensor | None:
         self.runner.observed_output_use = OutputUse(
-            held=len(self.outputs_freed) < self.output_storages, grad_mask=tuple(g is not None for g in grad_outputs)
+            held_bytes=self.output_bytes - sum(self.outputs_freed), grad_mask=tuple(g is not None for g in grad_outputs)
         )
         self.grad[len(self.runner.stages)] = grad_outputs
         outer_rng = RngState.capture(self.cuda_devices)
@@ -227,29 +237,38 @@ class _Step:
         if isinstance(op, (FNone, FCk, FAll)):
             i = op.stage
             x = self.x[i] if isinstance(op, FCk) else self.x.pop(i)
-            if isinstance(op, FAll):
+            if isinstance(op, FAll) and op.option > 0:
+                executor = self.runner.option_executors[i][op.option]
+                y, tape = self._forward(i, lambda: executor.forward(x, self.shared))
+                del x
+                self.tape[i] = ("option", executor, tape)
+            elif isinstance(op, FAll):
                 anchor = self.tap_anchor if i > 0 or self.input_requires_grad else None
                 inp, sink = tap_input(x, anchor)
                 del x
                 with torch.enable_grad():
-                    out = self._forward(i, inp)
+                    out = self._forward(i, lambda: self._call(i, inp))
                 del inp
-                self.tape[i] = (gradient_edges(out), sink)
+                self.tape[i] = ("autograd", gradient_edges(out), sink)
                 y = detach_output(out)
                 del out
             else:
                 with torch.no_grad():
-                    y = self._forward(i, x)
+                    y = self._forward(i, lambda: self._call(i, x))
                 del x
             if (i + 1) not in self.grad:
                 self.x[i + 1] = y
         elif isinstance(op, Backward):
             i = op.stage
-            edges, sink = self.tape.pop(i)
+            kind, first, second = self.tape.pop(i)
             grad = self.grad.pop(i + 1)
-            backward_through(edges, as_tuple(grad))
-            del grad, edges
-            self.grad[i] = sink.grad if sink is not None else None
+            if kind == "autograd":  # option 0: the stage's gradient edges and input-gradient sink
+                backward_through(first, as_tuple(grad))
+                self.grad[i] = second.grad if second is not None else None
+            else:  # a block option: its executor and the tape of its forward
+                dx = first.backward(second, grad, self.shared) if grad is not None else None
+                self.grad[i] = dx if i > 0 or self.input_requires_grad else None
+            del grad, first, second
         else:
             raise TypeError(f"unexpected op {op!r}")
 
@@ -257,16 +276,17 @@ class _Step:
         stage = self.runner.stages[i]
         return check_stage_output(i, stage, stage(x, *self.shared), i == len(self.runner.stages) - 1)
 
-    def _forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, i: int, run: Callable):
+        """Run stage i's forward (``run()``); a replay gets the RNG state and buffers of the first run."""
         replay = self.runs[i] > 0
         self.runs[i] += 1
         if self.runner.forward_counts[i] == 1:
-            return self._call(i, x)
+            return run()
         buffers = self.runner.buffers[i]
         if not replay:
             self.rng[i] = RngState.capture(self.cuda_devices)
             self.buffers_before[i] = [b.clone() for b in buffers]
-            return self._call(i, x)
+            return run()
         self.rng[i].restore()
         updated = [b.clone() for b in buffers]
         # Through .data, so that the version counters that autograd checks on saved
@@ -274,7 +294,7 @@ class _Step:
         for b, before in zip(buffers, self.buffers_before[i]):
             b.data.copy_(before)
         try:
-            return self._call(i, x)
+            return run()
         finally:
             for b, after in zip(buffers, updated):
                 b.data.copy_(after)

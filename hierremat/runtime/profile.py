@@ -85,7 +85,7 @@ def _modules_state(stages: Sequence[Callable]):
 
 
 @contextmanager
-def _no_side_effects(stages: Sequence[Callable], x0: torch.Tensor) -> Iterator[None]:
+def no_side_effects(stages: Sequence[Callable], x0: torch.Tensor) -> Iterator[None]:
     """Restore RNG states and buffers after profiling."""
     _, buffers = _modules_state(stages)
     saved_buffers = [b.clone() for b in buffers]
@@ -152,13 +152,13 @@ def profile_chain(
     Stages with equal ``signatures`` (same graph, shapes and dtypes) are measured once.
     output_grad_mask: which outputs of the last stage receive a gradient (default:
     hierremat.runtime.executor.default_grad_mask). The costs assume the caller holds the
-    output through the backward (``output_held``); planning may relax that.
+    whole output through the backward (``output_held_bytes``); planning may relax that.
     """
     device = x0.device
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated = [], []
     measured: dict[str, int] = {}
-    with _no_side_effects(stages, x0):
+    with no_side_effects(stages, x0):
         x = x0.detach()
         for i, stage in enumerate(stages):
             last = i == len(stages) - 1
@@ -227,12 +227,12 @@ def _profile_stage(
         fwd_peak = meter.peak_bytes - base
         kept = max(0, meter.live_bytes - base - out_bytes)
         input_freed, _ = watch_storages(x_copy)
-        outputs_freed, n_storages = watch_storages(out)
+        outputs_freed, output_storage_bytes = watch_storages(out)
         grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
         edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out, inp, x_copy
         _sync(device)
-        pins_input, pins_output = not input_freed, len(outputs_freed) < n_storages
+        pins_input, pins_output = not input_freed, sum(outputs_freed) < output_storage_bytes
         bwd_peak = 0
         if any(e is not None for e in edges):
             meter.reset_peak()

@@ -1,0 +1,232 @@
+"""ILP option menus for the stages of a chain: the "Checkmate half" of the hybrid plan.
+
+For every distinct stage signature (identical blocks share one), the stage's joint
+forward+backward ATen graph is traced (hierremat.blocks.joint), its nodes are profiled
+(hierremat.blocks.node_profile), and the per-block ILP's budget sweep
+(hierremat.ilp.options.solve_menu) yields a Pareto menu of options. The menus are cached
+on disk by signature, device and versions (hierremat.ilp.cache), so a second run solves
+nothing. Each stage then offers the chain DP option 0 (the stage under autograd,
+profiled as a whole) plus the menu's options k = 1.., which the runtime executes with
+hierremat.runtime.block_exec.
+
+Cost model: an option's times are sums of per-node times, measured one op at a time;
+the whole-stage profile of option 0 is measured as one call. To put both on one scale,
+menu times are multiplied per signature by (option 0's forward + backward time) / (the
+sum of every node's time once, i.e. the keep-everything schedule's time in node units).
+
+Stages whose joint graph cannot be traced, that return several tensors (the model's
+last stage), whose output is one result of a multi-output operator (a lone dropout) or
+that run under autocast keep option 0 only; the reason is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from .block_graph import BlockGraph
+from .blocks.joint import JointGraph, to_block_graph, trace_joint
+from .blocks.node_profile import profile_nodes
+from .costs import ChainCosts, OptionCosts
+from .ilp.cache import CacheKey, OptionsCache, default_cache
+from .ilp.options import BlockOption, solve_menu
+from .ilp.solve import solve_count
+from .runtime.block_exec import OptionExecutor
+from .runtime.profile import ChainProfile, no_side_effects
+
+log = logging.getLogger(__name__)
+
+#: Bump when node profiling or the time calibration changes (invalidates cached menus).
+COST_MODEL_VERSION = "nodes-1"
+#: Bump when the ILP formulation changes (invalidates cached menus).
+FORMULATION_VERSION = "staged-1"
+
+
+@dataclass(frozen=True)
+class StageMenu:
+    """The solved menu of one stage signature: its block graph and options (node-time units)."""
+
+    graph: BlockGraph
+    options: tuple[BlockOption, ...]
+    solve_seconds: float
+
+    def to_dict(self) -> dict:
+        return {
+            "graph": self.graph.to_dict(),
+            "options": [o.to_dict() for o in self.options],
+            "solve_seconds": self.solve_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageMenu":
+        return cls(
+            graph=BlockGraph.from_dict(d["graph"]),
+            options=tuple(BlockOption.from_dict(o) for o in d["options"]),
+            solve_seconds=float(d.get("solve_seconds", 0.0)),
+        )
+
+
+@dataclass
+class ChainMenus:
+    """Menus of a chain's stages and the executors that run them.
+
+    menus: signature -> StageMenu; executors[i][k]: runs option k of stage i (index 0 is
+    None: option 0 is the stage under autograd); solves: ILP solves done (0 on a cache hit).
+    """
+
+    menus: dict[str, StageMenu]
+    executors: list[list]
+    signatures: tuple[str, ...]
+    solves: int = 0
+    seconds: float = 0.0
+
+    def extend(self, profile: ChainProfile) -> ChainProfile:
+        """The profile with each stage's menu options appended after option 0, times calibrated."""
+        stages = []
+        for stage_costs, signature in zip(profile.costs.stages, self.signatures):
+            menu = self.menus.get(signature)
+            if menu is None:
+                stages.append(stage_costs)
+                continue
+            base = stage_costs.options[0]
+            node_total = sum(n.time for n in menu.graph.nodes)
+            scale = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
+            extra = tuple(_scaled(o.to_option_costs(), scale) for o in menu.options)
+            stages.append(replace(stage_costs, options=(base,) + extra))
+        return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
+
+
+def _scaled(option: OptionCosts, scale: float) -> OptionCosts:
+    return replace(option, fwd_time=option.fwd_time * scale, bwd_time=option.bwd_time * scale)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
+    """The joint graph of one stage, bound to another stage of the same signature.
+
+    Parameters and buffers are matched by position (same structure, same shapes).
+    """
+    if stage is joint.stage:
+        return joint
+
+    def mapping(named_a, named_b, what: str) -> dict[str, str]:
+        a, b = list(named_a), list(named_b)
+        if len(a) != len(b) or any(x.shape != y.shape for (_, x), (_, y) in zip(a, b)):
+            raise ValueError(f"stages with one signature differ in their {what}")
+        return {na: nb for (na, _), (nb, _) in zip(a, b)}
+
+    params = mapping(joint.stage.named_parameters(remove_duplicate=False), stage.named_parameters(remove_duplicate=False), "parameters")
+    buffers = mapping(joint.stage.named_buffers(remove_duplicate=False), stage.named_buffers(remove_duplicate=False), "buffers")
+    return replace(
+        joint,
+        stage=stage,
+        param_inputs={k: params[v] for k, v in joint.param_inputs.items()},
+        buffer_inputs={k: buffers[v] for k, v in joint.buffer_inputs.items()},
+        param_grad_names={params[k]: v for k, v in joint.param_grad_names.items()},
+        mutations=tuple((n, buffers[t]) for n, t in joint.mutations),
+    )
+
+
+def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple) -> list[torch.Tensor]:
+    """x_0 .. x_{L-1}: each stage's input, by running the chain without grad (RNG and buffers restored)."""
+    xs = [x0.detach()]
+    with no_side_effects(stages, x0), torch.no_grad():
+        for stage in stages[:-1]:
+            xs.append(stage(xs[-1], *shared))
+    return xs
+
+
+def build_menus(
+    stages: Sequence[torch.nn.Module],
+    x0: torch.Tensor,
+    shared: tuple,
+    signatures: Sequence[str],
+    *,
+    cache: OptionsCache | None = None,
+    stored: dict[str, StageMenu] | None = None,
+    time_limit: float = 10.0,
+) -> ChainMenus:
+    """Trace, profile and solve (or load) the menu of every distinct stage signature.
+
+    stored: menus to use as they are (from a saved plan), by signature.
+    cache: where solved menus are looked up and stored (default: hierremat's default cache).
+    """
+    started = time.perf_counter()
+    cache = cache if cache is not None else default_cache()
+    L = len(stages)
+    xs = stage_inputs(stages, x0, shared)
+    menus: dict[str, StageMenu] = {}
+    joints: dict[str, JointGraph] = {}
+    executors: list[list] = [[None] for _ in range(L)]
+    solves_before = solve_count()
+    if torch.is_autocast_enabled(x0.device.type):
+        log.info("block options: autocast is on, so every stage keeps option 0 (the traced graphs are autocast-free)")
+        return ChainMenus({}, executors, tuple(signatures), 0, time.perf_counter() - started)
+    for i, (stage, signature) in enumerate(zip(stages, signatures)):
+        if signature not in joints and signature not in menus:
+            if i == L - 1:
+                continue  # the last stage returns the model's outputs (often several): option 0 only
+            try:
+                joint = trace_joint(stage, xs[i], shared, input_requires_grad=i > 0 or x0.requires_grad)
+                if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
+                    raise ValueError("the stage returns several tensors")
+                output = to_block_graph(joint).node(joint.output_names[0])
+                if output.op == "getitem" and output.alias_of:
+                    # the output shares one value with the op's other results (a lone dropout's
+                    # mask): the chain's model of a stage output as a value of its own breaks
+                    raise ValueError("the stage's output is one result of a multi-output operator")
+            except Exception as err:  # tracing failures leave the stage with option 0
+                log.info("stage %d (%s): no block options: %s", i, signature, err)
+                joints[signature] = None
+                continue
+            joints[signature] = joint
+            menus[signature] = _menu(joint, xs[i], shared, signature, cache, stored, time_limit)
+        joint, menu = joints.get(signature), menus.get(signature)
+        if joint is None or menu is None:
+            continue
+        bound = rebind(joint, stage)
+        executors[i] = [None] + [OptionExecutor(bound, option) for option in menu.options]
+    solves = solve_count() - solves_before
+    return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started)
+
+
+def _menu(joint, x, shared, signature, cache, stored, time_limit) -> StageMenu:
+    names = {n.name for n in joint.module.graph.nodes}
+    if stored is not None and signature in stored:
+        menu = stored[signature]
+        if {n.name for n in menu.graph.nodes} <= names:
+            return menu
+        raise ValueError(f"the saved plan's options for stage signature {signature} do not match the traced graph")
+    key = CacheKey(
+        signature=signature,
+        device_type=x.device.type,
+        device_name=device_name(x.device),
+        dtype=str(x.dtype) if x.is_floating_point() else "int",
+        cost_model_version=COST_MODEL_VERSION,
+        formulation_version=FORMULATION_VERSION,
+    )
+    payload = cache.get(key)
+    if payload is not None:
+        try:
+            menu = StageMenu.from_dict(payload)
+            if {n.name for n in menu.graph.nodes} <= names:
+                return menu
+            log.warning("cached options for %s do not match the traced graph; solving again", signature)
+        except (KeyError, TypeError, ValueError) as err:
+            log.warning("cached options for %s are unreadable (%s); solving again", signature, err)
+    graph = to_block_graph(joint, profile_nodes(joint, x, shared))
+    solved = solve_menu(graph, time_limit=time_limit)
+    menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds)
+    cache.put(key, menu.to_dict())
+    log.info("stage signature %s: %d options from %d ILP solves in %.2f s", signature, len(menu.options), solved.n_solves, solved.solve_seconds)
+    return menu

@@ -1,0 +1,204 @@
+"""ILP block options end to end: each option executed on real tensors, whole models, the cache.
+
+- Every option of a block's menu, run by hierremat.runtime.block_exec, gives exactly the
+  stage output and gradients of plain autograd (dropout active), and its measured forward
+  and backward peaks (live-tensor tracker) match the option's prediction.
+- Whole models planned with block_options="ilp": gradients equal plain autograd and the
+  measured peak stays within the budget at budgets from the minimum to plain autograd's.
+- Solved menus are cached: a second plan solves nothing; a corrupted cache entry is
+  detected, logged and solved again.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import hierremat as hr
+from hierremat.blocks.joint import to_block_graph, trace_joint
+from hierremat.blocks.node_profile import profile_nodes
+from hierremat.ilp.cache import default_cache
+from hierremat.ilp.options import simulate_option, solve_menu
+from hierremat.runtime import LiveTensorTracker
+from hierremat.runtime.block_exec import OptionExecutor
+from hierremat.stage_options import stage_inputs
+
+from models import TinyResNet, tiny_gpt2
+
+MiB = 2**20
+KiB = 2**10
+pytest.importorskip("transformers")
+
+
+def _stage_of(model, args, kwargs, name):
+    from hierremat.blocks.capture import capture
+    from hierremat.blocks.segment import build_chain_graph
+    from hierremat.whole_model import _chain_inputs
+
+    chain = build_chain_graph(capture(model, args, kwargs), model)
+    x0, shared = _chain_inputs(chain, args, kwargs)
+    i = [info.name for info in chain.infos].index(name)
+    return chain.stages[i], stage_inputs(chain.stages, x0, tuple(shared))[i], tuple(shared)
+
+
+def _reference(stage, x, shared, seed):
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)
+    xi = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    y = stage(xi, *shared)
+    y.backward(torch.ones_like(y))
+    return y.detach(), xi.grad, [p.grad.clone() for p in stage.parameters()]
+
+
+def _check_menu(stage, x, shared):
+    buffers = [b.clone() for b in stage.buffers()]
+    joint = trace_joint(stage, x, shared)
+    graph = to_block_graph(joint, profile_nodes(joint, x, shared, method="flops"))
+    menu = solve_menu(graph)
+    assert len(menu.options) >= 2
+    y_ref, dx_ref, g_ref = _reference(stage, x, shared, seed=5)
+    for option in menu.options:
+        for b, saved in zip(stage.buffers(), buffers):
+            b.copy_(saved)
+        executor = OptionExecutor(joint, option)
+        for p in stage.parameters():
+            p.grad = torch.zeros_like(p)
+        dy = torch.ones_like(y_ref)
+        xi = x.detach().clone()
+        torch.manual_seed(5)
+        with LiveTensorTracker() as tracker:
+            y, tape = executor.forward(xi, shared)
+            fwd_peak = tracker.peak_bytes
+            assert torch.equal(y, y_ref), option.name
+            y_bytes = y.untyped_storage().nbytes()
+            if option.pins_output:
+                del y  # the tape holds it, and the backward frees it after its last use
+            tracker.reset_peak()
+            dx = executor.backward(tape, dy, shared)
+            del tape
+        # above what the backward starts with: the kept values and y; x and dy predate the tracker
+        bwd_peak = tracker.peak_bytes - option.kept_bytes - y_bytes
+        simulated = simulate_option(graph, option)
+        torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-7)
+        for g, r in zip((p.grad for p in stage.parameters()), g_ref):
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+        # the runtime follows the op lists literally, so measured peaks equal the ILP's (and the
+        # independent simulator's) to a few bytes (BatchNorm's scalar step counter)
+        for measured in (fwd_peak, bwd_peak):
+            assert measured >= 0
+        assert abs(fwd_peak - option.fwd_peak_bytes) <= KiB, option.name
+        assert abs(bwd_peak - option.bwd_peak_bytes) <= KiB, option.name
+        assert simulated.fwd_peak_bytes == option.fwd_peak_bytes, option.name
+        assert simulated.bwd_peak_bytes == option.bwd_peak_bytes, option.name
+    return menu
+
+
+def test_every_gpt2_block_option_gives_autograd_gradients_and_its_predicted_peak():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 64))
+    stage, x, shared = _stage_of(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.0")
+    menu = _check_menu(stage, x, shared)
+    assert any(o.optimal for o in menu.options)
+
+
+def test_every_resnet_block_option_gives_autograd_gradients_and_its_predicted_peak():
+    torch.manual_seed(1)
+    model = TinyResNet()
+    x, labels = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    stage, xi, shared = _stage_of(model, (x,), {"labels": labels}, "layer1.0")
+    _check_menu(stage, xi, shared)
+
+
+def _step(model, args, kwargs, seed=1):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(seed)
+    with LiveTensorTracker() as tracker:
+        out = model(*args, **kwargs)
+        loss = out.loss if hasattr(out, "loss") else out[0]
+        del out
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], tracker.peak_bytes
+
+
+@pytest.mark.parametrize("which", ["gpt2", "resnet"])
+def test_whole_models_with_ilp_options(which, tmp_path):
+    torch.manual_seed(2)
+    if which == "gpt2":
+        model = tiny_gpt2(n_layer=3)
+        ids = torch.randint(0, 256, (2, 64))
+        args, kwargs = (ids,), {"labels": ids, "use_cache": False}
+    else:
+        model = TinyResNet()
+        args, kwargs = (torch.randn(8, 3, 16, 16),), {"labels": torch.randint(0, 10, (8,))}
+    reference = copy.deepcopy(model)
+    loss_ref, grads_ref, plain_peak = _step(reference, args, kwargs)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, args, kwargs, budget="1KiB", cache=str(tmp_path))
+    lo = err.value.min_budget_bytes
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, args, kwargs, budget="1KiB", block_options="autograd")
+    assert lo <= err.value.min_budget_bytes  # more options never raise the minimum
+    used_ilp = False
+    for budget in (lo, lo + (plain_peak - lo) // 3, lo + 2 * (plain_peak - lo) // 3, plain_peak):
+        module = hr.remat(model, args, kwargs, budget=f"{budget}B", cache=str(tmp_path))
+        _step(module, args, kwargs)  # the first step tells the plan that the outputs are released
+        reference.load_state_dict(model.state_dict())
+        loss_ref, grads_ref, _ = _step(reference, args, kwargs)
+        loss, grads, peak = _step(module, args, kwargs)
+        (plan,) = module.plans
+        used_ilp |= any("[" in a for a in plan.chain.stage_actions())
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
+        for a, b in zip(grads, grads_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert peak <= budget, (budget, peak, plan.summary())
+        predicted = plan.predicted_peak_bytes
+        assert abs(peak - predicted) <= max(0.1 * predicted, MiB), (budget, peak, predicted)
+    assert used_ilp, "no plan used an ILP option"
+
+
+def test_second_plan_solves_nothing_and_a_corrupted_entry_is_solved_again(tmp_path, caplog):
+    torch.manual_seed(3)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+    first = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    assert first.options_solves > 0 and first.menus
+    default_cache(str(tmp_path)).forget_memory()  # a new process: disk only
+    second = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    assert second.options_solves == 0
+    assert second.menus == first.menus
+    files = sorted(tmp_path.glob("*.json"))
+    assert files
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0x01
+    files[0].write_bytes(bytes(data))
+    default_cache(str(tmp_path)).forget_memory()
+    with caplog.at_level(logging.WARNING, logger="hierremat"):
+        third = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    assert third.options_solves > 0
+    assert str(files[0].name) in caplog.text
+
+
+def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path):
+    torch.manual_seed(4)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=str(tmp_path))
+    plan = hr.plan(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B", cache=str(tmp_path))
+    again = hr.ModelPlan.from_json(plan.to_json())
+    assert again.menus == plan.menus
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (ids,), kwargs, plan=again, output_held=False)
+    loss, grads, _ = _step(module, (ids,), kwargs)
+    loss_ref, grads_ref, _ = _step(reference, (ids,), kwargs)
+    torch.testing.assert_close(loss, loss_ref)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
