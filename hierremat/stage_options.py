@@ -42,9 +42,9 @@ from .runtime.profile import ChainProfile, no_side_effects
 log = logging.getLogger(__name__)
 
 #: Bump when node profiling or the time calibration changes (invalidates cached menus).
-COST_MODEL_VERSION = "nodes-1"
+COST_MODEL_VERSION = "nodes-2"
 #: Bump when the ILP formulation changes (invalidates cached menus).
-FORMULATION_VERSION = "staged-1"
+FORMULATION_VERSION = "staged-2"
 
 
 @dataclass(frozen=True)
@@ -200,11 +200,22 @@ def build_menus(
     return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started)
 
 
+def graph_structure(graph: BlockGraph) -> tuple:
+    """Everything of a BlockGraph but its measured costs: equal structures, interchangeable menus."""
+    return tuple((n.name, n.op, n.phase, n.inputs, n.out_bytes, n.alias_of, n.random) for n in graph.nodes) + (
+        graph.input_name, graph.output_name, graph.output_grad_name, graph.input_grad_name,
+    )
+
+
 def _menu(joint, x, shared, signature, cache, stored, time_limit) -> StageMenu:
-    names = {n.name for n in joint.module.graph.nodes}
+    """The stage's menu: from a saved plan, else from the cache, else solved (and cached).
+
+    A saved or cached menu is used only if its block graph has the structure of the one
+    traced now (op lists name nodes of that graph)."""
+    structure = graph_structure(to_block_graph(joint))
     if stored is not None and signature in stored:
         menu = stored[signature]
-        if {n.name for n in menu.graph.nodes} <= names:
+        if graph_structure(menu.graph) == structure:
             return menu
         raise ValueError(f"the saved plan's options for stage signature {signature} do not match the traced graph")
     key = CacheKey(
@@ -219,7 +230,7 @@ def _menu(joint, x, shared, signature, cache, stored, time_limit) -> StageMenu:
     if payload is not None:
         try:
             menu = StageMenu.from_dict(payload)
-            if {n.name for n in menu.graph.nodes} <= names:
+            if graph_structure(menu.graph) == structure:
                 return menu
             log.warning("cached options for %s do not match the traced graph; solving again", signature)
         except (KeyError, TypeError, ValueError) as err:

@@ -132,6 +132,11 @@ class _Elements:
 
     def take(self, index: int):
         value = self.values[index]
+        if value is None:
+            raise RuntimeError(
+                f"element {index} of a multi-output op was read again without the op being recomputed: the "
+                "option's op lists do not match this graph (a stale cached menu?)"
+            )
         self.uses[index] -= 1
         if self.uses[index] <= 0:
             self.values[index] = None
