@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-extra clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,16 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~10 min on 2 CPU cores).
+# BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.
+# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time).
+BENCH_ARGS ?=
+
 bench: setup
+	$(BIN)/pip install -q -e ".[examples]"
+	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
+
+bench-extra: setup
 	$(BIN)/pip install -q -e ".[examples]"
 	$(BIN)/python benchmarks/bench_dp.py
 	$(BIN)/python benchmarks/bench_sequential.py

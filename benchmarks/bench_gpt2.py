@@ -47,8 +47,8 @@ import hierremat
 from hierremat import InfeasibleBudgetError
 from hierremat.runtime import LiveTensorTracker
 
-MIB = 1024 * 1024
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIB, RESULTS_DIR as RESULTS, zero_grads  # noqa: E402  (shared with run_all.py)
 
 
 @dataclass
@@ -75,14 +75,6 @@ class Method:
             return float("nan")
         c = self.plan.chain
         return self.plan.capture_seconds + c.profile_seconds + c.solve_seconds
-
-
-def zero_grads(params):
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        else:
-            p.grad.zero_()
 
 
 def step(m: Method, ids: torch.Tensor) -> None:
