@@ -21,6 +21,7 @@ that run under autocast keep option 0 only; the reason is logged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import time
@@ -200,6 +201,23 @@ def build_menus(
     return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started)
 
 
+@contextlib.contextmanager
+def _progress_bar(description: str):
+    """A tqdm bar (when tqdm is installed and stderr is a terminal) advanced once per ILP solve."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield lambda text: log.debug("%s: %s", description, text)
+        return
+    with tqdm(desc=description, unit="solve", disable=None, leave=False) as bar:
+        def advance(text: str) -> None:
+            bar.update(1)
+            bar.set_postfix_str(text, refresh=False)
+            log.debug("%s: %s", description, text)
+
+        yield advance
+
+
 def graph_structure(graph: BlockGraph) -> tuple:
     """Everything of a BlockGraph but its measured costs: equal structures, interchangeable menus."""
     return tuple((n.name, n.op, n.phase, n.inputs, n.out_bytes, n.alias_of, n.random) for n in graph.nodes) + (
@@ -236,7 +254,8 @@ def _menu(joint, x, shared, signature, cache, stored, time_limit) -> StageMenu:
         except (KeyError, TypeError, ValueError) as err:
             log.warning("cached options for %s are unreadable (%s); solving again", signature, err)
     graph = to_block_graph(joint, profile_nodes(joint, x, shared))
-    solved = solve_menu(graph, time_limit=time_limit)
+    with _progress_bar(f"hierremat: block {signature}") as advance:
+        solved = solve_menu(graph, time_limit=time_limit, progress=advance)
     menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds)
     cache.put(key, menu.to_dict())
     log.info("stage signature %s: %d options from %d ILP solves in %.2f s", signature, len(menu.options), solved.n_solves, solved.solve_seconds)

@@ -250,6 +250,7 @@ def solve_menu(
     time_limit: float = MENU_TIME_LIMIT,
     backend: str = "auto",
     ilp: BlockIlp | None = None,
+    progress=None,
 ) -> BlockOptions:
     """The option menu of ``graph``: a (retained bytes x peak) budget sweep of the ILP,
     plus keep-all and recompute-all, Pareto-pruned.
@@ -258,13 +259,20 @@ def solve_menu(
     fastest schedule, then up to n_peak peak budgets at (1 - peak_step * i) times its peak,
     stopping at the first infeasible one and adding one bisection step after it.
     Each solve is limited to ``time_limit`` seconds (a stopped solve keeps its incumbent,
-    marked ``optimal=False``).
+    marked ``optimal=False``). progress: called after every solve with a short text
+    (budgets, status, seconds), e.g. to advance a progress bar.
     """
     t0 = time.perf_counter()
     solves0 = solve_count()
     ilp = ilp or BlockIlp(graph)
     st = ilp.structure
-    kw = dict(time_limit=time_limit, backend=backend)
+    def solve(**budgets):
+        res = ilp.solve(time_limit=time_limit, backend=backend, **budgets)
+        if progress is not None:
+            shown = ", ".join(f"{k}={v}" for k, v in budgets.items() if k != "objective")
+            progress(f"{shown or budgets.get('objective', '')}: {res.status} in {res.solve_seconds:.2f}s")
+        return res
+
     cands: list[BlockOption] = []
     keep_all = make_option(st, keep_all_decisions(st), "keep_all", optimal=False)
     cands.append(keep_all)
@@ -291,14 +299,14 @@ def solve_menu(
             )
         )
 
-    kmin = ilp.solve(objective="kept", **kw)
+    kmin = solve(objective="kept")
     if not kmin.has_solution:
         log.warning("block ILP: no schedule found for the least-kept solve (%s)", kmin.status)
     else:
         k_lo = int(kmin.objective)
         k_hi = max(k_lo, keep_all.kept_bytes + (graph.input_bytes if keep_all.pins_input else 0) + _y_bytes(st, keep_all))
         for K in sorted({int(round(v)) for v in np.linspace(k_lo, k_hi, max(1, n_kept))}):
-            fastest = ilp.solve(kept=K, **kw)
+            fastest = solve(kept=K)
             add(fastest, K, None)
             if not fastest.has_solution:
                 continue
@@ -311,7 +319,7 @@ def solve_menu(
                 P = int(p_hi * (1.0 - peak_step * i))
                 if P <= 0:
                     break
-                res = ilp.solve(kept=K, peak=P, **kw)
+                res = solve(kept=K, peak=P)
                 if not res.has_solution:
                     infeasible = P if res.status == "infeasible" else None
                     break
@@ -319,7 +327,7 @@ def solve_menu(
                 feasible = int(max(res.evaluation.fwd_peak, res.evaluation.bwd_peak))
             if infeasible is not None and feasible - infeasible > 1:
                 P = (feasible + infeasible) // 2
-                add(ilp.solve(kept=K, peak=P, **kw), K, P)
+                add(solve(kept=K, peak=P), K, P)
     options = _prune(cands)
     seconds = time.perf_counter() - t0
     log.info(
