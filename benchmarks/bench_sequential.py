@@ -60,6 +60,8 @@ import hierremat
 from hierremat import InfeasibleBudgetError, parse_budget
 from hierremat.runtime import LiveTensorTracker
 
+from common import library_revision
+
 MiB = 2**20
 UNLIMITED_BYTES = 100 * 2**30
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -298,21 +300,6 @@ def smallest_feasible_budget(model: nn.Module, x: torch.Tensor, log: list[str]) 
                 raise
             budget = f"{err.min_budget_bytes}B"
     raise RuntimeError("hierremat never found a feasible budget: " + "; ".join(log))
-
-
-def library_revision() -> str:
-    """The git commit of the hierremat checkout (plus '+dirty' if hierremat/ has local changes), if any."""
-    import subprocess
-
-    root = Path(hierremat.__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hierremat"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (rev or "unknown") + ("+dirty" if dirty else "")
 
 
 def mib(n: float | None) -> str:

@@ -33,7 +33,7 @@ import torch
 from .block_graph import BlockGraph
 from .blocks.joint import JointGraph, to_block_graph, trace_joint
 from .blocks.node_profile import profile_nodes
-from .costs import ChainCosts, OptionCosts
+from .costs import OptionCosts
 from .ilp.cache import CacheKey, OptionsCache, default_cache
 from .ilp.options import BlockOption, solve_menu
 from .ilp.solve import solve_count

@@ -59,7 +59,7 @@ class _Probe(nn.Module):
         raise _ChainInputs(x, shared)
 
 
-def _chain_inputs(chain: ChainGraph, args: tuple, kwargs: dict):
+def chain_inputs(chain: ChainGraph, args: tuple, kwargs: dict):
     """Run the orchestrator's precompute part only, returning the chain's input and shared values."""
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, _Probe())
     try:
@@ -121,7 +121,7 @@ def _compile(
     except (ValueError, StopIteration) as err:
         raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
     capture_seconds = time.perf_counter() - started
-    x0, shared = _chain_inputs(chain, args, kwargs)
+    x0, shared = chain_inputs(chain, args, kwargs)
     shared = tuple(shared)
     shared_bytes = sum(storage_bytes(v) for v in shared if isinstance(v, torch.Tensor))
     signatures = [info.signature for info in chain.infos]

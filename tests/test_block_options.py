@@ -24,24 +24,13 @@ from hierremat.ilp.cache import default_cache
 from hierremat.ilp.options import simulate_option, solve_menu
 from hierremat.runtime import LiveTensorTracker
 from hierremat.runtime.block_exec import OptionExecutor
-from hierremat.stage_options import stage_inputs
 
 from models import TinyResNet, tiny_gpt2
+from stages import stage_of
 
 MiB = 2**20
 KiB = 2**10
 pytest.importorskip("transformers")
-
-
-def _stage_of(model, args, kwargs, name):
-    from hierremat.blocks.capture import capture
-    from hierremat.blocks.segment import build_chain_graph
-    from hierremat.whole_model import _chain_inputs
-
-    chain = build_chain_graph(capture(model, args, kwargs), model)
-    x0, shared = _chain_inputs(chain, args, kwargs)
-    i = [info.name for info in chain.infos].index(name)
-    return chain.stages[i], stage_inputs(chain.stages, x0, tuple(shared))[i], tuple(shared)
 
 
 def _reference(stage, x, shared, seed):
@@ -101,7 +90,7 @@ def test_every_gpt2_block_option_gives_autograd_gradients_and_its_predicted_peak
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 64))
-    stage, x, shared = _stage_of(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.0")
+    stage, x, shared = stage_of(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.0")
     menu = _check_menu(stage, x, shared)
     assert any(o.optimal for o in menu.options)
 
@@ -110,7 +99,7 @@ def test_every_resnet_block_option_gives_autograd_gradients_and_its_predicted_pe
     torch.manual_seed(1)
     model = TinyResNet()
     x, labels = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
-    stage, xi, shared = _stage_of(model, (x,), {"labels": labels}, "layer1.0")
+    stage, xi, shared = stage_of(model, (x,), {"labels": labels}, "layer1.0")
     _check_menu(stage, xi, shared)
 
 

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from hierremat.block_graph import BACKWARD, FORWARD, BlockGraph
-from hierremat.blocks.capture import capture
 from hierremat.blocks.joint import (
     is_view_node,
     run_joint,
@@ -26,9 +25,9 @@ from hierremat.blocks.joint import (
     trace_joint,
 )
 from hierremat.blocks.node_profile import profile_nodes
-from hierremat.blocks.segment import CHAIN_ATTRIBUTE, build_chain_graph
 
 from models import TinyResNet, tiny_gpt2
+from stages import stage_of
 
 
 class MLPBlock(nn.Module):
@@ -48,51 +47,17 @@ def mlp_model(width: int = 32) -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), MLPBlock(width), MLPBlock(width), nn.Linear(width, 10))
 
 
-class _ChainInputs(Exception):
-    def __init__(self, x, shared):
-        super().__init__("chain inputs")
-        self.x, self.shared = x, shared
-
-
-class _Probe(nn.Module):
-    def forward(self, x, *shared):
-        raise _ChainInputs(x, shared)
-
-
-def _chain_inputs(chain, args, kwargs):
-    """x0 and the shared values: run the orchestrator up to the chain (as hierremat.whole_model does)."""
-    setattr(chain.orchestrator, CHAIN_ATTRIBUTE, _Probe())
-    try:
-        with torch.no_grad():
-            chain.orchestrator(*args, **kwargs)
-    except _ChainInputs as probe:
-        return probe.x, probe.shared
-    raise AssertionError("the orchestrator did not reach the chain")
-
-
-def _stage(model: nn.Module, args: tuple, kwargs: dict, name: str):
-    """The stage called ``name`` of the model's chain, with its input x and the shared values."""
-    chain = build_chain_graph(capture(model, args, kwargs), model)
-    x, shared = _chain_inputs(chain, args, kwargs)
-    names = [info.name for info in chain.infos]
-    k = names.index(name)
-    with torch.no_grad():
-        for stage in chain.stages[:k]:
-            x = stage(x, *shared)
-    return chain.stages[k], x.detach(), tuple(shared)
-
-
 def _build(kind: str, device: str = "cpu"):
     torch.manual_seed(0)
     if kind == "gpt2":
         model = tiny_gpt2(n_layer=2).to(device)
         ids = torch.randint(0, 256, (2, 32), device=device)
-        return _stage(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.0")
+        return stage_of(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.0")
     if kind == "resnet":
         model = TinyResNet().to(device)
-        return _stage(model, (torch.randn(4, 3, 16, 16, device=device),), {}, "layer2.0")
+        return stage_of(model, (torch.randn(4, 3, 16, 16, device=device),), {}, "layer2.0")
     model = mlp_model().to(device)
-    return _stage(model, (torch.randn(64, 32, device=device),), {}, "1")
+    return stage_of(model, (torch.randn(64, 32, device=device),), {}, "1")
 
 
 #: (forward, backward) node count ranges that a correct trace falls in.
@@ -235,7 +200,7 @@ def test_dropout_p0_exact_without_seeding():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     ids = torch.randint(0, 256, (2, 16))
-    stage, x, shared = _stage(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.1")
+    stage, x, shared = stage_of(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.1")
     joint = trace_joint(stage, x, shared)
     bg = to_block_graph(joint)
     # CPU attention without dropout is the fused kernel, whose op is tagged random but draws nothing

@@ -886,7 +886,6 @@ def op_lists(st: Structure, d: Decisions) -> tuple[tuple, tuple]:
     K = st.K
     nxt = 0
     present = set(d.kept)
-    bnodes = graph.backward_nodes
     for t, node in enumerate(cg.bwd):
         if nxt < K and cg.stages[nxt] == t:
             k = nxt
