@@ -4,6 +4,7 @@
     python benchmarks/run_all.py --models mlp,resnet,gpt2-tiny --rounds 5
     python benchmarks/run_all.py --quick                  # smoke test: small MLP, 2 hierremat budgets, < 60 s
     python benchmarks/run_all.py --readme                 # also rewrite README's results block
+    python benchmarks/run_all.py --from-json benchmarks/results/run_all_gpt2_12.json --readme   # re-render only
 
 Models (``--models``, built from configs with random weights, nothing downloaded):
   mlp        nn.Sequential MLP chain (Linear/LayerNorm/GELU/Dropout stages);
@@ -852,6 +853,8 @@ def parse_args(argv):
     ap.add_argument("--readme", action="store_true", help="rewrite README.md between <!-- results:start --> and "
                     "<!-- results:end --> with the report")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--from-json", type=Path, nargs="+", help="run nothing: render the report of earlier runs' "
+                    "JSON files (with --readme, into README.md)")
     ap.add_argument("-v", "--verbose", action="store_true", help="hierremat INFO logs and tracebacks")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in (args.models or ("mlp" if args.quick else ",".join(ALL_MODELS))).split(",")
@@ -873,10 +876,38 @@ def parse_args(argv):
     return args
 
 
+def rewrite_readme(report: str) -> None:
+    readme = C.REPO_ROOT / "README.md"
+    new = C.replace_between_markers(readme.read_text(), report, "<!-- results:start -->", "<!-- results:end -->")
+    if new is None:
+        log.warning("README.md has no <!-- results:start --> ... <!-- results:end --> markers: not changed")
+    else:
+        readme.write_text(new)
+        log.info("rewrote the results block of %s", readme)
+
+
+def report_from_json(paths: list[Path]) -> str:
+    """The Markdown report of earlier runs (their JSON files, plots found beside them), one after the other."""
+    parts = []
+    for path in paths:
+        results = json.loads(path.read_text())
+        stem = path.stem
+        plots = {m["name"]: path.parent / f"{stem}_{m['name']}.png" for m in results["models"]}
+        plots["planning"] = path.parent / f"{stem}_planning.png"
+        parts.append(render(results, {k: str(v.relative_to(C.REPO_ROOT)) for k, v in plots.items() if v.exists()}))
+    return "\n\n".join(parts)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(relativeCreated)7.0f ms] %(message)s")
+    if args.from_json:
+        report = report_from_json([p.resolve() for p in args.from_json])
+        print(report)
+        if args.readme:
+            rewrite_readme(report)
+        return 0
     logging.getLogger("hierremat").setLevel(logging.INFO if args.verbose else logging.WARNING)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -909,13 +940,7 @@ def main(argv=None) -> int:
     log.info("wrote %s, %s%s", out / f"{args.stem}.json", out / f"{args.stem}.md",
              "".join(f", {p}" for p in plot_paths.values()))
     if args.readme:
-        readme = C.REPO_ROOT / "README.md"
-        new = C.replace_between_markers(readme.read_text(), report, "<!-- results:start -->", "<!-- results:end -->")
-        if new is None:
-            log.warning("README.md has no <!-- results:start --> ... <!-- results:end --> markers: not changed")
-        else:
-            readme.write_text(new)
-            log.info("rewrote the results block of %s", readme)
+        rewrite_readme(report)
     return 0
 
 
