@@ -33,7 +33,8 @@ class ModelPlan:
 
     @property
     def budget_bytes(self) -> int:
-        return self.chain.budget_bytes
+        """The model's budget: the chain's plus the shared values held beside it."""
+        return self.chain.budget_bytes + self.shared_bytes
 
     @property
     def predicted_peak_bytes(self) -> int:

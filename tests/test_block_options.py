@@ -182,8 +182,9 @@ def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path):
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan(model, (ids,), kwargs, budget="1KiB", cache=str(tmp_path))
     plan = hr.plan(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B", cache=str(tmp_path))
+    assert plan.budget_bytes == err.value.min_budget_bytes  # the model's budget, shared values included
     again = hr.ModelPlan.from_json(plan.to_json())
-    assert again.menus == plan.menus
+    assert again.menus == plan.menus and again.budget_bytes == plan.budget_bytes
     reference = copy.deepcopy(model)
     module = hr.remat(model, (ids,), kwargs, plan=again, output_held=False)
     loss, grads, _ = _step(module, (ids,), kwargs)
