@@ -6,8 +6,13 @@ memory helps. Measured there, with the model and inputs built beforehand:
     import of hierremat's torch side, the Numba kernel load, torch.export capture,
     segmentation, profiling and the DP solve;
   - its breakdown: capture s (torch.export + segmentation), profile s (per-stage
-    profiling, identical stages once), solve s (DP); stages and distinct signatures;
-  - warm s: a second ``hierremat.plan`` call in the same process;
+    profiling, identical stages once), options s (per distinct block: joint graph trace,
+    per-op profiling, ILP menu sweep) with its number of ILP solves, solve s (chain DP);
+    stages and distinct signatures;
+  - warm s: a second ``hierremat.plan`` call in the same process (menus from the cache's
+    memory layer);
+  - disk s / disk solves: the first plan of a *new* subprocess sharing the first one's
+    on-disk option cache (each config starts with an empty cache directory);
   - process s (printed below the table): the subprocess' wall time (imports, model build),
     and the 1-minute load average when the config started: torch's CPU kernels slow down
     several-fold when other processes compete for the cores, so compare runs on an idle machine.
@@ -24,8 +29,10 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,10 +103,11 @@ def run_one(name: str, threads: int | None) -> dict:
         return p, time.perf_counter() - started
 
     p, cold = plan()
-    _, warm = plan()
+    again, warm = plan()
     return {
         "config": name, "stages": len(p.stages), "distinct": len(set(p.signatures)), "capture": p.capture_seconds,
         "profile": p.chain.profile_seconds, "solve": p.chain.solve_seconds, "cold": cold, "warm": warm,
+        "options": p.options_seconds, "solves": p.options_solves, "warm_solves": again.options_solves,
         "budget": budget, "peak": hierremat.format_bytes(p.predicted_peak_bytes), "threads": torch.get_num_threads(),
     }
 
@@ -119,26 +127,35 @@ def main() -> None:
     header = (f"bench_plan {datetime.datetime.now():%Y-%m-%d %H:%M} | {platform.platform()} | "
               f"os.cpu_count()={os.cpu_count()} | torch {torch.__version__} | python {platform.python_version()}")
     rows = [
-        ("| config | stages | distinct | capture s | profile s | solve s | total cold s | warm s "
-         "| target s | met? | budget | predicted peak |"),
-        "|" + "---|" * 12,
+        ("| config | stages | distinct | capture s | profile s | options s (ILP solves) | solve s | total cold s "
+         "| warm s (solves) | disk s (solves) | target s | met? | budget | predicted peak |"),
+        "|" + "---|" * 14,
     ]
     notes = []
     for name in names:
         load, started = os.getloadavg()[0], time.perf_counter()
         cmd = [sys.executable, __file__, "--one", name] + (["--threads", str(opts.threads)] if opts.threads else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        cache_dir = tempfile.mkdtemp(prefix="hierremat-bench-plan-")
+        env = {**os.environ, "HIERREMAT_CACHE_DIR": cache_dir}
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         wall = time.perf_counter() - started
+        disk = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        disk_lines = [ln for ln in disk.stdout.splitlines() if ln.startswith("RESULT ")]
+        d = json.loads(disk_lines[-1][7:]) if disk.returncode == 0 and disk_lines else None
+        shutil.rmtree(cache_dir, ignore_errors=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            rows.append(f"| {name} | FAILED (rc {proc.returncode}) |" + " |" * 10)
+            rows.append(f"| {name} | FAILED (rc {proc.returncode}) |" + " |" * 12)
             notes.append(f"{name} failed:\n```\n{proc.stderr[-4000:]}\n```")
             print(f"{name}: FAILED\n{proc.stderr[-4000:]}", file=sys.stderr)
             continue
         r, target = json.loads(lines[-1][7:]), CONFIGS[name][5]
         rows.append(
             f"| {name} | {r['stages']} | {r['distinct']} | {r['capture']:.2f} | {r['profile']:.2f} | "
-            f"{r['solve']:.3f} | {r['cold']:.2f} | {r['warm']:.2f} | {target:.0f} | "
+            f"{r['options']:.2f} ({r['solves']}) | {r['solve']:.3f} | {r['cold']:.2f} | "
+            f"{r['warm']:.2f} ({r['warm_solves']}) | "
+            + (f"{d['cold']:.2f} ({d['solves']})" if d else "failed")
+            + f" | {target:.0f} | "
             f"{'yes' if r['cold'] < target else 'NO'} | {r['budget']} | {r['peak']} |"
         )
         notes.append(f"{name}: subprocess wall {wall:.1f} s (imports + model build + 2 plans), "
