@@ -236,7 +236,7 @@ class PlannedChain:
 
 def plan_sequential(
     functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal",
-    output_held: bool | None = True,
+    output_held: bool | None = True, block_options: str = "ilp",
 ) -> SequentialPlan:
     """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
 
@@ -246,24 +246,38 @@ def plan_sequential(
     output_held: whether the caller keeps the output alive through the backward (True,
     the usual ``y = ...; loss_fn(y).backward()``); False when it is released once the
     loss is computed; None to assume held unless only a released plan fits.
+    block_options: 'ilp' (default): module stages also offer the optimal options of their
+    per-block ILP (solved once per distinct stage, cached on disk; see hierremat.plan);
+    'autograd': only what autograd keeps.
     """
     stages = as_stages(functions)
     _check_input(input)
     return _plan(
-        stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held
-    )
+        stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held,
+        block_options=block_options,
+    ).plan
 
 
 def _plan(
     stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3,
-    strategy: str = "optimal", output_held: bool | None = True,
-) -> SequentialPlan:
+    strategy: str = "optimal", output_held: bool | None = True, block_options: str = "ilp",
+) -> PlannedChain:
+    if block_options not in ("ilp", "autograd"):
+        raise ValueError(f"block_options={block_options!r} is not 'ilp' or 'autograd'")
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
-    return plan_from_profile(
-        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=time.perf_counter() - started,
+    profile_seconds = time.perf_counter() - started
+    menus = None
+    if block_options == "ilp" and strategy == "optimal" and torch.is_grad_enabled():
+        from .stage_options import build_menus  # torch-side planning, loaded when used
+
+        menus = build_menus(stages, input, (), None)
+        profile = menus.extend(profile)
+    plan = plan_from_profile(
+        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=profile_seconds,
         strategy=strategy, output_held=output_held,
     )
+    return PlannedChain(stages, plan, slots=slots, strategy=strategy, menus=menus)
 
 
 def _check_input(input) -> None:
@@ -317,6 +331,7 @@ def checkpoint_sequential(
     *,
     slots: int = DEFAULT_SLOTS,
     output_held: bool | None = True,
+    block_options: str = "ilp",
     **kwargs,
 ) -> torch.Tensor:
     """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with a budget instead of segments.
@@ -331,7 +346,7 @@ def checkpoint_sequential(
     (as in ``y = checkpoint_sequential(...); loss_fn(y).backward()``); see plan_sequential.
     Every backward checks how the output was used, and a different use re-plans the
     next call (releasing it early gives a faster plan; holding it when the plan assumed
-    otherwise logs a warning).
+    otherwise logs a warning). block_options: see plan_sequential.
 
     ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
     RNG state is always preserved.
@@ -350,8 +365,7 @@ def checkpoint_sequential(
     key = PlanCache.key(stages, input, budget_bytes, slots)
     entry = plan_cache.get(key)
     if entry is None:
-        plan = _plan(stages, budget_bytes, input, slots=slots, output_held=output_held)
-        log.debug("%s", plan.summary())
-        entry = PlannedChain(stages, plan, slots=slots)
+        entry = _plan(stages, budget_bytes, input, slots=slots, output_held=output_held, block_options=block_options)
+        log.debug("%s", entry.plan.summary())
         plan_cache.put(key, entry)
     return entry.run(input)

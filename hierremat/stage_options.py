@@ -22,6 +22,7 @@ that run under autocast keep option 0 only; the reason is logged.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import platform
 import time
@@ -89,9 +90,9 @@ class ChainMenus:
     def extend(self, profile: ChainProfile) -> ChainProfile:
         """The profile with each stage's menu options appended after option 0, times calibrated."""
         stages = []
-        for stage_costs, signature in zip(profile.costs.stages, self.signatures):
+        for stage_costs, signature, executors in zip(profile.costs.stages, self.signatures, self.executors):
             menu = self.menus.get(signature)
-            if menu is None:
+            if menu is None or len(executors) <= 1:  # no menu, or none runnable here (the last stage)
                 stages.append(stage_costs)
                 continue
             base = stage_costs.options[0]
@@ -147,11 +148,23 @@ def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple) -> list[torc
     return xs
 
 
+def module_signature(stage, x: torch.Tensor) -> str:
+    """A structural key for a stage of a plain chain (no captured graph to hash): its class,
+    its printed configuration, its parameter and buffer shapes and dtypes, its mode and
+    its input's shape and dtype. Equal keys trace to equal joint graphs."""
+    parts = [type(stage).__qualname__, repr(stage), str(tuple(x.shape)), str(x.dtype)]
+    if isinstance(stage, torch.nn.Module):
+        parts.append(str(stage.training))
+        parts += [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}" for n, t in stage.named_parameters()]
+        parts += [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in stage.named_buffers()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
 def build_menus(
     stages: Sequence[torch.nn.Module],
     x0: torch.Tensor,
     shared: tuple,
-    signatures: Sequence[str],
+    signatures: Sequence[str] | None,
     *,
     cache: OptionsCache | None = None,
     stored: dict[str, StageMenu] | None = None,
@@ -159,6 +172,7 @@ def build_menus(
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
+    signatures: one structural key per stage (None: :func:`module_signature` of each).
     stored: menus to use as they are (from a saved plan), by signature.
     cache: where solved menus are looked up and stored (default: hierremat's default cache).
     """
@@ -166,6 +180,10 @@ def build_menus(
     cache = cache if cache is not None else default_cache()
     L = len(stages)
     xs = stage_inputs(stages, x0, shared)
+    if signatures is None:
+        signatures = [module_signature(stage, x) for stage, x in zip(stages, xs)]
+    if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own
+        signatures = [f"{signatures[0]}-no-input-grad", *signatures[1:]]
     menus: dict[str, StageMenu] = {}
     joints: dict[str, JointGraph] = {}
     executors: list[list] = [[None] for _ in range(L)]
@@ -173,11 +191,12 @@ def build_menus(
     if torch.is_autocast_enabled(x0.device.type):
         log.info("block options: autocast is on, so every stage keeps option 0 (the traced graphs are autocast-free)")
         return ChainMenus({}, executors, tuple(signatures), 0, time.perf_counter() - started)
-    for i, (stage, signature) in enumerate(zip(stages, signatures)):
+    for i, (stage, signature) in enumerate(zip(stages[:-1], signatures)):
+        # (the last stage returns the model's outputs, often several: option 0 only)
         if signature not in joints and signature not in menus:
-            if i == L - 1:
-                continue  # the last stage returns the model's outputs (often several): option 0 only
             try:
+                if not isinstance(stage, torch.nn.Module):
+                    raise TypeError("it is a plain callable, not an nn.Module")
                 joint = trace_joint(stage, xs[i], shared, input_requires_grad=i > 0 or x0.requires_grad)
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
                     raise ValueError("the stage returns several tensors")

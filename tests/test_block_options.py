@@ -192,3 +192,48 @@ def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path):
     torch.testing.assert_close(loss, loss_ref)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _ResidualMLP(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, 4 * width)
+        self.drop = torch.nn.Dropout(0.1)
+        self.fc2 = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+def test_checkpoint_sequential_with_ilp_options():
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*[_ResidualMLP(64) for _ in range(6)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(128, 64, requires_grad=True)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    lo = err.value.min_budget_bytes
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x, block_options="autograd")
+    assert lo <= err.value.min_budget_bytes
+    used_ilp = False
+    for budget in (lo, int(lo * 1.3), int(lo * 1.8)):
+        plan = hr.plan_sequential(model, f"{budget}B", x)
+        used_ilp |= any("[" in a for a in plan.stage_actions())
+        for m in (model, reference):
+            for p in m.parameters():
+                p.grad = torch.zeros_like(p)
+        xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+        hr.checkpoint_sequential(model, f"{budget}B", xs[0])  # plans outside the measured step
+        torch.manual_seed(6)
+        with LiveTensorTracker() as tracker:
+            y = hr.checkpoint_sequential(model, f"{budget}B", xs[0])
+            y.square().mean().backward()
+        torch.manual_seed(6)
+        reference(xs[1]).square().mean().backward()
+        torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-6, atol=1e-7)
+        for a, b in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+        assert tracker.peak_bytes <= budget, (budget, tracker.peak_bytes, plan.summary())
+    assert used_ilp, "no plan used an ILP option"

@@ -65,6 +65,15 @@ class IlpResult:
         return self.decisions is not None
 
 
+def _gap(m) -> float:
+    """Gurobi's relative MIP gap; 0 for a model Gurobi solved without branching (it then
+    has no MIPGap attribute, e.g. after presolve turned it into an LP)."""
+    try:
+        return float(m.MIPGap)
+    except AttributeError:
+        return 0.0
+
+
 def _gurobi_available() -> bool:
     try:
         import gurobipy  # noqa: F401
@@ -130,12 +139,12 @@ def _solve_gurobi(model: IlpModel, c, lb, ub, time_limit, mip_rel_gap):
         m.optimize()
         st = m.Status
         if st == GRB.OPTIMAL:
-            return "optimal", np.array(x.X), float(m.MIPGap)
+            return "optimal", np.array(x.X), _gap(m)
         if st in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
             return "infeasible", None, None
         if st == GRB.TIME_LIMIT:
             if m.SolCount > 0:
-                return "time_limit", np.array(x.X), float(m.MIPGap)
+                return "time_limit", np.array(x.X), _gap(m)
             return "time_limit", None, None
         raise RuntimeError(f"Gurobi ended with status {st}")
     finally:
