@@ -286,7 +286,7 @@ def _check_input(input) -> None:
 
 
 class PlanCache:
-    """Plans per (stages, input shape/dtype/device, budget, slots); ``hits``/``misses`` count lookups."""
+    """Plans per (stages, input shape/dtype/device, budget, slots, block options); ``hits``/``misses`` count lookups."""
 
     def __init__(self):
         self._plans: dict[tuple, PlannedChain] = {}
@@ -298,14 +298,14 @@ class PlanCache:
         self.hits = self.misses = 0
 
     @staticmethod
-    def key(stages: Sequence[Callable], input: torch.Tensor, budget_bytes: int, slots: int) -> tuple:
+    def key(stages: Sequence[Callable], input: torch.Tensor, budget_bytes: int, slots: int, block_options: str = "ilp") -> tuple:
         modes = tuple(getattr(s, "training", None) for s in stages)
         trainable = tuple(
             tuple(p.requires_grad for p in s.parameters()) if isinstance(s, torch.nn.Module) else () for s in stages
         )
         return (
             tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
-            input.requires_grad, budget_bytes, slots,
+            input.requires_grad, budget_bytes, slots, block_options,
         )
 
     def get(self, key: tuple):
@@ -362,7 +362,7 @@ def checkpoint_sequential(
     )
     if not torch.is_grad_enabled() or not needs_grad:
         return run_plainly(stages, input)  # nothing to plan for
-    key = PlanCache.key(stages, input, budget_bytes, slots)
+    key = PlanCache.key(stages, input, budget_bytes, slots, block_options)
     entry = plan_cache.get(key)
     if entry is None:
         entry = _plan(stages, budget_bytes, input, slots=slots, output_held=output_held, block_options=block_options)
