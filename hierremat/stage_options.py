@@ -10,9 +10,12 @@ profiled as a whole) plus the menu's options k = 1.., which the runtime executes
 hierremat.runtime.block_exec.
 
 Cost model: an option's times are sums of per-node times, measured one op at a time;
-the whole-stage profile of option 0 is measured as one call. To put both on one scale,
-menu times are multiplied per signature by (option 0's forward + backward time) / (the
-sum of every node's time once, i.e. the keep-everything schedule's time in node units).
+the whole-stage profile of option 0 is measured as one call, under autograd. To put both
+on one scale, menu times are multiplied per signature by the measured time of one of its
+options as the executor really runs it (forward + backward, median of a few runs) over
+that option's node-time sum: the executor's own overhead, and kernels that are slower in
+the decomposed graph than in eager autograd, are then priced in, so the DP prefers
+autograd's option where the ILP's saves too little.
 
 Stages whose joint graph cannot be traced, that return several tensors (the model's
 last stage), whose output is one result of a multi-output operator (a lone dropout) or
@@ -26,7 +29,7 @@ import hashlib
 import logging
 import platform
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -39,7 +42,7 @@ from .ilp.cache import CacheKey, OptionsCache, default_cache
 from .ilp.options import BlockOption, solve_menu
 from .ilp.solve import solve_count
 from .runtime.block_exec import OptionExecutor
-from .runtime.profile import ChainProfile, no_side_effects
+from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ class ChainMenus:
     signatures: tuple[str, ...]
     solves: int = 0
     seconds: float = 0.0
+    #: signature -> measured seconds of executing an option per second of its node-time sum
+    scales: dict = field(default_factory=dict)
 
     def extend(self, profile: ChainProfile) -> ChainProfile:
         """The profile with each stage's menu options appended after option 0, times calibrated."""
@@ -97,7 +102,9 @@ class ChainMenus:
                 continue
             base = stage_costs.options[0]
             node_total = sum(n.time for n in menu.graph.nodes)
-            scale = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
+            scale = self.scales.get(signature)
+            if scale is None:  # not measured: assume the executor runs as fast as autograd
+                scale = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
             extra = tuple(_scaled(o.to_option_costs(), scale) for o in menu.options)
             stages.append(replace(stage_costs, options=(base,) + extra))
         return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
@@ -187,6 +194,7 @@ def build_menus(
     menus: dict[str, StageMenu] = {}
     joints: dict[str, JointGraph] = {}
     executors: list[list] = [[None] for _ in range(L)]
+    scales: dict[str, float] = {}
     solves_before = solve_count()
     if torch.is_autocast_enabled(x0.device.type):
         log.info("block options: autocast is on, so every stage keeps option 0 (the traced graphs are autocast-free)")
@@ -216,8 +224,30 @@ def build_menus(
             continue
         bound = rebind(joint, stage)
         executors[i] = [None] + [OptionExecutor(bound, option) for option in menu.options]
+        if signature not in scales:
+            scales[signature] = _executor_scale(executors[i][1:], stage, stages, xs[i], x0, shared)
     solves = solve_count() - solves_before
-    return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started)
+    return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started, scales)
+
+
+def _executor_scale(executors, stage, stages, x, x0, shared, repeats: int = 3) -> float:
+    """Measured seconds per node-time second of the menu's fastest option, run by its executor
+    (forward + backward after one warm-up; RNG, buffers and ``.grad`` left as they were)."""
+    executor = min(executors, key=lambda e: e.option.total_time)
+    if executor.option.total_time <= 0:
+        return 1.0
+    y_meta = None
+
+    def run():
+        nonlocal y_meta
+        y, tape = executor.forward(x, shared)
+        y_meta = y_meta if y_meta is not None else torch.ones_like(y)
+        executor.backward(tape, y_meta, shared)
+
+    with no_side_effects(stages, x0), scratch_grads(stage):
+        run()  # warm-up
+        seconds = median_seconds(run, repeats, x.device)
+    return seconds / executor.option.total_time
 
 
 @contextlib.contextmanager

@@ -56,7 +56,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs (CUDA events on a GPU)."""
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -99,7 +100,7 @@ def no_side_effects(stages: Sequence[Callable], x0: torch.Tensor) -> Iterator[No
 
 
 @contextmanager
-def _scratch_grads(stage: Callable) -> Iterator[None]:
+def scratch_grads(stage: Callable) -> Iterator[None]:
     """Give the stage's parameters zero ``.grad`` while profiling it, then put theirs back."""
     params, _ = _modules_state([stage])
     saved = [p.grad for p in params]
@@ -173,7 +174,7 @@ def profile_chain(
                 cost = replace(stage_costs[j], name=_stage_name(i, stage))
             else:
                 requires_grad = i > 0 or x0.requires_grad
-                with _scratch_grads(stage):
+                with scratch_grads(stage):
                     cost, names, y, mask = _profile_stage(
                         i, stage, call, x, requires_grad, repeats, device, output_grad_mask if last else None
                     )
@@ -242,7 +243,7 @@ def _profile_stage(
         del edges, grads, sink
 
     with torch.no_grad():
-        nograd_time = _median_seconds(lambda: call(x), repeats, device)
+        nograd_time = median_seconds(lambda: call(x), repeats, device)
 
     def grad_forward():
         anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
@@ -252,7 +253,7 @@ def _profile_stage(
     warm = grad_forward()  # first grad-mode run and backward pay one-off costs: not timed
     backward_through(gradient_edges(warm), _ones_for(warm, grad_mask))
     del warm
-    fwd_time = _median_seconds(grad_forward, repeats, device)
+    fwd_time = median_seconds(grad_forward, repeats, device)
     bwd_samples = []
     for _ in range(repeats):
         out = grad_forward()
@@ -260,7 +261,7 @@ def _profile_stage(
         del out
         if all(e is None for e in edges):
             break
-        bwd_samples.append(_median_seconds(functools.partial(backward_through, edges, grads), 1, device))
+        bwd_samples.append(median_seconds(functools.partial(backward_through, edges, grads), 1, device))
         del edges, grads
     bwd_time = statistics.median(bwd_samples) if bwd_samples else 0.0
 
