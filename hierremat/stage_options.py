@@ -102,9 +102,10 @@ class ChainMenus:
                 continue
             base = stage_costs.options[0]
             node_total = sum(n.time for n in menu.graph.nodes)
-            scale = self.scales.get(signature)
-            if scale is None:  # not measured: assume the executor runs as fast as autograd
-                scale = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
+            # the executor runs the same kernels as autograd plus its own overhead: never price it
+            # faster than autograd (a measurement of a sub-millisecond stage can say otherwise)
+            as_autograd = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
+            scale = max(self.scales.get(signature, as_autograd), as_autograd)
             extra = tuple(_scaled(o.to_option_costs(), scale) for o in menu.options)
             stages.append(replace(stage_costs, options=(base,) + extra))
         return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
