@@ -51,6 +51,15 @@ def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: t
 
 STRATEGIES = "'optimal' (the DP), 'none' (no checkpointing) or 'segments=K' (torch's uniform segments)"
 
+#: 'ilp': each distinct block also offers the optimal options of its ILP menu beside autograd's;
+#: 'autograd': only what autograd keeps (and the chain DP's keep-input choice): Rotor on blocks.
+BLOCK_OPTIONS = ("ilp", "autograd")
+
+
+def check_block_options(block_options: str) -> None:
+    if block_options not in BLOCK_OPTIONS:
+        raise ValueError(f"block_options={block_options!r} is not one of {BLOCK_OPTIONS}")
+
 
 def fixed_schedule(costs, strategy: str):
     """The schedule of a baseline strategy ('none' or 'segments=K')."""
@@ -96,7 +105,7 @@ def plan_from_profile(
     slots: int,
     profile_seconds: float = 0.0,
     strategy: str = "optimal",
-    output_held: bool | None = None,
+    output_held: bool | int | None = None,
 ) -> SequentialPlan:
     """Solve the chain so that the schedule's peak plus the runtime's replay reserve fits.
 
@@ -262,8 +271,7 @@ def _plan(
     stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3,
     strategy: str = "optimal", output_held: bool | None = True, block_options: str = "ilp",
 ) -> PlannedChain:
-    if block_options not in ("ilp", "autograd"):
-        raise ValueError(f"block_options={block_options!r} is not 'ilp' or 'autograd'")
+    check_block_options(block_options)
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
     profile_seconds = time.perf_counter() - started

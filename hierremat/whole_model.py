@@ -24,7 +24,7 @@ from .model_plan import ModelPlan
 from .runtime.executor import as_tuple
 from .runtime.profile import profile_chain, storage_bytes
 from .ilp.cache import OptionsCache, default_cache
-from .sequential import PlannedChain, plan_from_profile
+from .sequential import PlannedChain, check_block_options, plan_from_profile
 from .stage_options import StageMenu, build_menus
 
 log = logging.getLogger(__name__)
@@ -97,18 +97,12 @@ class PlanSettings:
     cache: bool | str = True
 
     def __post_init__(self) -> None:
-        if self.block_options not in BLOCK_OPTIONS:
-            raise ValueError(f"block_options={self.block_options!r} is not one of {sorted(BLOCK_OPTIONS)}")
+        check_block_options(self.block_options)
 
     def options_cache(self) -> OptionsCache:
         if isinstance(self.cache, str):
             return default_cache(self.cache)
         return default_cache(enabled=bool(self.cache))
-
-
-#: 'ilp': each distinct block gets the optimal options of its ILP menu beside autograd's;
-#: 'autograd': only what autograd keeps (and the chain DP's keep-input choice): Rotor on blocks.
-BLOCK_OPTIONS = {"ilp", "autograd"}
 
 
 def _compile(

@@ -25,9 +25,8 @@ import torch
 from torch import fx
 
 from ..blocks.joint import JointGraph, joint_inputs
+from ..ilp.formulation import COMPUTE
 from ..ilp.options import BlockOption
-
-COMPUTE = "compute"
 
 
 @dataclass
