@@ -187,7 +187,7 @@ class Workload:
         return {"labels": self.x, "use_cache": False} if self.kind == "gpt2" else {}
 
 
-def build_workload(name: str, quick: bool, device: torch.device) -> Workload:
+def build_workload(name: str, quick: bool, device: torch.device, gpt2_batch: int | None = None) -> Workload:
     torch.manual_seed(0)
     if name.startswith("gpt2"):
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -195,6 +195,7 @@ def build_workload(name: str, quick: bool, device: torch.device) -> Workload:
 
         hf_logging.set_verbosity_error()
         cfg, batch, seq = GPT2_QUICK if quick else GPT2_CONFIGS[name]
+        batch = gpt2_batch or batch
         cfg = dict(cfg, vocab_size=50257, n_positions=1024)
         model = GPT2LMHeadModel(GPT2Config(**cfg)).train()
         try:  # the loss set explicitly: otherwise transformers warns from inside forward, a graph break for Dynamo
@@ -693,10 +694,13 @@ def render(results: dict, plot_paths: dict[str, str]) -> str:
         "",
         f"Command: `{meta['command']}` (median of interleaved rounds; total {meta['seconds']:.0f} s).",
         "",
-        "Peak = bytes of the tensors created during one step and alive at once (parameters, inputs and "
-        "preallocated `.grad` not counted; hierremat's live-tensor tracker on CPU). torch.compile rows: CPU "
-        "allocator peak from `torch.profiler` (the tracker cannot see inside compiled code), ratio to plain's "
-        "allocator peak. Ratios are to no checkpointing. *plan/compile s*: hierremat capture+profile+solve, or "
+        ("Peak = bytes of the tensors created during one step and alive at once (parameters, inputs and "
+         "preallocated `.grad` not counted; hierremat's live-tensor tracker on CPU). torch.compile rows: CPU "
+         "allocator peak from `torch.profiler` (the tracker cannot see inside compiled code), ratio to plain's "
+         "allocator peak. " if meta["device"] == "cpu" else
+         "Peak = `torch.cuda.max_memory_allocated` during one step above what was allocated before it "
+         "(parameters, inputs and preallocated `.grad` not counted), every method alike. ") +
+        "Ratios are to no checkpointing. *plan/compile s*: hierremat capture+profile+solve, or "
         "torch.compile's first step. *pred. step s*: hierremat's deterministic prediction from profiled op costs. "
         "*fwd*: stage forwards per step. *grad diff*: max |grad - plain grad| over all parameters, same seed.",
     ]
@@ -831,6 +835,8 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default 2; 1 with --quick, "
                     "which runs while other work shares the cores)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    ap.add_argument("--gpt2-batch", type=int, default=None, help="batch size of the GPT-2 models (default 2; "
+                    "a GPU wants more to leave the launch-bound regime)")
     ap.add_argument("--segments", default="auto", help="segment counts: 'auto' (every K >= 2 for Sequential and "
                     "for up to 8 stages, else 2,3,4,7,L), 'all', or a comma list")
     ap.add_argument("--compile-budgets", default=None, help="activation_memory_budget values (default 1.0,0.5,0.1; "
@@ -917,7 +923,7 @@ def main(argv=None) -> int:
                 methods=sorted(args.methods), hierremat_variants=[v[0] for v in HIERREMAT_VARIANTS])
     results = {"meta": meta, "models": []}
     for name in args.models:
-        wl = build_workload(name, args.quick, device)
+        wl = build_workload(name, args.quick, device, args.gpt2_batch)
         results["models"].append(Bench(wl, args, device).run())
         del wl
         torch._dynamo.reset()

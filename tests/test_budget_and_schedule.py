@@ -45,3 +45,10 @@ def test_schedule_json_roundtrip_is_lossless():
 def test_schedule_json_rejects_other_documents():
     with pytest.raises(ValueError, match="ChainSchedule"):
         ChainSchedule.from_json('{"format": "something else"}')
+
+
+def test_allocated_bytes_rounds_to_the_cuda_allocator_block_and_is_exact_elsewhere():
+    from hierremat.runtime.memory import allocated_bytes
+
+    assert [allocated_bytes(n, "cuda") for n in (0, 1, 128, 512, 513, 4096)] == [0, 512, 512, 512, 1024, 4096]
+    assert [allocated_bytes(n, "cpu") for n in (0, 1, 128, 513)] == [0, 1, 128, 513]

@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from ..errors import UnsupportedModelError
+from .causal_attention import restore_causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             "Wrap the part that trains as a chain (hierremat.checkpoint_sequential) or make the forward traceable."
         ) from err
     module = exported.module()
+    restore_causal_attention(module)
     nodes = {n.name: describe(n) for n in module.graph.nodes}
     log.debug("captured %s: %d nodes", type(model).__name__, len(nodes))
     return CapturedModel(exported, module, nodes)

@@ -49,6 +49,7 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..block_graph import BACKWARD, FORWARD, BlockGraph, GraphNode
+from ..runtime.memory import allocated_bytes
 
 try:  # descriptor classes (torch >= 2.9)
     from torch._functorch._aot_autograd.descriptors import (
@@ -312,10 +313,12 @@ def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bo
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of t's storage as the budget's meter on t's device counts them."""
     try:
-        return int(t.untyped_storage().nbytes())
+        nbytes = int(t.untyped_storage().nbytes())
     except Exception:  # pragma: no cover - tensors without storage
-        return int(t.numel() * t.element_size())
+        nbytes = int(t.numel() * t.element_size())
+    return allocated_bytes(nbytes, t.device)
 
 
 def _op_name(node: fx.Node) -> str:

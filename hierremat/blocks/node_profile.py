@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from .joint import JointGraph, is_view_node, joint_inputs
+from ..runtime.memory import allocated_bytes
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
 FLOPS_PER_S = 1e12
@@ -48,7 +49,7 @@ def _new_bytes(result, inputs) -> int:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
-            total += t.untyped_storage().nbytes()
+            total += allocated_bytes(t.untyped_storage().nbytes(), t.device)
     return total
 
 

@@ -20,6 +20,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+CUDA_ALLOCATION_ROUNDING_BYTES = 512
+
+
+def allocated_bytes(nbytes: int, device: torch.device | str) -> int:
+    """Bytes a storage of ``nbytes`` takes from the meter that checks the budget on ``device``.
+
+    The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize
+    in c10/cuda/CUDACachingAllocator.cpp), which ``torch.cuda.max_memory_allocated`` counts:
+    a BatchNorm's 128-byte saved mean takes 512. Elsewhere the live-tensor tracker counts
+    storages exactly.
+    """
+    if torch.device(device).type != "cuda" or nbytes <= 0:
+        return nbytes
+    return -(-nbytes // CUDA_ALLOCATION_ROUNDING_BYTES) * CUDA_ALLOCATION_ROUNDING_BYTES
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Live and peak bytes of the tensors created while the mode is active.
 

@@ -27,7 +27,7 @@ from ..costs import ChainCosts, OptionCosts, StageCosts
 from .executor import (
     as_tuple, backward_through, check_stage_output, default_grad_mask, gradient_edges, tap_input, watch_storages,
 )
-from .memory import memory_meter
+from .memory import allocated_bytes, memory_meter
 from .rng import cuda_devices_of
 
 
@@ -46,8 +46,10 @@ class ChainProfile:
 
 
 def storage_bytes(value) -> int:
-    """Bytes of the distinct storages behind a tensor or a tuple of tensors."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in as_tuple(value)}
+    """Bytes of the distinct storages behind a tensor or a tuple of tensors, as the device's
+    allocator counts them (rounded up to its block size on CUDA)."""
+    storages = {t.untyped_storage().data_ptr(): allocated_bytes(t.untyped_storage().nbytes(), t.device)
+                for t in as_tuple(value)}
     return sum(storages.values())
 
 
@@ -200,6 +202,46 @@ def _call_stage(stage: Callable, shared: tuple, last: bool, index: int, x: torch
     return check_stage_output(index, stage, stage(x, *shared), last)
 
 
+class _CallInBackward(torch.autograd.Function):
+    """Identity on an anchor whose backward calls ``fn`` (on the autograd engine's thread)."""
+
+    @staticmethod
+    def forward(ctx, anchor, fn):
+        ctx.fn = fn
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return None, None
+
+
+def in_backward_thread(fn: Callable[[], object], device: torch.device) -> None:
+    """Call ``fn`` where the autograd engine runs backward functions for ``device``.
+
+    On CUDA that is a thread of its own, and cuBLAS/cuBLASLt give each thread its own handle,
+    whose workspace (about 1 MiB to 32 MiB) the caching allocator hands out on first use and
+    keeps for good. Recomputations run on that thread, so a stage's forward kernels are warmed
+    there during profiling: otherwise the first training step would allocate workspaces that no
+    profiled cost contains and overshoot the budget once.
+    """
+    anchor = torch.zeros((), device=device, requires_grad=True)
+    _CallInBackward.apply(anchor, fn).backward()
+
+
+def _run_forward_and_backward(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask) -> None:
+    with torch.no_grad():
+        call(x)
+    anchor = torch.empty(0, device=x.device, requires_grad=True) if requires_grad else None
+    with torch.enable_grad():
+        out = call(tap_input(x, anchor)[0])
+    mask = default_grad_mask(out) if grad_mask is None else grad_mask
+    edges, grads = gradient_edges(out), _ones_for(out, mask)
+    del out
+    if any(e is not None for e in edges):
+        backward_through(edges, grads)
+
+
 def _profile_stage(
     i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
     grad_mask: tuple[bool, ...] | None,
@@ -209,6 +251,8 @@ def _profile_stage(
     names, output, the mask used)."""
     with torch.no_grad():
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
+    if device.type == "cuda":
+        in_backward_thread(functools.partial(_run_forward_and_backward, call, x, requires_grad, grad_mask), device)
     meter = memory_meter(device)
     with meter:
         meter.reset_peak()
