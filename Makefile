@@ -25,7 +25,7 @@ test: setup
 
 # `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~10 min on 2 CPU cores).
 # BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.
-# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time).
+# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality).
 BENCH_ARGS ?=
 
 bench: setup
@@ -37,6 +37,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_dp.py
 	$(BIN)/python benchmarks/bench_sequential.py
 	$(BIN)/python benchmarks/bench_plan.py
+	$(BIN)/python benchmarks/bench_quality.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -139,3 +139,50 @@ class BlockGraph:
             output_grad_bytes=int(d["output_grad_bytes"]),
             input_grad_name=d.get("input_grad_name", ""),
         )
+
+
+def concatenate(graphs: "list[BlockGraph] | tuple[BlockGraph, ...]") -> BlockGraph:
+    """One BlockGraph for blocks run one after the other (block i's output is block i+1's input).
+
+    Node names get a ``b{i}.`` prefix. Block i+1 reads block i's output node where it read
+    its input, and block i's backward reads block i+1's input-gradient node where it read
+    its output gradient; forward nodes come in block order, backward nodes in reverse
+    block order. Costs are the blocks' own, so the concatenation is the same cost model:
+    its ILP is Checkmate's whole-graph problem over those blocks, the reference that the
+    hierarchical plan (one ILP per block, composed by the chain DP) is measured against.
+    """
+    if not graphs:
+        raise ValueError("concatenate needs at least one graph")
+    for i, g in enumerate(graphs[1:], start=1):
+        if not g.input_grad_name:
+            raise ValueError(f"block {i} has no input gradient, so the blocks before it get no output gradient")
+    renames = []
+    for i, g in enumerate(graphs):
+        names = {n.name: f"b{i}.{n.name}" for n in g.nodes}
+        names[g.input_name] = f"b{i - 1}.{graphs[i - 1].output_name}" if i > 0 else f"b0.{g.input_name}"
+        renames.append(names)
+    for i, g in enumerate(graphs[:-1]):
+        renames[i][g.output_grad_name] = renames[i + 1][graphs[i + 1].input_grad_name]
+    last = len(graphs) - 1
+    renames[last][graphs[last].output_grad_name] = f"b{last}.{graphs[last].output_grad_name}"
+
+    def renamed(i: int, node: GraphNode) -> GraphNode:
+        r = renames[i]
+        return GraphNode(
+            name=r[node.name], op=node.op, phase=node.phase, inputs=tuple(r[a] for a in node.inputs),
+            out_bytes=node.out_bytes, time=node.time, workspace_bytes=node.workspace_bytes, random=node.random,
+            alias_of=r[node.alias_of] if node.alias_of else "",
+        )
+
+    forward = [renamed(i, n) for i, g in enumerate(graphs) for n in g.forward_nodes]
+    backward = [renamed(i, n) for i in reversed(range(len(graphs))) for n in graphs[i].backward_nodes]
+    first, end = graphs[0], graphs[last]
+    return BlockGraph(
+        nodes=tuple(forward + backward),
+        input_name=renames[0][first.input_name],
+        input_bytes=first.input_bytes,
+        output_name=renames[last][end.output_name],
+        output_grad_name=renames[last][end.output_grad_name],
+        output_grad_bytes=end.output_grad_bytes,
+        input_grad_name=renames[0][first.input_grad_name] if first.input_grad_name else "",
+    )

@@ -21,6 +21,7 @@ class ModelPlan:
     stage in ``chain.costs`` are that menu's options in order.
     options_seconds, options_solves: time spent building the menus (trace, profile, ILP)
     and the number of ILP solves (0 when every menu came from the cache).
+    segmentation: how the model was cut ('blocks' or 'none'; see hierremat.plan).
     """
 
     chain: SequentialPlan
@@ -30,6 +31,7 @@ class ModelPlan:
     menus: dict = field(default_factory=dict)
     options_seconds: float = 0.0
     options_solves: int = 0
+    segmentation: str = "blocks"
 
     @property
     def budget_bytes(self) -> int:
@@ -53,7 +55,8 @@ class ModelPlan:
         c = self.chain
         unique = len(set(self.signatures))
         lines = [
-            f"hierremat model plan: {len(self.stages)} stages ({unique} distinct), budget {format_bytes(self.budget_bytes)}",
+            f"hierremat model plan: {len(self.stages)} stages ({unique} distinct), budget {format_bytes(self.budget_bytes)}"
+            + (", segmentation='none' (one ILP over everything before the output stage)" if self.segmentation == "none" else ""),
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
             f" + shared inputs {format_bytes(self.shared_bytes)})",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
@@ -85,6 +88,7 @@ class ModelPlan:
                 "menus": self.menus,
                 "options_seconds": self.options_seconds,
                 "options_solves": self.options_solves,
+                "segmentation": self.segmentation,
             }
         )
 
@@ -101,4 +105,5 @@ class ModelPlan:
             menus=dict(d.get("menus", {})),
             options_seconds=float(d.get("options_seconds", 0.0)),
             options_solves=int(d.get("options_solves", 0)),
+            segmentation=str(d.get("segmentation", "blocks")),
         )

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 #: Bump when node profiling or the time calibration changes (invalidates cached menus).
 COST_MODEL_VERSION = "nodes-2"
 #: Bump when the ILP formulation changes (invalidates cached menus).
-FORMULATION_VERSION = "staged-2"
+FORMULATION_VERSION = "staged-3"
 
 
 @dataclass(frozen=True)

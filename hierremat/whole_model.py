@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .blocks.capture import capture
-from .blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph
+from .blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from .budget import parse_budget
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError, UnsupportedModelError
@@ -95,9 +95,11 @@ class PlanSettings:
     output_held: bool | None = None
     block_options: str = "ilp"
     cache: bool | str = True
+    segmentation: str = "blocks"
 
     def __post_init__(self) -> None:
         check_block_options(self.block_options)
+        check_segmentation(self.segmentation)
 
     def options_cache(self) -> OptionsCache:
         if isinstance(self.cache, str):
@@ -111,7 +113,7 @@ def _compile(
     started = time.perf_counter()
     captured = capture(model, args, kwargs)
     try:
-        chain = build_chain_graph(captured, model)
+        chain = build_chain_graph(captured, model, settings.segmentation)
     except (ValueError, StopIteration) as err:
         raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
     capture_seconds = time.perf_counter() - started
@@ -138,6 +140,7 @@ def _compile(
             chain_plan, tuple(chain.infos), shared_bytes, capture_seconds,
             menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
             options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
+            segmentation=settings.segmentation,
         )
         log.info(
             "planned %s: %d stages, predicted peak %d B, step %.1f ms", type(model).__name__, len(plan.stages),
@@ -221,6 +224,7 @@ def plan(
     output_held: bool | None = None,
     block_options: str = "ilp",
     cache: bool | str = True,
+    segmentation: str = "blocks",
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -231,6 +235,10 @@ def plan(
     (Rotor on blocks, a baseline).
     cache: where solved block options are cached: True (``$HIERREMAT_CACHE_DIR`` or
     ``~/.cache/hierremat``), a directory, or False (no cache).
+    segmentation: 'blocks' (default): one stage per repeated block (decoder layer, ResNet
+    block), each distinct block solved once; 'none': everything before the output stage
+    solved as ONE block by one ILP (Checkmate on the full graph): the optimality reference
+    for small models, and a baseline. Its ILP grows with the model: small models only.
     output_held: whether the caller keeps the model's outputs alive through the backward
     (``out = model(...); out.loss.backward()``) or not (``model(...).loss.backward()``).
     None (default): assume held unless only a plan assuming release fits; the module
@@ -238,7 +246,7 @@ def plan(
     outputs, only scalar losses are expected to receive gradients (also checked).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache)
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation)
     return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, settings).plan
 
 
@@ -255,16 +263,20 @@ def remat(
     output_held: bool | None = None,
     block_options: str = "ilp",
     cache: bool | str = True,
+    segmentation: str | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy, output_held, block_options, cache: as for hierremat.plan.
+    strategy, output_held, block_options, cache, segmentation: as for hierremat.plan
+    (segmentation defaults to ``plan``'s, else 'blocks').
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache)
+    if segmentation is None:
+        segmentation = plan.segmentation if plan is not None else "blocks"
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation)
     module = RematModule(model, budget_bytes, on_new_shape, settings)
     module._add(args, example_kwargs or {}, plan)
     return module

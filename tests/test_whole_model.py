@@ -36,14 +36,14 @@ def _step(model, args, kwargs, seed=1):
     return loss.detach(), [p.grad.clone() for p in model.parameters()], tracker.peak_bytes
 
 
-def _check(model, args, kwargs):
+def _check(model, args, kwargs, **settings):
     reference = copy.deepcopy(model)
     loss_ref, grads_ref, plain_peak = _step(reference, args, kwargs)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB")
+        hr.plan(model, args, kwargs, budget="1KiB", **settings)
     lo = err.value.min_budget_bytes
     for budget in (lo, lo + (plain_peak - lo) // 3, plain_peak, 2**36):
-        module = hr.remat(model, args, kwargs, budget=f"{budget}B")
+        module = hr.remat(model, args, kwargs, budget=f"{budget}B", **settings)
         (plan,) = module.plans
         loss, grads, peak = _step(module, args, kwargs)
         torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
@@ -60,6 +60,18 @@ def test_gpt2_gradients_and_memory():
     model = tiny_gpt2(n_layer=3)
     ids = torch.randint(0, 256, (2, 64))
     _check(model, (ids,), {"labels": ids, "use_cache": False})
+
+
+def test_whole_graph_segmentation_solves_everything_before_the_head_as_one_block():
+    torch.manual_seed(3)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    plan = _check(model, (ids,), {"labels": ids, "use_cache": False}, segmentation="none")
+    assert plan.segmentation == "none" and len(plan.stages) == 2
+    assert plan.stages[0].name.endswith("transformer.h.1") and len(plan.menus) == 1
+    assert hr.ModelPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="segmentation must be 'blocks'.*got 'layers'"):
+        hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB", segmentation="layers")
 
 
 def test_gpt2_with_attention_mask_keyword():

@@ -184,7 +184,27 @@ def _merge_until_single_carry(stages: list[list[fx.Node]], output: fx.Node) -> l
         stages = stages[:bad] + [stages[bad] + stages[bad + 1]] + stages[bad + 2 :]
 
 
-def build_chain_graph(captured: CapturedModel, model: nn.Module) -> ChainGraph:
+SEGMENTATIONS = ("blocks", "none")
+
+
+def check_segmentation(segmentation: str) -> None:
+    if segmentation not in SEGMENTATIONS:
+        raise ValueError(
+            f"segmentation must be 'blocks' (one stage per repeated block, the default) or 'none' (everything "
+            f"before the output stage as one block: the whole-graph ILP), got {segmentation!r}"
+        )
+
+
+def build_chain_graph(captured: CapturedModel, model: nn.Module, segmentation: str = "blocks") -> ChainGraph:
+    """Cut the captured model into a chain of stages.
+
+    segmentation: 'blocks' cuts at the boundaries of repeated child modules; 'none' keeps
+    every stage before the last as ONE stage, so its block options come from one ILP over
+    that whole graph (Checkmate on the full graph; the optimality reference of the
+    hierarchical plan). The last stage (the head and loss, whose several outputs a
+    BlockGraph does not model) stays a stage of its own, as in 'blocks'.
+    """
+    check_segmentation(segmentation)
     gm = captured.module
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
@@ -197,6 +217,8 @@ def build_chain_graph(captured: CapturedModel, model: nn.Module) -> ChainGraph:
     named = [(unit, [n for n in run if n not in pre_set]) for unit, run in runs]
     named = [(unit, run) for unit, run in named if run]
     stages = _merge_until_single_carry([run for _, run in named], output)
+    if segmentation == "none" and len(stages) > 2:
+        stages = [[n for run in stages[:-1] for n in run], stages[-1]]
     unit_of = {run[0]: unit for unit, run in named}
     names = []
     for nodes_k in stages:

@@ -210,15 +210,27 @@ def solve_chain(
         raise ValueError(f"slots must be >= 1, got {slots}")
     started = time.perf_counter()
     n_options = sum(len(st.options) for st in costs.stages)
+    L = costs.length
     for attempt_slots in (slots, 4 * slots):
         unit = max(1, ceil_div(budget_bytes, attempt_slots))
         M = budget_bytes // unit
+        # Sizes round UP to units, so a schedule whose exact peak is within a few units of the
+        # budget looks infeasible at M (keeping everything at exactly plain autograd's peak, say).
+        # Fill the tables a little beyond M and take the largest memory whose schedule's exact
+        # peak (replayed by the expander) still fits: never slower than the schedule at M.
+        M_fill = M + 2 * L + 2
         arrays = discretize(costs, unit, prune=prune)
-        C, D = _fill(arrays, M, kernel)
-        if math.isfinite(C[0, 0, costs.length - 1, M]):
-            schedule = _schedule(costs, _dp_chooser(arrays, D, M, costs.length), M, budget_bytes, unit)
-            if schedule.predicted_peak_bytes > budget_bytes:
-                raise AssertionError("DP schedule exceeds its budget: memory rounding is broken")
+        C, D = _fill(arrays, M_fill, kernel)
+        if math.isfinite(C[0, 0, L - 1, M]):
+            choose = _dp_chooser(arrays, D, M_fill, L)
+            for m in dict.fromkeys((M_fill, M + (M_fill - M) // 2, M + (M_fill - M) // 4, M)):
+                if not math.isfinite(C[0, 0, L - 1, m]):
+                    continue
+                schedule = _schedule(costs, choose, m, budget_bytes, unit)
+                if schedule.predicted_peak_bytes <= budget_bytes:
+                    break
+                if m == M:
+                    raise AssertionError("DP schedule exceeds its budget: memory rounding is broken")
             return ChainSolution(
                 schedule, time.perf_counter() - started, attempt_slots, n_options, int(arrays.nk.sum()), False
             )

@@ -1,0 +1,211 @@
+"""Plan quality under one cost model: hierarchical vs whole-graph ILP vs Rotor-on-blocks vs uniform segments.
+
+    python benchmarks/bench_quality.py                 # GPT-2 n_layer=2 (n_embd 128), 5 budgets, < 1 min
+    python benchmarks/bench_quality.py --layers 4 --budgets 8
+
+What is compared. The decoder blocks of a Hugging Face GPT-2 (random init, dropout on) form a chain;
+every block's joint forward+backward ATen graph is captured (AOTAutograd) and costed by a
+deterministic FLOP/byte model (``hierremat.blocks.node_profile``, method "flops"), so every planner
+below sees exactly the same node costs and the comparison is of *plans*, not of timing noise:
+
+- **hierarchical** (hierremat): each distinct block solved by its ILP into a menu of options
+  (``hierremat.ilp.options.solve_menu``), the menus composed by the Rotor chain DP;
+- **whole-graph ILP** (Checkmate on the full graph): ONE ILP over the concatenated graph of all
+  blocks (``hierremat.block_graph.concatenate``), its menu plus targeted solves at each budget
+  (peak budget = the budget, retained bytes free), composed by the same DP (one stage);
+- **Rotor on blocks**: the chain DP with only the keep-everything option per block (plus its
+  checkpoint / recompute-the-whole-block moves);
+- **uniform segments**: torch's ``checkpoint_sequential`` schedule for every segment count, the
+  fastest one that fits each budget.
+
+Budgets: from the smallest feasible budget of the hierarchical plan to the keep-everything peak.
+All times and peaks are the planners' predictions under the shared cost model (the simulator
+reproduces them exactly; see tests). The embedding prologue and the head+loss stage are the same
+for every planner and are left out. Prints one Markdown table and writes it with
+``--out`` (default benchmarks/results/bench_quality.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from hierremat.block_graph import BlockGraph, concatenate  # noqa: E402
+from hierremat.blocks.capture import capture  # noqa: E402
+from hierremat.blocks.joint import to_block_graph, trace_joint  # noqa: E402
+from hierremat.blocks.node_profile import profile_nodes  # noqa: E402
+from hierremat.blocks.segment import build_chain_graph  # noqa: E402
+from hierremat.costs import ChainCosts, StageCosts  # noqa: E402
+from hierremat.dp.baselines import uniform_segments_schedule  # noqa: E402
+from hierremat.dp.solve import min_peak_schedule, solve_chain  # noqa: E402
+from hierremat.errors import InfeasibleBudgetError  # noqa: E402
+from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu  # noqa: E402
+from hierremat.ilp.solve import BlockIlp  # noqa: E402
+from hierremat.simulate import simulate  # noqa: E402
+from hierremat.stage_options import stage_inputs  # noqa: E402
+from hierremat.whole_model import chain_inputs  # noqa: E402
+
+SLOTS = 2000
+
+
+def decoder_block_graphs(n_layer: int, n_embd: int, seq: int, batch: int) -> list[BlockGraph]:
+    """The BlockGraph of each decoder block of a random-init GPT-2, costed by the FLOP model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=512, n_positions=max(seq, 128))
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    kwargs = {"labels": ids, "use_cache": False}
+    chain = build_chain_graph(capture(model, (ids,), kwargs), model)
+    x0, shared = chain_inputs(chain, (ids,), kwargs)
+    shared = tuple(shared)
+    xs = stage_inputs(chain.stages, x0, shared)
+    graphs = []
+    for info, stage, x in zip(chain.infos, chain.stages, xs):
+        if not info.name.startswith("transformer.h."):
+            continue
+        joint = trace_joint(stage, x, shared, input_requires_grad=True)
+        graphs.append(to_block_graph(joint, profile_nodes(joint, x, shared, method="flops")))
+    return graphs
+
+
+def nograd_forward(graph: BlockGraph) -> tuple[float, int]:
+    """Time and peak (above the input) of the block's forward without grad: every value freed after
+    its last forward use, the output kept."""
+    forward = graph.forward_nodes
+    root = {}
+    for n in forward:
+        root[n.name] = root.get(n.alias_of, n.alias_of) if n.alias_of else n.name
+    last_use = {}
+    for i, n in enumerate(forward):
+        for a in n.inputs:
+            last_use[root.get(a, a)] = i
+    keep = root.get(graph.output_name, graph.output_name)
+    live, peak = 0, 0
+    for i, n in enumerate(forward):
+        peak = max(peak, live + n.out_bytes + n.workspace_bytes)
+        live += n.out_bytes
+        for a in set(root.get(a, a) for a in n.inputs):
+            if last_use.get(a) == i and a != keep and a in root:
+                live -= graph.node(a).out_bytes
+        if n.name not in last_use and n.name != keep and root[n.name] == n.name:
+            live -= n.out_bytes
+    return sum(n.time for n in forward), peak
+
+
+def stage_costs(graph: BlockGraph, options) -> StageCosts:
+    t, overhead = nograd_forward(graph)
+    return StageCosts(nograd_fwd_time=t, nograd_fwd_overhead_bytes=overhead,
+                      options=tuple(o.to_option_costs() for o in options))
+
+
+def chain_of(graphs: list[BlockGraph], stages: list[StageCosts]) -> ChainCosts:
+    sizes = (graphs[0].input_bytes,) + tuple(g.output_grad_bytes for g in graphs)
+    return ChainCosts(sizes, tuple(stages), input_requires_grad=True)
+
+
+def fastest(costs: ChainCosts, budget: int) -> tuple[float, int] | None:
+    try:
+        s = solve_chain(costs, budget, slots=SLOTS).schedule
+    except InfeasibleBudgetError:
+        return None
+    sim = simulate(costs, s)
+    return sim.time, sim.peak_bytes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--budgets", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_quality.md")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+
+    t0 = time.perf_counter()
+    graphs = decoder_block_graphs(args.layers, args.n_embd, args.seq, args.batch)
+    menu = solve_menu(graphs[0])  # the blocks share one signature: one menu
+    hier = chain_of(graphs, [stage_costs(g, menu.options) for g in graphs])
+    keep_all = [make_option(BlockIlp(graphs[0]).structure, keep_all_decisions(BlockIlp(graphs[0]).structure),
+                            "keep_all", optimal=False)]
+    rotor = chain_of(graphs, [stage_costs(g, keep_all) for g in graphs])
+    hier_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    whole = concatenate(graphs)
+    whole_ilp = BlockIlp(whole)
+    whole_menu = list(solve_menu(whole, ilp=whole_ilp).options)
+    whole_seconds = time.perf_counter() - t1
+
+    segment_plans = [simulate(rotor, uniform_segments_schedule(rotor, k)) for k in range(1, len(graphs) + 1)]
+    lo = min_peak_schedule(hier).predicted_peak_bytes
+    hi = segment_plans[0].peak_bytes  # keeping everything
+    budgets = [int(lo + (hi - lo) * k / max(1, args.budgets - 1)) for k in range(args.budgets)]
+    mins = {
+        "hierarchical": lo,
+        "Rotor on blocks": min_peak_schedule(rotor).predicted_peak_bytes,
+        "uniform segments": min(p.peak_bytes for p in segment_plans),
+    }
+
+    rows = []
+    for b in budgets:
+        t2 = time.perf_counter()
+        for peak in (b, b - whole.input_bytes):  # targeted solves at this budget, retained bytes free
+            res = whole_ilp.solve(peak=peak)
+            if res.has_solution:
+                whole_menu.append(make_option(whole_ilp.structure, res.decisions, f"whole_peak{peak}",
+                                              optimal=res.optimal, ev=res.evaluation, peak_budget=peak))
+        whole_seconds += time.perf_counter() - t2
+        whole_chain = chain_of([whole], [stage_costs(whole, whole_menu)])
+        seg = [(p.time, p.peak_bytes) for p in segment_plans if p.peak_bytes <= b]
+        rows.append((b, fastest(hier, b), fastest(whole_chain, b), fastest(rotor, b), min(seg) if seg else None))
+    mins["whole-graph ILP"] = min_peak_schedule(chain_of([whole], [stage_costs(whole, whole_menu)])).predicted_peak_bytes
+
+    def cell(r):
+        return "infeasible" if r is None else f"{r[0] * 1e3:.3f}"
+
+    def ratio(r, ref):
+        return "" if r is None or ref is None else f"{r[0] / ref[0]:.4f}"
+
+    lines = [
+        f"GPT-2 decoder blocks: n_layer={args.layers}, n_embd={args.n_embd}, n_head=4, batch {args.batch}, "
+        f"seq {args.seq}, fp32, dropout 0.1; FLOP cost model (same node costs for every planner). "
+        f"Times in ms (predicted forward+backward of the blocks); ratios to the whole-graph ILP.",
+        "",
+        "| budget MiB | hierarchical | whole-graph ILP | Rotor on blocks | uniform segments | hier / whole | "
+        "Rotor / hier | segments / hier |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b, h, w, r, s in rows:
+        lines.append(f"| {b / 2**20:.3f} | {cell(h)} | {cell(w)} | {cell(r)} | {cell(s)} | {ratio(h, w)} | "
+                     f"{ratio(r, h)} | {ratio(s, h)} |")
+    lines += ["", "| planner | smallest feasible budget MiB |", "|---|---:|"]
+    lines += [f"| {k} | {v / 2**20:.3f} |" for k, v in mins.items()]
+    lines += ["", f"Planning: hierarchical {hier_seconds:.1f} s (capture, one block menu of {len(menu.options)} "
+              f"options, {menu.n_solves} solves); whole-graph ILP {whole_seconds:.1f} s "
+              f"({whole_ilp.model.n_vars} variables, {whole_ilp.model.n_constraints} constraints)."]
+    report = "\n".join(lines)
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("# bench_quality\n\nCommand: `python benchmarks/bench_quality.py "
+                        + " ".join(argv if argv is not None else sys.argv[1:]) + "`\n\n" + report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
