@@ -55,6 +55,23 @@ class StageCosts:
     options: tuple[OptionCosts, ...]
     name: str = ""
 
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "nograd_fwd_time": self.nograd_fwd_time,
+            "nograd_fwd_overhead_bytes": self.nograd_fwd_overhead_bytes,
+            "options": [op.__dict__.copy() for op in self.options],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageCosts":
+        return cls(
+            nograd_fwd_time=float(d["nograd_fwd_time"]),
+            nograd_fwd_overhead_bytes=int(d["nograd_fwd_overhead_bytes"]),
+            options=tuple(OptionCosts(**op) for op in d["options"]),
+            name=d.get("name", ""),
+        )
+
 
 @dataclass(frozen=True)
 class ChainCosts:
@@ -135,28 +152,12 @@ class ChainCosts:
             "input_requires_grad": self.input_requires_grad,
             "output_held_bytes": self.output_held_bytes,
             "output_grad_bytes": self.output_grad_bytes,
-            "stages": [
-                {
-                    "name": st.name,
-                    "nograd_fwd_time": st.nograd_fwd_time,
-                    "nograd_fwd_overhead_bytes": st.nograd_fwd_overhead_bytes,
-                    "options": [op.__dict__.copy() for op in st.options],
-                }
-                for st in self.stages
-            ],
+            "stages": [st.to_dict() for st in self.stages],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "ChainCosts":
-        stages = tuple(
-            StageCosts(
-                nograd_fwd_time=float(st["nograd_fwd_time"]),
-                nograd_fwd_overhead_bytes=int(st["nograd_fwd_overhead_bytes"]),
-                options=tuple(OptionCosts(**op) for op in st["options"]),
-                name=st.get("name", ""),
-            )
-            for st in d["stages"]
-        )
+        stages = tuple(StageCosts.from_dict(st) for st in d["stages"])
         return cls(
             activation_bytes=tuple(int(a) for a in d["activation_bytes"]),
             stages=stages,

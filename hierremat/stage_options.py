@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import platform
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -43,11 +42,14 @@ from .ilp.options import BlockOption, solve_menu
 from .ilp.solve import solve_count
 from .runtime.block_exec import OptionExecutor
 from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
+from .runtime.stage_cost_cache import StageCostCache, device_name
 
 log = logging.getLogger(__name__)
 
 #: Bump when node profiling or the time calibration changes (invalidates cached menus).
 COST_MODEL_VERSION = "nodes-2"
+#: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
+TIE_MARGIN = 1e-6
 #: Bump when the ILP formulation changes (invalidates cached menus).
 FORMULATION_VERSION = "staged-3"
 
@@ -103,9 +105,11 @@ class ChainMenus:
             base = stage_costs.options[0]
             node_total = sum(n.time for n in menu.graph.nodes)
             # the executor runs the same kernels as autograd plus its own overhead: never price it
-            # faster than autograd (a measurement of a sub-millisecond stage can say otherwise)
+            # faster than autograd (a measurement of a sub-millisecond stage can say otherwise), and
+            # a hair slower, so that an option that keeps what autograd keeps never wins a tie
+            # against option 0 through rounding (option 0 runs as plain autograd)
             as_autograd = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
-            scale = max(self.scales.get(signature, as_autograd), as_autograd)
+            scale = max(self.scales.get(signature, as_autograd), as_autograd * (1 + TIE_MARGIN))
             extra = tuple(_scaled(o.to_option_costs(), scale) for o in menu.options)
             stages.append(replace(stage_costs, options=(base,) + extra))
         return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
@@ -114,11 +118,6 @@ class ChainMenus:
 def _scaled(option: OptionCosts, scale: float) -> OptionCosts:
     return replace(option, fwd_time=option.fwd_time * scale, bwd_time=option.bwd_time * scale)
 
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
@@ -186,6 +185,7 @@ def build_menus(
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
+    cost_cache = StageCostCache(cache)
     L = len(stages)
     xs = stage_inputs(stages, x0, shared)
     if signatures is None:
@@ -226,7 +226,10 @@ def build_menus(
         bound = rebind(joint, stage)
         executors[i] = [None] + [OptionExecutor(bound, option) for option in menu.options]
         if signature not in scales:
-            scales[signature] = _executor_scale(executors[i][1:], stage, stages, xs[i], x0, shared)
+            scales[signature] = cost_cache.get_scale(signature, xs[i])
+            if scales[signature] is None:
+                scales[signature] = _executor_scale(executors[i][1:], stage, stages, xs[i], x0, shared)
+                cost_cache.put_scale(signature, xs[i], scales[signature])
     solves = solve_count() - solves_before
     return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started, scales)
 

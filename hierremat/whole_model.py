@@ -23,6 +23,7 @@ from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .model_plan import ModelPlan
 from .runtime.executor import as_tuple
 from .runtime.profile import profile_chain, storage_bytes
+from .runtime.stage_cost_cache import StageCostCache
 from .ilp.cache import OptionsCache, default_cache
 from .sequential import PlannedChain, check_block_options, plan_from_profile
 from .stage_options import StageMenu, build_menus
@@ -124,7 +125,9 @@ def _compile(
     menus = None
     if plan is None:
         started = time.perf_counter()
-        profile = profile_chain(chain.stages, x0, shared=shared, signatures=signatures)
+        profile = profile_chain(
+            chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache())
+        )
         profile_seconds = time.perf_counter() - started
         if settings.block_options == "ilp" and settings.strategy == "optimal":
             menus = build_menus(chain.stages, x0, shared, signatures, cache=settings.options_cache())

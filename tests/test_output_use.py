@@ -117,3 +117,31 @@ def test_gpt2_gradient_for_logits_warns_and_reprofiles(caplog):
     (ref_out.loss + ref_out.logits.float().pow(2).mean()).backward()
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_plan_that_keeps_everything_still_observes_the_output_use(caplog):
+    """Keeping everything runs as plain autograd; an identity node on the output still records its use."""
+    torch.manual_seed(2)
+    model = random_mlp_chain(2)
+    x = torch.randn(128, 96, requires_grad=True)
+    sequential.plan_cache.clear()
+    y = hr.checkpoint_sequential(model, "64GiB", x, output_held=False)
+    entry = _entry(model, x, "64GiB")
+    assert entry.plan.schedule.keeps_everything and entry.plan.costs.held_output == 0
+    with caplog.at_level(logging.WARNING, logger="hierremat"):
+        y.pow(2).mean().backward()  # the caller holds y
+        z = hr.checkpoint_sequential(model, "64GiB", x, output_held=False)
+    assert "of the chain output" in caplog.text
+    assert entry.plan.costs.held_output == entry.plan.costs.activation_bytes[-1]
+    reference = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.grad, q.grad = None, None
+    torch.manual_seed(7)
+    del y
+    z = None
+    torch.manual_seed(7)
+    hr.checkpoint_sequential(model, "64GiB", x).pow(2).mean().backward()
+    torch.manual_seed(7)
+    reference(x).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

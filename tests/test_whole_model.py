@@ -120,13 +120,34 @@ def test_gpt2_12_layers_segments_into_blocks_profiled_once(monkeypatch):
     monkeypatch.setattr(profile_module, "_profile_stage", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     model = tiny_gpt2(n_layer=12, n_embd=32, n_positions=32)
     ids = torch.randint(0, 256, (1, 32))
-    plan = hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB")
+    plan = hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB", cache=False)
     names = [s.name for s in plan.stages]
     assert len(names) == 14
     assert names[1:13] == [f"transformer.h.{i}" for i in range(12)]
     assert len({s.signature for s in plan.stages[1:13]}) == 1
     assert len(calls) == 3  # prologue, one decoder block, epilogue
     assert "transformer.h.11" in plan.summary()
+
+
+def test_a_second_plan_measures_nothing_again_unless_the_cache_is_off(monkeypatch, tmp_path):
+    from hierremat import stage_options
+
+    profiled, timed = [], []
+    real_profile, real_scale = profile_module._profile_stage, stage_options._executor_scale
+    monkeypatch.setattr(profile_module, "_profile_stage", lambda *a, **k: profiled.append(a[0]) or real_profile(*a, **k))
+    monkeypatch.setattr(stage_options, "_executor_scale", lambda *a, **k: timed.append(1) or real_scale(*a, **k))
+    torch.manual_seed(5)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+    first = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    assert len(profiled) == 3 and len(timed) == 1  # prologue, decoder block, head; one block executor timed
+    profiled.clear(), timed.clear()
+    second = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    assert profiled == [] and timed == [] and second.options_solves == 0
+    assert second.chain.costs == first.chain.costs and second.chain.schedule == first.chain.schedule
+    hr.plan(model, (ids,), kwargs, budget="1GiB", cache=False)
+    assert len(profiled) == 3 and len(timed) == 1
 
 
 def test_plan_json_roundtrip_and_reuse():

@@ -182,11 +182,22 @@ class ChainRunner:
         """Run the chain on x; every stage is called as ``stage(x_i, *shared)``.
 
         Without grad, or when the schedule keeps everything, the stages are simply called:
-        plain autograd then does exactly what the schedule says, at no runner overhead.
+        plain autograd then does exactly what the schedule says, at no runner overhead (in
+        the latter case an identity node on the output records how the caller used it).
         """
-        if not torch.is_grad_enabled() or self.schedule.keeps_everything:
+        if not torch.is_grad_enabled():
             return run_plainly(self.stages, x, shared)
+        if self.schedule.keeps_everything:
+            return self._observed(run_plainly(self.stages, x, shared))
         return self.run_schedule(x, shared)
+
+    def _observed(self, out):
+        """``out`` through an identity autograd node whose backward records the OutputUse."""
+        outputs = as_tuple(out)
+        if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
+            return out
+        observed = _ObserveOutputUse.apply(self, *outputs)
+        return tuple(observed) if isinstance(out, (tuple, list)) else observed[0]
 
     def run_schedule(self, x: torch.Tensor, shared: tuple = ()):
         """Execute the schedule op by op through the chain's autograd Function, even if it keeps everything."""
@@ -298,6 +309,26 @@ class _Step:
         finally:
             for b, after in zip(buffers, updated):
                 b.data.copy_(after)
+
+
+class _ObserveOutputUse(torch.autograd.Function):
+    """Identity on the chain's outputs; its backward records how the caller used them, as the
+    chain Function's backward does (the outputs' storages still alive, which got a gradient)."""
+
+    @staticmethod
+    def forward(ctx, runner: ChainRunner, *outputs: torch.Tensor) -> tuple:
+        ctx.runner = runner
+        ctx.set_materialize_grads(False)
+        ctx.freed, ctx.output_bytes = watch_storages(outputs)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        ctx.runner.observed_output_use = OutputUse(
+            held_bytes=ctx.output_bytes - sum(ctx.freed), grad_mask=tuple(g is not None for g in grads)
+        )
+        return (None, *grads)
 
 
 class _ChainFunction(torch.autograd.Function):

@@ -29,6 +29,7 @@ from .executor import (
 )
 from .memory import allocated_bytes, memory_meter
 from .rng import cuda_devices_of
+from .stage_cost_cache import StageCostCache
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ def profile_chain(
     repeats: int = 3,
     signatures: Sequence[str] | None = None,
     output_grad_mask: tuple[bool, ...] | None = None,
+    cost_cache: StageCostCache | None = None,
 ) -> ChainProfile:
     """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
 
@@ -156,7 +158,10 @@ def profile_chain(
     output_grad_mask: which outputs of the last stage receive a gradient (default:
     hierremat.runtime.executor.default_grad_mask). The costs assume the caller holds the
     whole output through the backward (``output_held_bytes``); planning may relax that.
+    cost_cache: where the costs of stages with a signature are looked up before measuring,
+    and stored after.
     """
+    cost_cache = cost_cache or StageCostCache(None)
     device = x0.device
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated = [], []
@@ -167,23 +172,34 @@ def profile_chain(
             last = i == len(stages) - 1
             call = functools.partial(_call_stage, stage, shared, last, i)
             signature = signatures[i] if signatures is not None else None
-            if signature is not None and signature in measured:
-                j = measured[signature]
+            requires_grad = i > 0 or x0.requires_grad
+            wanted_mask = output_grad_mask if last else None
+            cached = None
+            if signature is not None and signature not in measured:
+                cached = cost_cache.get_stage(signature, x, requires_grad, wanted_mask)
+            if signature is not None and (signature in measured or cached is not None):
                 outputs = []
                 with torch.no_grad():
                     names = _mutated_buffer_names(stage, lambda: outputs.append(call(x)))
                 y = outputs[0]
-                cost = replace(stage_costs[j], name=_stage_name(i, stage))
+                if signature in measured:
+                    cost = replace(stage_costs[measured[signature]], name=_stage_name(i, stage))
+                else:
+                    cost, mask = cached
+                    cost = replace(cost, name=_stage_name(i, stage))
+                    if last:
+                        output_grad_mask = mask
+                    measured[signature] = i
             else:
-                requires_grad = i > 0 or x0.requires_grad
                 with scratch_grads(stage):
                     cost, names, y, mask = _profile_stage(
-                        i, stage, call, x, requires_grad, repeats, device, output_grad_mask if last else None
+                        i, stage, call, x, requires_grad, repeats, device, wanted_mask
                     )
                 if last:
                     output_grad_mask = mask
                 if signature is not None:
                     measured[signature] = i
+                    cost_cache.put_stage(signature, x, requires_grad, wanted_mask, cost, mask if last else None)
             stage_costs.append(cost)
             mutated.append(names)
             activation_bytes.append(storage_bytes(y))

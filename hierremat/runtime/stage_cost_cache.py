@@ -1,0 +1,101 @@
+"""Measured stage costs and executor speeds, cached beside the block-option menus.
+
+Planning a whole model times every distinct stage (``profile_chain``) and, with block
+options, how fast the op-by-op executor runs each block (``stage_options``). Both depend
+only on the stage's structural signature, whether its input needs a gradient, which
+outputs get one, and the device (on CPU also torch's thread count), so they are stored
+in hierremat's option cache (same directory, same checksummed JSON entries, same
+``cache=False`` switch) under keys of their own. A second plan of the same model, in
+this process or a later one, then re-times nothing.
+
+Measurements are of the machine as it was when they were taken; clear the cache
+(``python -m hierremat.cache clear``) after changing hardware or drivers, or plan with
+``cache=False`` to measure afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+import torch
+
+from ..costs import StageCosts
+from ..ilp.cache import CacheKey, OptionsCache
+
+log = logging.getLogger(__name__)
+
+#: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
+STAGE_COST_VERSION = "stage-1"
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name (CUDA), or the processor and torch's intra-op thread count (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine() or 'cpu'}, {torch.get_num_threads()} threads"
+
+
+def _dtype(x: torch.Tensor) -> str:
+    return str(x.dtype) if x.is_floating_point() else "int"
+
+
+class StageCostCache:
+    """Stage costs and executor speeds in an OptionsCache (None or disabled: every lookup misses)."""
+
+    def __init__(self, cache: OptionsCache | None):
+        self.cache = cache if cache is not None and cache.enabled else None
+
+    def _key(self, what: str, signature: str, x: torch.Tensor, detail: str) -> CacheKey:
+        return CacheKey(
+            signature=f"{what}:{signature}:{detail}",
+            device_type=x.device.type,
+            device_name=device_name(x.device),
+            dtype=_dtype(x),
+            cost_model_version=STAGE_COST_VERSION,
+            formulation_version=what,
+        )
+
+    @staticmethod
+    def _stage_detail(requires_grad: bool, grad_mask: tuple[bool, ...] | None) -> str:
+        mask = "default" if grad_mask is None else "".join("1" if m else "0" for m in grad_mask)
+        return f"{'grad' if requires_grad else 'nograd'}:{mask}"
+
+    def get_stage(
+        self, signature: str, x: torch.Tensor, requires_grad: bool, grad_mask: tuple[bool, ...] | None
+    ) -> tuple[StageCosts, tuple[bool, ...] | None] | None:
+        """(costs, the output gradient mask they were measured with) or None."""
+        if self.cache is None:
+            return None
+        payload = self.cache.get(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)))
+        if payload is None:
+            return None
+        try:
+            mask = payload["grad_mask"]
+            return StageCosts.from_dict(payload["costs"]), None if mask is None else tuple(bool(m) for m in mask)
+        except (KeyError, TypeError, ValueError) as err:
+            log.warning("cached stage costs for %s are unreadable (%s); measuring again", signature, err)
+            return None
+
+    def put_stage(
+        self, signature: str, x: torch.Tensor, requires_grad: bool, grad_mask: tuple[bool, ...] | None,
+        costs: StageCosts, measured_mask: tuple[bool, ...] | None,
+    ) -> None:
+        if self.cache is None:
+            return
+        payload = {"costs": costs.to_dict(), "grad_mask": None if measured_mask is None else list(measured_mask)}
+        self.cache.put(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)), payload)
+
+    def get_scale(self, signature: str, x: torch.Tensor) -> float | None:
+        """Seconds the executor takes per second of an option's node-time sum, if measured before."""
+        if self.cache is None:
+            return None
+        payload = self.cache.get(self._key("executor-speed", signature, x, "-"))
+        try:
+            return None if payload is None else float(payload["scale"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put_scale(self, signature: str, x: torch.Tensor, scale: float) -> None:
+        if self.cache is not None:
+            self.cache.put(self._key("executor-speed", signature, x, "-"), {"scale": float(scale)})
