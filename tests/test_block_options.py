@@ -133,17 +133,18 @@ def test_whole_models_with_ilp_options(which, tmp_path):
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan(model, args, kwargs, budget="1KiB", block_options="autograd")
     assert lo <= err.value.min_budget_bytes  # more options never raise the minimum
-    # with the outputs released (as the steps below release them) ILP options lower the minimum, so a
-    # plan at that minimum must use one
-    released = {"output_held": False, "cache": str(tmp_path)}
-    with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB", **released)
-    lo_released = err.value.min_budget_bytes
-    with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB", block_options="autograd", **released)
-    assert lo_released < err.value.min_budget_bytes
-    at_minimum = hr.plan(model, args, kwargs, budget=f"{lo_released}B", **released)
-    assert any("[" in a for a in at_minimum.chain.stage_actions()), at_minimum.summary()
+    if which == "gpt2":
+        # with the outputs released (as the steps below release them) GPT-2's ILP options lower the
+        # minimum far below what autograd's options reach (about 0.6x), so a plan there must use one
+        released = {"output_held": False, "cache": str(tmp_path)}
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan(model, args, kwargs, budget="1KiB", **released)
+        lo_released = err.value.min_budget_bytes
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan(model, args, kwargs, budget="1KiB", block_options="autograd", **released)
+        assert lo_released < 0.8 * err.value.min_budget_bytes
+        at_minimum = hr.plan(model, args, kwargs, budget=f"{lo_released}B", **released)
+        assert any("[" in a for a in at_minimum.chain.stage_actions()), at_minimum.summary()
     for budget in (lo, lo + (plain_peak - lo) // 3, lo + 2 * (plain_peak - lo) // 3, plain_peak):
         module = hr.remat(model, args, kwargs, budget=f"{budget}B", cache=str(tmp_path))
         _step(module, args, kwargs)  # the first step tells the plan that the outputs are released
