@@ -190,6 +190,11 @@ def profile_chain(
                     if last:
                         output_grad_mask = mask
                     measured[signature] = i
+                    if device.type == "cuda":  # costs from the cache, but this process' threads still need warming
+                        with scratch_grads(stage):
+                            in_backward_thread(
+                                functools.partial(_run_forward_and_backward, call, x, requires_grad, mask), device
+                            )
             else:
                 with scratch_grads(stage):
                     cost, names, y, mask = _profile_stage(
