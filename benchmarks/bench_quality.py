@@ -139,10 +139,10 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     graphs = decoder_block_graphs(args.layers, args.n_embd, args.seq, args.batch)
-    menu = solve_menu(graphs[0])  # the blocks share one signature: one menu
+    block_ilp = BlockIlp(graphs[0])
+    menu = solve_menu(graphs[0], ilp=block_ilp)  # the blocks share one signature: one menu
     hier = chain_of(graphs, [stage_costs(g, menu.options) for g in graphs])
-    keep_all = [make_option(BlockIlp(graphs[0]).structure, keep_all_decisions(BlockIlp(graphs[0]).structure),
-                            "keep_all", optimal=False)]
+    keep_all = [make_option(block_ilp.structure, keep_all_decisions(block_ilp.structure), "keep_all", optimal=False)]
     rotor = chain_of(graphs, [stage_costs(g, keep_all) for g in graphs])
     hier_seconds = time.perf_counter() - t0
 

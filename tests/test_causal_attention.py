@@ -17,8 +17,8 @@ def _sdpa_calls(gm):
 
 
 def _mask_and_causal(node):
-    args = list(node.args) + [None, 0.0, False][len(node.args) - 3:]
-    return node.kwargs.get("attn_mask", args[3]), node.kwargs.get("is_causal", args[5])
+    call = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
+    return call.get("attn_mask"), call.get("is_causal", False)
 
 
 class MaskedAttention(nn.Module):

@@ -74,9 +74,9 @@ def _is_causal_pattern(mask: torch.Tensor, length: int) -> bool:
     return bool((allowed == causal).all())
 
 
-def _square_scores(node: fx.Node) -> int | None:
-    """L when the query and key of an SDPA node have the same sequence length L."""
-    q, k = (a.meta.get("val") for a in node.args[:2])
+def _square_scores(query: fx.Node, key: fx.Node) -> int | None:
+    """L when the query and key of an SDPA call have the same sequence length L."""
+    q, k = query.meta.get("val"), key.meta.get("val")
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() < 2 or k.dim() < 2:
         return None
     length = int(q.shape[-2])
@@ -101,24 +101,17 @@ def restore_causal_attention(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _SDPA:
             continue
-        args = list(node.args) + [None] * (4 - len(node.args))
-        mask = node.kwargs.get("attn_mask", args[3])
-        is_causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
-        length = _square_scores(node)
-        if not isinstance(mask, fx.Node) or is_causal or length is None:
+        call = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs  # the schema's names
+        mask = call.get("attn_mask")
+        length = _square_scores(call["query"], call["key"])
+        if not isinstance(mask, fx.Node) or call.get("is_causal") or length is None:
             continue
         ancestors = _input_free_ancestors(mask)
         value = _evaluate(gm, ancestors) if ancestors is not None else None
         if value is None or not _is_causal_pattern(value, length):
             continue
-        q, k, v = node.args[:3]
-        dropout_p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        kwargs = {key: val for key, val in node.kwargs.items() if key not in ("attn_mask", "dropout_p", "is_causal")}
-        for position, key in ((6, "scale"), (7, "enable_gqa")):
-            if len(node.args) > position:
-                kwargs[key] = node.args[position]
-        node.args = (q, k, v, None, dropout_p, True)
-        node.kwargs = kwargs
+        node.args = ()
+        node.kwargs = {**call, "attn_mask": None, "is_causal": True}
         dropped_masks.append(mask)
         rewritten += 1
     for mask in dict.fromkeys(dropped_masks):

@@ -70,6 +70,17 @@ class OutputUse:
     grad_mask: tuple[bool, ...]
 
 
+class OutputWatch:
+    """Watches the chain's outputs from the end of its forward; ``use(grads)``, called when their
+    gradients arrive, says how the caller used them (bytes still alive, which got a gradient)."""
+
+    def __init__(self, outputs: tuple):
+        self.freed, self.output_bytes = watch_storages(outputs)
+
+    def use(self, grads: tuple) -> OutputUse:
+        return OutputUse(held_bytes=self.output_bytes - sum(self.freed), grad_mask=tuple(g is not None for g in grads))
+
+
 def default_grad_mask(out) -> tuple[bool, ...]:
     """Which outputs to expect gradients for: the scalar losses among several outputs, else all that require grad."""
     outputs = as_tuple(out)
@@ -227,13 +238,11 @@ class _Step:
         for op in self.runner.schedule.ops[: self.runner.loss_index]:
             self._execute(op)
         outputs = as_tuple(self.x.pop(len(self.runner.stages)))
-        self.outputs_freed, self.output_bytes = watch_storages(outputs)
+        self.output_watch = OutputWatch(outputs)
         return outputs
 
     def run_backward(self, grad_outputs: tuple) -> torch.Tensor | None:
-        self.runner.observed_output_use = OutputUse(
-            held_bytes=self.output_bytes - sum(self.outputs_freed), grad_mask=tuple(g is not None for g in grad_outputs)
-        )
+        self.runner.observed_output_use = self.output_watch.use(grad_outputs)
         self.grad[len(self.runner.stages)] = grad_outputs
         outer_rng = RngState.capture(self.cuda_devices)
         try:
@@ -319,15 +328,13 @@ class _ObserveOutputUse(torch.autograd.Function):
     def forward(ctx, runner: ChainRunner, *outputs: torch.Tensor) -> tuple:
         ctx.runner = runner
         ctx.set_materialize_grads(False)
-        ctx.freed, ctx.output_bytes = watch_storages(outputs)
+        ctx.output_watch = OutputWatch(outputs)
         return outputs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        ctx.runner.observed_output_use = OutputUse(
-            held_bytes=ctx.output_bytes - sum(ctx.freed), grad_mask=tuple(g is not None for g in grads)
-        )
+        ctx.runner.observed_output_use = ctx.output_watch.use(grads)
         return (None, *grads)
 
 

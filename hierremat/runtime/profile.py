@@ -175,8 +175,14 @@ def profile_chain(
             requires_grad = i > 0 or x0.requires_grad
             wanted_mask = output_grad_mask if last else None
             cached = None
-            if signature is not None and signature not in measured:
-                cached = cost_cache.get_stage(signature, x, requires_grad, wanted_mask)
+            if signature is None or signature not in measured:
+                if device.type == "cuda":  # measured or cached, this process' threads need the kernels warm
+                    with scratch_grads(stage):
+                        in_backward_thread(
+                            functools.partial(_run_forward_and_backward, call, x, requires_grad, wanted_mask), device
+                        )
+                if signature is not None:
+                    cached = cost_cache.get_stage(signature, x, requires_grad, wanted_mask)
             if signature is not None and (signature in measured or cached is not None):
                 outputs = []
                 with torch.no_grad():
@@ -190,11 +196,6 @@ def profile_chain(
                     if last:
                         output_grad_mask = mask
                     measured[signature] = i
-                    if device.type == "cuda":  # costs from the cache, but this process' threads still need warming
-                        with scratch_grads(stage):
-                            in_backward_thread(
-                                functools.partial(_run_forward_and_backward, call, x, requires_grad, mask), device
-                            )
             else:
                 with scratch_grads(stage):
                     cost, names, y, mask = _profile_stage(
@@ -242,9 +243,10 @@ def in_backward_thread(fn: Callable[[], object], device: torch.device) -> None:
 
     On CUDA that is a thread of its own, and cuBLAS/cuBLASLt give each thread its own handle,
     whose workspace (about 1 MiB to 32 MiB) the caching allocator hands out on first use and
-    keeps for good. Recomputations run on that thread, so a stage's forward kernels are warmed
-    there during profiling: otherwise the first training step would allocate workspaces that no
-    profiled cost contains and overshoot the budget once.
+    keeps for good. Recomputations run on that thread, so profile_chain warms every distinct
+    stage's kernels there before measuring it (or taking its costs from the cache): otherwise
+    the first training step would allocate workspaces that no profiled cost contains and
+    overshoot the budget once.
     """
     anchor = torch.zeros((), device=device, requires_grad=True)
     _CallInBackward.apply(anchor, fn).backward()
@@ -272,8 +274,6 @@ def _profile_stage(
     names, output, the mask used)."""
     with torch.no_grad():
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
-    if device.type == "cuda":
-        in_backward_thread(functools.partial(_run_forward_and_backward, call, x, requires_grad, grad_mask), device)
     meter = memory_meter(device)
     with meter:
         meter.reset_peak()
