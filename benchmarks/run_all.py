@@ -21,8 +21,9 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         False})`` on a deepcopy (GPT-2 only);
   torch segments        ``torch.utils.checkpoint.checkpoint_sequential(model, K, x, use_reentrant=False)``
                         at every segment count K >= 2 (Sequential models);
-  segments (hierremat runtime)  GPT-2: ``hierremat.remat(..., strategy="segments=K")``, torch's uniform
-                        segments on hierremat's chain of stages, run by hierremat's runtime;
+  segments (hierremat runtime)  GPT-2: ``hierremat.remat(..., strategy="segments=K", variants=False)``, torch's
+                        uniform segments on hierremat's chain of stages (the model's own operators), run by
+                        hierremat's runtime;
   selective AC          per block (each Sequential child / each GPT-2 decoder block):
                         ``checkpoint(block, use_reentrant=False, context_fn=create_selective_checkpoint_contexts
                         (policy))``, policy: save mm/addmm/bmm/baddbmm/linear/convolution outputs, recompute the rest;
@@ -37,10 +38,12 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         baseline (equal-memory comparison), the smallest feasible budget
                         (``InfeasibleBudgetError.min_budget_bytes`` after asking for 1 KiB) and
                         ``--between`` budgets spaced geometrically up to the plain peak. One warm-up step
-                        first (hierremat re-plans after the first backward if the caller releases the output);
-  hierremat variants    Rotor on blocks (block_options="autograd": no ILP options) and the whole-graph ILP
-                        (see HIERREMAT_VARIANTS); reported "not available" where the API does not take
-                        their arguments.
+                        first (hierremat re-plans after the first backward if the caller releases the output).
+                        Defaults: per-block ILP options and operator variants (hierremat.variants);
+  hierremat configurations  (HIERREMAT_CONFIGS) the same budgets without operator variants (variants=False),
+                        Rotor on blocks (block_options="autograd", variants=False: autograd's options and the
+                        model's own operators) and the whole-graph ILP (segmentation="none"); reported "not
+                        available" where the API does not take their arguments.
 
 Metrics per row: peak bytes above the parameter baseline and its ratio to no checkpointing; the
 median step time over ``--rounds`` rounds (every method once per round, in a seeded shuffled order)
@@ -96,12 +99,16 @@ SEED = 1234
 ALL_MODELS = ("mlp", "resnet", "gpt2-tiny", "gpt2-12")
 
 # Extra hierremat configurations, each a row family at the same budgets as plain hierremat: (label, keyword
-# arguments added to hierremat.remat / hierremat.checkpoint_sequential). A variant whose arguments the API
+# arguments added to hierremat.remat / hierremat.checkpoint_sequential). A configuration whose arguments the API
 # does not take yet is reported as "not available" (TypeError). To add a row once the API has it, add one line.
-HIERREMAT_VARIANTS: list[tuple[str, dict]] = [
+HIERREMAT_CONFIGS: list[tuple[str, dict]] = [
     # the "hierremat" rows use the defaults: whole models get per-block ILP option menus
-    ("hierremat, Rotor on blocks (autograd's options only)", {"block_options": "autograd"}),
-    ("hierremat, whole-graph ILP", {"segmentation": "none"}),  # one ILP over everything before the head
+    ("hierremat, no operator variants", {"variants": False}),  # the model's own cross-entropy and dropout ops
+    # Rotor: autograd's options for each block, the model's own operators
+    ("hierremat, Rotor on blocks (autograd's options only)", {"block_options": "autograd", "variants": False}),
+    # one ILP over everything before the head; without variants (with them its ILP is far slower to solve:
+    # recomputable dropout outputs open every cone through the dropouts)
+    ("hierremat, whole-graph ILP (no operator variants)", {"segmentation": "none", "variants": False}),
 ]
 # the whole-graph ILP grows with the model: run it on the small models only
 WHOLE_GRAPH_MODELS = ("mlp", "resnet", "gpt2-tiny")
@@ -234,7 +241,7 @@ class Row:
     model: str
     method: str
     setting: str
-    family: str  # plain | hf | segments | sac | compile | hierremat | hierremat-variant
+    family: str  # plain | hf | segments | sac | compile | hierremat | hierremat-config
     status: str = "ok"  # ok | skipped | failed
     reason: str = ""
     budget_bytes: int | None = None
@@ -431,7 +438,8 @@ class Bench:
             else:
                 method = "torch-style segments (hierremat runtime)"
                 try:
-                    mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget="100GiB", strategy=f"segments={k}")
+                    mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget="100GiB", strategy=f"segments={k}",
+                                          variants=False)  # torch's segments run the model's own operators
                 except Exception as err:
                     self.skip(method, f"segments={k}", "segments", f"{type(err).__name__}: {err}", "failed")
                     continue
@@ -578,8 +586,8 @@ class Bench:
 
     def hierremat_rows(self, budgets: list[tuple[int, str]], min_b: int | None) -> None:
         wl = self.wl
-        families = [("hierremat", {}, "hierremat")] + [(label, extra, "hierremat-variant")
-                                                         for label, extra in HIERREMAT_VARIANTS]
+        families = [("hierremat", {}, "hierremat")] + [(label, extra, "hierremat-config")
+                                                         for label, extra in HIERREMAT_CONFIGS]
         api = hierremat.remat if wl.kind == "gpt2" else hierremat.checkpoint_sequential
         api_params = inspect.signature(api).parameters
         for method, extra, family in families:
@@ -753,7 +761,7 @@ STYLES = {
     "sac": ("tab:purple", "P", "selective AC"),
     "compile": ("tab:green", "v", "torch.compile budget (allocator meter)"),
     "hierremat": ("tab:blue", "^", "hierremat"),
-    "hierremat-variant": ("tab:cyan", "x", "hierremat variants"),
+    "hierremat-config": ("tab:cyan", "x", "hierremat configurations"),
 }
 
 
@@ -926,7 +934,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     meta = C.device_info(device, args.threads)
     meta.update(command="python benchmarks/run_all.py " + " ".join(argv), quick=args.quick,
-                methods=sorted(args.methods), hierremat_variants=[v[0] for v in HIERREMAT_VARIANTS])
+                methods=sorted(args.methods), hierremat_configs=[v[0] for v in HIERREMAT_CONFIGS])
     results = {"meta": meta, "models": []}
     for name in args.models:
         wl = build_workload(name, args.quick, device, args.gpt2_batch)

@@ -22,6 +22,7 @@ class ModelPlan:
     options_seconds, options_solves: time spent building the menus (trace, profile, ILP)
     and the number of ILP solves (0 when every menu came from the cache).
     segmentation: how the model was cut ('blocks' or 'none'; see hierremat.plan).
+    variants: whether operators ran as hierremat's variants (see hierremat.plan).
     """
 
     chain: SequentialPlan
@@ -32,6 +33,7 @@ class ModelPlan:
     options_seconds: float = 0.0
     options_solves: int = 0
     segmentation: str = "blocks"
+    variants: bool = True
 
     @property
     def budget_bytes(self) -> int:
@@ -56,7 +58,8 @@ class ModelPlan:
         unique = len(set(self.signatures))
         lines = [
             f"hierremat model plan: {len(self.stages)} stages ({unique} distinct), budget {format_bytes(self.budget_bytes)}"
-            + (", segmentation='none' (one ILP over everything before the output stage)" if self.segmentation == "none" else ""),
+            + (", segmentation='none' (one ILP over everything before the output stage)" if self.segmentation == "none" else "")
+            + ("" if self.variants else ", operator variants off"),
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
             f" + shared inputs {format_bytes(self.shared_bytes)})",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
@@ -89,6 +92,7 @@ class ModelPlan:
                 "options_seconds": self.options_seconds,
                 "options_solves": self.options_solves,
                 "segmentation": self.segmentation,
+                "variants": self.variants,
             }
         )
 
@@ -106,4 +110,5 @@ class ModelPlan:
             options_seconds=float(d.get("options_seconds", 0.0)),
             options_solves=int(d.get("options_solves", 0)),
             segmentation=str(d.get("segmentation", "blocks")),
+            variants=bool(d.get("variants", True)),
         )

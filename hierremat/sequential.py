@@ -245,7 +245,7 @@ class PlannedChain:
 
 def plan_sequential(
     functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal",
-    output_held: bool | None = True, block_options: str = "ilp",
+    output_held: bool | None = True, block_options: str = "ilp", variants: bool = True,
 ) -> SequentialPlan:
     """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
 
@@ -258,18 +258,21 @@ def plan_sequential(
     block_options: 'ilp' (default): module stages also offer the optimal options of their
     per-block ILP (solved once per distinct stage, cached on disk; see hierremat.plan);
     'autograd': only what autograd keeps.
+    variants: whether the block options may use hierremat's operator variants (packed
+    dropout masks, recomputable dropout outputs; hierremat.variants). They compute
+    bitwise what the operators compute.
     """
     stages = as_stages(functions)
     _check_input(input)
     return _plan(
         stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held,
-        block_options=block_options,
+        block_options=block_options, variants=variants,
     ).plan
 
 
 def _plan(
     stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3,
-    strategy: str = "optimal", output_held: bool | None = True, block_options: str = "ilp",
+    strategy: str = "optimal", output_held: bool | None = True, block_options: str = "ilp", variants: bool = True,
 ) -> PlannedChain:
     check_block_options(block_options)
     started = time.perf_counter()
@@ -279,7 +282,7 @@ def _plan(
     if block_options == "ilp" and strategy == "optimal" and torch.is_grad_enabled():
         from .stage_options import build_menus  # torch-side planning, loaded when used
 
-        menus = build_menus(stages, input, (), None)
+        menus = build_menus(stages, input, (), None, variants=variants)
         profile = menus.extend(profile)
     plan = plan_from_profile(
         stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=profile_seconds,
@@ -294,7 +297,7 @@ def _check_input(input) -> None:
 
 
 class PlanCache:
-    """Plans per (stages, input shape/dtype/device, budget, slots, block options); ``hits``/``misses`` count lookups."""
+    """Plans per (stages, input shape/dtype/device, budget, slots, block options, variants); ``hits``/``misses`` count lookups."""
 
     def __init__(self):
         self._plans: dict[tuple, PlannedChain] = {}
@@ -306,14 +309,17 @@ class PlanCache:
         self.hits = self.misses = 0
 
     @staticmethod
-    def key(stages: Sequence[Callable], input: torch.Tensor, budget_bytes: int, slots: int, block_options: str = "ilp") -> tuple:
+    def key(
+        stages: Sequence[Callable], input: torch.Tensor, budget_bytes: int, slots: int, block_options: str = "ilp",
+        variants: bool = True,
+    ) -> tuple:
         modes = tuple(getattr(s, "training", None) for s in stages)
         trainable = tuple(
             tuple(p.requires_grad for p in s.parameters()) if isinstance(s, torch.nn.Module) else () for s in stages
         )
         return (
             tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
-            input.requires_grad, budget_bytes, slots, block_options,
+            input.requires_grad, budget_bytes, slots, block_options, variants,
         )
 
     def get(self, key: tuple):
@@ -340,6 +346,7 @@ def checkpoint_sequential(
     slots: int = DEFAULT_SLOTS,
     output_held: bool | None = True,
     block_options: str = "ilp",
+    variants: bool = True,
     **kwargs,
 ) -> torch.Tensor:
     """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with a budget instead of segments.
@@ -354,7 +361,7 @@ def checkpoint_sequential(
     (as in ``y = checkpoint_sequential(...); loss_fn(y).backward()``); see plan_sequential.
     Every backward checks how the output was used, and a different use re-plans the
     next call (releasing it early gives a faster plan; holding it when the plan assumed
-    otherwise logs a warning). block_options: see plan_sequential.
+    otherwise logs a warning). block_options, variants: see plan_sequential.
 
     ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
     RNG state is always preserved.
@@ -370,10 +377,13 @@ def checkpoint_sequential(
     )
     if not torch.is_grad_enabled() or not needs_grad:
         return run_plainly(stages, input)  # nothing to plan for
-    key = PlanCache.key(stages, input, budget_bytes, slots, block_options)
+    key = PlanCache.key(stages, input, budget_bytes, slots, block_options, variants)
     entry = plan_cache.get(key)
     if entry is None:
-        entry = _plan(stages, budget_bytes, input, slots=slots, output_held=output_held, block_options=block_options)
+        entry = _plan(
+            stages, budget_bytes, input, slots=slots, output_held=output_held, block_options=block_options,
+            variants=variants,
+        )
         log.debug("%s", entry.plan.summary())
         plan_cache.put(key, entry)
     return entry.run(input)

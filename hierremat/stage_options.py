@@ -43,6 +43,7 @@ from .ilp.solve import solve_count
 from .runtime.block_exec import OptionExecutor
 from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
 from .runtime.stage_cost_cache import StageCostCache, device_name
+from .variants.dropout import pack_dropout_masks
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +177,15 @@ def build_menus(
     cache: OptionsCache | None = None,
     stored: dict[str, StageMenu] | None = None,
     time_limit: float = 10.0,
+    variants: bool = True,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
     signatures: one structural key per stage (None: :func:`module_signature` of each).
     stored: menus to use as they are (from a saved plan), by signature.
     cache: where solved menus are looked up and stored (default: hierremat's default cache).
+    variants: rewrite the traced graphs with hierremat's operator variants
+    (hierremat.variants.dropout: packed dropout masks, recomputable dropout outputs).
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
@@ -207,6 +211,8 @@ def build_menus(
                 if not isinstance(stage, torch.nn.Module):
                     raise TypeError("it is a plain callable, not an nn.Module")
                 joint = trace_joint(stage, xs[i], shared, input_requires_grad=i > 0 or x0.requires_grad)
+                if variants:
+                    joint = pack_dropout_masks(joint)
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
                     raise ValueError("the stage returns several tensors")
                 output = to_block_graph(joint).node(joint.output_names[0])
@@ -219,17 +225,19 @@ def build_menus(
                 joints[signature] = None
                 continue
             joints[signature] = joint
-            menus[signature] = _menu(joint, xs[i], shared, signature, cache, stored, time_limit)
+            menus[signature] = _menu(
+                joint, xs[i], shared, signature, _graph_key(signature, variants), cache, stored, time_limit
+            )
         joint, menu = joints.get(signature), menus.get(signature)
         if joint is None or menu is None:
             continue
         bound = rebind(joint, stage)
         executors[i] = [None] + [OptionExecutor(bound, option) for option in menu.options]
         if signature not in scales:
-            scales[signature] = cost_cache.get_scale(signature, xs[i])
+            scales[signature] = cost_cache.get_scale(_graph_key(signature, variants), xs[i])
             if scales[signature] is None:
                 scales[signature] = _executor_scale(executors[i][1:], stage, stages, xs[i], x0, shared)
-                cost_cache.put_scale(signature, xs[i], scales[signature])
+                cost_cache.put_scale(_graph_key(signature, variants), xs[i], scales[signature])
     solves = solve_count() - solves_before
     return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started, scales)
 
@@ -278,7 +286,12 @@ def graph_structure(graph: BlockGraph) -> tuple:
     )
 
 
-def _menu(joint, x, shared, signature, cache, stored, time_limit) -> StageMenu:
+def _graph_key(signature: str, variants: bool) -> str:
+    """The cache key of a stage's traced graph: its signature, and whether variants rewrote it."""
+    return signature if not variants else f"{signature}+variants"
+
+
+def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit) -> StageMenu:
     """The stage's menu: from a saved plan, else from the cache, else solved (and cached).
 
     A saved or cached menu is used only if its block graph has the structure of the one
@@ -290,7 +303,7 @@ def _menu(joint, x, shared, signature, cache, stored, time_limit) -> StageMenu:
             return menu
         raise ValueError(f"the saved plan's options for stage signature {signature} do not match the traced graph")
     key = CacheKey(
-        signature=signature,
+        signature=key_signature,
         device_type=x.device.type,
         device_name=device_name(x.device),
         dtype=str(x.dtype) if x.is_floating_point() else "int",

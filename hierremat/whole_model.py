@@ -97,6 +97,7 @@ class PlanSettings:
     block_options: str = "ilp"
     cache: bool | str = True
     segmentation: str = "blocks"
+    variants: bool = True
 
     def __post_init__(self) -> None:
         check_block_options(self.block_options)
@@ -112,7 +113,7 @@ def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings
 ) -> _Compiled:
     started = time.perf_counter()
-    captured = capture(model, args, kwargs)
+    captured = capture(model, args, kwargs, variants=settings.variants)
     try:
         chain = build_chain_graph(captured, model, settings.segmentation)
     except (ValueError, StopIteration) as err:
@@ -130,7 +131,9 @@ def _compile(
         )
         profile_seconds = time.perf_counter() - started
         if settings.block_options == "ilp" and settings.strategy == "optimal":
-            menus = build_menus(chain.stages, x0, shared, signatures, cache=settings.options_cache())
+            menus = build_menus(
+                chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants
+            )
             profile = menus.extend(profile)
         try:
             chain_plan = plan_from_profile(
@@ -143,7 +146,7 @@ def _compile(
             chain_plan, tuple(chain.infos), shared_bytes, capture_seconds,
             menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
             options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
-            segmentation=settings.segmentation,
+            segmentation=settings.segmentation, variants=settings.variants,
         )
         log.info(
             "planned %s: %d stages, predicted peak %d B, step %.1f ms", type(model).__name__, len(plan.stages),
@@ -158,7 +161,7 @@ def _compile(
             )
         if plan.menus:
             stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
-            menus = build_menus(chain.stages, x0, shared, signatures, stored=stored)
+            menus = build_menus(chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants)
     planned = PlannedChain(
         chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus
     )
@@ -228,6 +231,7 @@ def plan(
     block_options: str = "ilp",
     cache: bool | str = True,
     segmentation: str = "blocks",
+    variants: bool = True,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -242,6 +246,10 @@ def plan(
     block), each distinct block solved once; 'none': everything before the output stage
     solved as ONE block by one ILP (Checkmate on the full graph): the optimality reference
     for small models, and a baseline. Its ILP grows with the model: small models only.
+    variants: whether operators may run as hierremat's memory-lean variants
+    (hierremat.variants): a cross-entropy whose backward works on blocks of rows, dropout
+    masks packed to bits (so a dropout's output can be recomputed from its input).
+    Each computes bitwise what the operator computes; False runs the model's own operators.
     output_held: whether the caller keeps the model's outputs alive through the backward
     (``out = model(...); out.loss.backward()``) or not (``model(...).loss.backward()``).
     None (default): assume held unless only a plan assuming release fits; the module
@@ -249,7 +257,7 @@ def plan(
     outputs, only scalar losses are expected to receive gradients (also checked).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation)
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants)
     return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, settings).plan
 
 
@@ -267,11 +275,12 @@ def remat(
     block_options: str = "ilp",
     cache: bool | str = True,
     segmentation: str | None = None,
+    variants: bool | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy, output_held, block_options, cache, segmentation: as for hierremat.plan
-    (segmentation defaults to ``plan``'s, else 'blocks').
+    strategy, output_held, block_options, cache, segmentation, variants: as for hierremat.plan
+    (segmentation and variants default to ``plan``'s, else 'blocks' and True).
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -279,7 +288,9 @@ def remat(
     budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
     if segmentation is None:
         segmentation = plan.segmentation if plan is not None else "blocks"
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation)
+    if variants is None:
+        variants = plan.variants if plan is not None else True
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants)
     module = RematModule(model, budget_bytes, on_new_shape, settings)
     module._add(args, example_kwargs or {}, plan)
     return module

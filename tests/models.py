@@ -83,14 +83,14 @@ class TinyResNet(nn.Module):
         return nn.functional.cross_entropy(logits, labels), logits
 
 
-def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, n_positions: int = 128):
+def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, n_positions: int = 128, vocab_size: int = 256):
     """A randomly initialised Hugging Face GPT-2 (nothing downloaded)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     config = GPT2Config(
-        n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=256, n_positions=n_positions,
+        n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab_size, n_positions=n_positions,
         bos_token_id=0, eos_token_id=0,
     )
     return GPT2LMHeadModel(config).train()

@@ -42,7 +42,7 @@ def test_run_all_quick(tmp_path):
         assert r["grad_max_abs_diff"] is not None and r["grad_max_abs_diff"] < 1e-5, r
         assert r["median_s"] > 0 and r["peak_ratio"] > 0 and r["time_ratio"] > 0
     # the hooks for later hierremat variants are reported, not silently dropped
-    assert any(r["family"] == "hierremat-variant" for r in rows)
+    assert any(r["family"] == "hierremat-config" for r in rows)
 
     md = (tmp_path / "run_all_quick.md").read_text()
     assert "| method | setting | peak / plain | time / plain |" in md

@@ -33,12 +33,15 @@ def _plain_peak(model, x, hold: bool) -> int:
     return tracker.peak_bytes
 
 
-def _entry(model, x, budget):
-    return sequential.plan_cache.get(sequential.PlanCache.key(list(model), x, hr.parse_budget(budget), 500))
+def _entry(model, x, budget, variants=True):
+    return sequential.plan_cache.get(
+        sequential.PlanCache.key(list(model), x, hr.parse_budget(budget), 500, variants=variants)
+    )
 
 
 def test_released_output_replans_to_plain_autograd_at_its_peak():
-    """At plain autograd's own peak with the output released, the adapted plan recomputes nothing."""
+    """At plain autograd's own peak with the output released, the adapted plan recomputes nothing.
+    (Operator variants off: with packed dropout masks even the held plan recomputes nothing here.)"""
     torch.manual_seed(0)
     model = random_mlp_chain(0)
     x = torch.randn(256, 96, requires_grad=True)
@@ -47,12 +50,12 @@ def test_released_output_replans_to_plain_autograd_at_its_peak():
     sequential.plan_cache.clear()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    hr.checkpoint_sequential(model, budget, x).pow(2).mean().backward()  # planned as held
-    entry = _entry(model, x, budget)
+    hr.checkpoint_sequential(model, budget, x, variants=False).pow(2).mean().backward()  # planned as held
+    entry = _entry(model, x, budget, variants=False)
     assert entry.plan.costs.held_output > 0
     assert max(entry.plan.schedule.forward_counts()) > 1  # held, it has to recompute to fit
     with LiveTensorTracker() as tracker:
-        hr.checkpoint_sequential(model, budget, x).pow(2).mean().backward()  # re-planned as released
+        hr.checkpoint_sequential(model, budget, x, variants=False).pow(2).mean().backward()  # re-planned as released
     assert entry.plan.costs.held_output == 0
     assert entry.plan.schedule.keeps_everything
     assert tracker.peak_bytes <= hr.parse_budget(budget)

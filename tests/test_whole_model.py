@@ -66,7 +66,8 @@ def test_whole_graph_segmentation_solves_everything_before_the_head_as_one_block
     torch.manual_seed(3)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
-    plan = _check(model, (ids,), {"labels": ids, "use_cache": False}, segmentation="none")
+    # (variants=False: with recomputable dropout outputs this ILP takes minutes, see benchmarks/run_all.py)
+    plan = _check(model, (ids,), {"labels": ids, "use_cache": False}, segmentation="none", variants=False)
     assert plan.segmentation == "none" and len(plan.stages) == 2
     assert plan.stages[0].name.endswith("transformer.h.1") and len(plan.menus) == 1
     assert hr.ModelPlan.from_json(plan.to_json()) == plan
@@ -141,13 +142,15 @@ def test_a_second_plan_measures_nothing_again_unless_the_cache_is_off(monkeypatc
     ids = torch.randint(0, 256, (2, 32))
     kwargs = {"labels": ids, "use_cache": False}
     first = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
-    assert len(profiled) == 3 and len(timed) == 1  # prologue, decoder block, head; one block executor timed
+    # prologue, decoder block, head profiled; one block executor timed per distinct menu (the prologue
+    # ends in a dropout: with its mask packed it has block options too)
+    assert len(profiled) == 3 and len(timed) == len(first.menus) >= 1
     profiled.clear(), timed.clear()
     second = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
     assert profiled == [] and timed == [] and second.options_solves == 0
     assert second.chain.costs == first.chain.costs and second.chain.schedule == first.chain.schedule
     hr.plan(model, (ids,), kwargs, budget="1GiB", cache=False)
-    assert len(profiled) == 3 and len(timed) == 1
+    assert len(profiled) == 3 and len(timed) == len(first.menus)
 
 
 def test_plan_json_roundtrip_and_reuse():

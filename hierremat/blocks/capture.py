@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from ..errors import UnsupportedModelError
+from ..variants.cross_entropy import use_row_blocked_cross_entropy
 from .causal_attention import restore_causal_attention
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,12 @@ def _explain(err: Exception) -> str:
     return f"{type(err).__name__}{where}: {first[:300]}.{hint}"
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedModel:
-    """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem."""
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, variants: bool = True) -> CapturedModel:
+    """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem.
+
+    variants: also route operators to hierremat's exact, memory-lean variants where one
+    applies (hierremat.variants: the row-blocked cross-entropy).
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
@@ -115,6 +120,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         ) from err
     module = exported.module()
     restore_causal_attention(module)
+    if variants:
+        use_row_blocked_cross_entropy(module)
     nodes = {n.name: describe(n) for n in module.graph.nodes}
     log.debug("captured %s: %d nodes", type(model).__name__, len(nodes))
     return CapturedModel(exported, module, nodes)

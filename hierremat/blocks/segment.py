@@ -104,6 +104,13 @@ def _trainable_dependent(gm: fx.GraphModule) -> set[fx.Node]:
     return dependent
 
 
+def _target_name(target) -> str:
+    """A target's name, the same in every process (a Python function's repr has its address)."""
+    if callable(target) and not isinstance(target, torch._ops.OpOverload):
+        return fx.node._get_qualified_name(target)
+    return str(target)
+
+
 def signature_of(gm: fx.GraphModule) -> str:
     """Hash of a stage graph's structure: ops, argument wiring, shapes, dtypes, constants."""
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -115,7 +122,7 @@ def signature_of(gm: fx.GraphModule) -> str:
             val = value
         meta = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
-        target = "attr" if node.op in ("get_attr", "placeholder") else str(node.target)
+        target = "attr" if node.op in ("get_attr", "placeholder") else _target_name(node.target)
         parts.append(f"{node.op}|{target}|{args}|{meta}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

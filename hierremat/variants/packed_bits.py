@@ -1,0 +1,143 @@
+"""Bit-packed boolean masks: the ``hierremat::`` operators and their kernels.
+
+Operators (schemas defined here with ``torch.library``):
+
+* ``pack_mask(Tensor mask) -> Tensor``: a bool mask of n elements as ``ceil(n / 8)`` uint8
+  bytes, element i at bit ``i % 8`` of byte ``i // 8`` (logical, row-major element order).
+* ``masked_scale(Tensor x, Tensor bits, float scale) -> Tensor``: ``x.mul(mask).mul_(scale)``
+  with the mask read from ``bits``: bitwise ``native_dropout``'s output for its input and
+  mask, and ``native_dropout_backward`` for the output gradient.
+* ``dropout_bits(Tensor x, float p) -> Tensor`` (tagged ``nondeterministic_seeded``): the
+  packed mask ``native_dropout(x, p, train=True)`` would draw, drawing the same random
+  numbers (on CPU the mask alone is drawn, by the same ``bernoulli_`` call; elsewhere
+  ``native_dropout`` itself runs and its output is dropped).
+
+Kernels: the CPU ones are C++ (``csrc/packed_bits.cpp``), compiled on first use with
+``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; the build is cached by
+torch); every device also has the pure-torch reference below, which the CPU uses when
+the extension cannot be built (logged once) or ``HIERREMAT_NO_EXTENSION=1`` is set.
+Both compute the same bits, checked by tests/test_variants.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_LIBRARY = torch.library.Library("hierremat", "DEF")
+_LIBRARY.define("pack_mask(Tensor mask) -> Tensor")
+_LIBRARY.define("masked_scale(Tensor x, Tensor bits, float scale) -> Tensor")
+_LIBRARY.define("dropout_bits(Tensor x, float p) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+
+_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "packed_bits.cpp"
+_SHIFTS = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return _SHIFTS[device]
+
+
+def packed_size(numel: int) -> int:
+    """Bytes of the packed mask of ``numel`` elements."""
+    return (numel + 7) // 8
+
+
+def pack_mask_reference(mask: torch.Tensor) -> torch.Tensor:
+    """The pure-torch ``pack_mask``."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8) << _shifts(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(bits: torch.Tensor, shape) -> torch.Tensor:
+    """The bool mask of ``shape`` packed in ``bits``."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    flat = (bits.unsqueeze(1) >> _shifts(bits.device)) & 1
+    return flat.view(-1)[:numel].view(tuple(shape)).to(torch.bool)
+
+
+def masked_scale_reference(x: torch.Tensor, bits: torch.Tensor, scale: float) -> torch.Tensor:
+    """The pure-torch ``masked_scale``."""
+    return x.mul(unpack_mask(bits, x.shape)).mul_(scale)
+
+
+@functools.cache
+def _cpu_bernoulli_is_native_dropouts() -> bool:
+    """Whether ``empty_like(x, bool).bernoulli_(1 - p)`` draws ``native_dropout``'s CPU mask
+    (checked once on a small tensor, the global RNG state restored)."""
+    x = torch.ones(1000)
+    with torch.random.fork_rng(devices=[]):
+        state = torch.get_rng_state()
+        _, mask = torch.ops.aten.native_dropout(x, 0.3, True)
+        after_native = torch.get_rng_state()
+        torch.set_rng_state(state)
+        drawn = torch.empty_like(x, dtype=torch.bool).bernoulli_(0.7)
+        same = torch.equal(drawn, mask) and torch.equal(torch.get_rng_state(), after_native)
+    if not same:
+        log.warning("this torch's native_dropout draws its CPU mask differently; dropout_bits runs native_dropout itself")
+    return same
+
+
+def _dropout_bits(x: torch.Tensor, p: float) -> torch.Tensor:
+    if x.device.type == "cpu" and _cpu_bernoulli_is_native_dropouts():
+        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
+    else:
+        mask = torch.ops.aten.native_dropout(x, p, True)[1]
+    return torch.ops.hierremat.pack_mask(mask)
+
+
+torch.library.impl(_LIBRARY, "pack_mask", "CompositeExplicitAutograd")(pack_mask_reference)
+torch.library.impl(_LIBRARY, "masked_scale", "CompositeExplicitAutograd")(masked_scale_reference)
+torch.library.impl(_LIBRARY, "dropout_bits", "CompositeExplicitAutograd")(_dropout_bits)
+
+
+@torch.library.register_fake("hierremat::pack_mask", lib=_LIBRARY)
+def _pack_mask_fake(mask):
+    return mask.new_empty((packed_size(mask.numel()),), dtype=torch.uint8)
+
+
+@torch.library.register_fake("hierremat::masked_scale", lib=_LIBRARY)
+def _masked_scale_fake(x, bits, scale):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("hierremat::dropout_bits", lib=_LIBRARY)
+def _dropout_bits_fake(x, p):
+    return x.new_empty((packed_size(x.numel()),), dtype=torch.uint8)
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build (first time on this machine) and load the C++ CPU kernels; False, with one
+    log line saying why, when they cannot be used (the reference kernels run instead)."""
+    if os.environ.get("HIERREMAT_NO_EXTENSION"):
+        log.info("HIERREMAT_NO_EXTENSION is set: packed masks use the pure-torch kernels")
+        return False
+    if not _SOURCE.exists():
+        log.warning("%s is missing (hierremat installed without csrc/): packed masks use the pure-torch kernels", _SOURCE)
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="hierremat_packed_bits", sources=[str(_SOURCE)], extra_cflags=["-O3"], is_python_module=False,
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, a header mismatch: the reference kernels still work
+        log.warning("could not build hierremat's C++ kernels (%s: %s); packed masks use the pure-torch kernels",
+                    type(err).__name__, str(err).strip().splitlines()[-1][:200] if str(err).strip() else "")
+        return False
+    log.debug("hierremat C++ kernels loaded from %s", _SOURCE)
+    return True

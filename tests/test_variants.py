@@ -1,0 +1,192 @@
+"""Operator variants (hierremat.variants): bitwise equal to the operators they replace, and leaner."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hierremat as hr
+from hierremat.blocks.capture import capture
+from hierremat.runtime import LiveTensorTracker
+from hierremat.variants import cross_entropy
+from hierremat.variants.cross_entropy import row_blocked_cross_entropy
+
+from models import tiny_gpt2
+
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_blocked_cross_entropy_is_bitwise_autograds(monkeypatch, reduction, dtype):
+    monkeypatch.setattr(cross_entropy, "_BLOCK_BYTES", 7 * 300 * 8)  # blocks of 3-7 rows: many, and a ragged last one
+    torch.manual_seed(0)
+    logits = torch.randn(50, 300, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 300, (50,))
+    target[::7] = -100  # ignored rows
+    reference = F.cross_entropy(logits, target, reduction=REDUCTIONS[reduction])
+    grad_loss = torch.randn_like(reference)
+    (expected,) = torch.autograd.grad(reference, logits, grad_loss)
+    loss = row_blocked_cross_entropy(logits, target, reduction, -100)
+    (grad,) = torch.autograd.grad(loss, logits, grad_loss)
+    assert torch.equal(loss, reference)
+    assert torch.equal(grad, expected)
+
+
+class LanguageModelHead(torch.nn.Module):
+    def __init__(self, width: int = 32, vocabulary: int = 1000):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, vocabulary)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.linear(x), labels)
+
+
+def _step(module, args):
+    module.zero_grad(set_to_none=True)
+    with LiveTensorTracker() as tracker:
+        loss = module(*args)
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}, tracker.peak_bytes
+
+
+def test_captured_cross_entropy_runs_as_the_variant_with_the_same_gradients_in_less_memory():
+    torch.manual_seed(0)
+    model = LanguageModelHead()
+    labels = torch.randint(0, 1000, (256,))
+    labels[::5] = -100
+    args = (torch.randn(256, 32, requires_grad=True), labels)
+    plain = capture(model, args, variants=False).module
+    lean = capture(model, args).module
+    targets = lambda gm: {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.cross_entropy_loss.default in targets(plain)
+    assert row_blocked_cross_entropy in targets(lean) and torch.ops.aten.cross_entropy_loss.default not in targets(lean)
+    loss_a, grads_a, peak_a = _step(plain, args)
+    loss_b, grads_b, peak_b = _step(lean, args)
+    assert torch.equal(loss_a, loss_b)
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    dense = 256 * 1000 * 4  # one [N, C] fp32 tensor: the gradient of the log-probabilities, no longer whole
+    assert peak_b <= peak_a - dense * 0.9, (peak_a, peak_b)
+
+
+def test_cross_entropy_with_class_weights_or_smoothing_is_left_alone():
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 5)
+
+        def forward(self, x, y):
+            logits = self.linear(x)
+            return F.cross_entropy(logits, y, label_smoothing=0.1) + F.cross_entropy(logits, y, weight=torch.ones(5))
+
+    gm = capture(Head(), (torch.randn(6, 8), torch.randint(0, 5, (6,)))).module
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default]
+    assert len(calls) == 2
+
+
+def test_variants_lower_gpt2s_smallest_budget_and_the_plan_records_them():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=32, vocab_size=4096)  # the head's [N, C] tensors set the smallest budget
+    ids = torch.randint(0, 4096, (4, 128))
+    kwargs = {"labels": ids, "use_cache": False}
+    smallest = {}
+    for variants in (False, True):
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan(model, (ids,), kwargs, budget="1KiB", variants=variants, output_held=False)
+        smallest[variants] = err.value.min_budget_bytes
+    assert smallest[True] <= smallest[False] - ids.numel() * 4096 * 4 * 0.9, smallest
+    plan = hr.plan(model, (ids,), kwargs, budget=smallest[False], variants=False, output_held=False)
+    again = hr.ModelPlan.from_json(plan.to_json())
+    assert again.variants is False and "operator variants off" in again.summary()
+    module = hr.remat(model, (ids,), kwargs, plan=again)  # runs the plan's own (variant-free) graph
+    module(ids, **kwargs).loss.backward()
+
+
+# ---------------------------------------------------------------- packed dropout masks
+
+from hierremat.blocks.joint import run_joint, saved_for_backward, trace_joint  # noqa: E402
+from hierremat.variants import packed_bits  # noqa: E402
+from hierremat.variants.dropout import pack_dropout_masks  # noqa: E402
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (signed zeros and NaN payloads included)."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(as_int), b.view(as_int))
+
+
+def _dropout_cases(device):
+    torch.manual_seed(0)
+    wide = torch.randn(37, 129, device=device) * 10
+    wide[0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    yield wide, 0.1
+    yield torch.randn(5, device=device), 0.5  # fewer elements than one byte of mask
+    yield torch.randn(16, 33, device=device).t(), 0.3  # not contiguous
+    yield torch.randn(8, 64, device=device, dtype=torch.float64), 0.2
+    yield torch.randn(8, 64, device=device, dtype=torch.bfloat16), 0.2
+
+
+def _check_dropout_ops(device, masked_scale):
+    for x, p in _dropout_cases(device):
+        torch.manual_seed(7)
+        out, mask = torch.ops.aten.native_dropout(x, p, True)
+        after = torch.rand(3, device=device)
+        torch.manual_seed(7)
+        bits = torch.ops.hierremat.dropout_bits(x, p)
+        assert torch.equal(torch.rand(3, device=device), after)  # the same random numbers drawn
+        assert torch.equal(bits, packed_bits.pack_mask_reference(mask))
+        assert torch.equal(packed_bits.unpack_mask(bits, x.shape), mask)
+        scale = 1.0 / (1.0 - p)
+        assert _same_bits(masked_scale(x, bits, scale), out)
+        grad = torch.randn_like(x)
+        assert _same_bits(masked_scale(grad, bits, scale), torch.ops.aten.native_dropout_backward(grad, mask, scale))
+
+
+def test_packed_dropout_ops_are_bitwise_native_dropout_cpp_kernels():
+    assert packed_bits.load_cpu_kernels(), "the C++ kernels (csrc/packed_bits.cpp) did not build; see the log"
+    _check_dropout_ops("cpu", torch.ops.hierremat.masked_scale)
+    mask = torch.rand(1001) < 0.5
+    assert torch.equal(torch.ops.hierremat.pack_mask(mask), packed_bits.pack_mask_reference(mask))
+
+
+def test_packed_dropout_ops_are_bitwise_native_dropout_reference_kernels():
+    _check_dropout_ops("cpu", packed_bits.masked_scale_reference)
+
+
+@pytest.mark.cuda
+def test_packed_dropout_ops_are_bitwise_native_dropout_on_cuda():
+    _check_dropout_ops("cuda", torch.ops.hierremat.masked_scale)
+
+
+class DropoutBlock(torch.nn.Module):
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.drop = torch.nn.Dropout(0.25)
+
+    def forward(self, x):
+        return x + self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def test_packed_dropout_joint_graph_gives_the_same_results_and_saves_bits():
+    torch.manual_seed(0)
+    block, x = DropoutBlock(), torch.randn(32, 64)
+    plain = trace_joint(block, x)
+    packed = pack_dropout_masks(trace_joint(block, x))
+    targets = {n.target for n in packed.module.graph.nodes}
+    assert torch.ops.aten.native_dropout.default not in targets
+    assert torch.ops.hierremat.dropout_bits.default in targets
+    tangent = (torch.randn(32, 64),)
+    results = []
+    for joint in (plain, packed):
+        torch.manual_seed(5)
+        results.append(run_joint(joint, x, (), tangent))
+    a, b = results
+    assert _same_bits(a.outputs[0], b.outputs[0]) and _same_bits(a.input_grad, b.input_grad)
+    for name, grad in a.param_grads.items():
+        assert _same_bits(grad, b.param_grads[name]), name
+    # the backward keeps 1 bit per element of the mask instead of a bool byte
+    saved = {packed.module.graph.find_nodes(op="call_function", target=t)[0].name: t for t in targets if not isinstance(t, str)}
+    bits_name = next(name for name, t in saved.items() if t is torch.ops.hierremat.dropout_bits.default)
+    assert saved_for_backward(packed)[bits_name] == 32 * 64 // 8
+    assert not any(n.target is torch.ops.aten.native_dropout_backward.default for n in packed.module.graph.nodes)
