@@ -790,13 +790,17 @@ def plot(results: dict, out: Path, stem: str) -> dict[str, str]:
     for m in results["models"]:
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
         for fam, (color, marker, label) in STYLES.items():
-            rs = sorted((r for r in m["rows"] if r["family"] == fam and r["status"] == "ok" and r["median_s"]),
-                        key=lambda r: r["peak_bytes"])
-            if not rs:
-                continue
-            ax.plot([r["peak_bytes"] / MIB for r in rs], [r["median_s"] for r in rs], marker=marker, color=color,
-                    label=label, linestyle="-" if fam.startswith("hierremat") and len(rs) > 1 else "none",
-                    markersize=7, alpha=0.9)
+            ok = [r for r in m["rows"] if r["family"] == fam and r["status"] == "ok" and r["median_s"]]
+            # one line per hierremat configuration (a family holds several); other families as points
+            groups = sorted({r["method"] for r in ok}) if fam == "hierremat-config" else [None]
+            for g, shade in zip(groups, (color, "tab:gray", "tab:olive", "tab:pink")):
+                rs = sorted((r for r in ok if g is None or r["method"] == g), key=lambda r: r["peak_bytes"])
+                if not rs:
+                    continue
+                ax.plot([r["peak_bytes"] / MIB for r in rs], [r["median_s"] for r in rs], marker=marker,
+                        color=shade, label=label if g is None else g.removeprefix("hierremat, "),
+                        linestyle="-" if fam.startswith("hierremat") and len(rs) > 1 else "none",
+                        markersize=7, alpha=0.9)
         ax.set_xlabel("measured peak MiB (above parameters)")
         ax.set_ylabel("median step s")
         ax.set_title(f"{m['name']}: memory vs time ({results['meta']['device']})")
