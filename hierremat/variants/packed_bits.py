@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -128,6 +130,8 @@ def load_cpu_kernels() -> bool:
     if not _SOURCE.exists():
         log.warning("%s is missing (hierremat installed without csrc/): packed masks use the pure-torch kernels", _SOURCE)
         return False
+    if shutil.which("ninja") is None:  # pip's ninja (a dependency) sits beside this interpreter's scripts
+        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils import cpp_extension
 
