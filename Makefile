@@ -23,7 +23,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~10 min on 2 CPU cores).
+# `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~25 min on 2 CPU cores, the small models ~15).
 # BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.
 # The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality).
 BENCH_ARGS ?=

@@ -1,6 +1,6 @@
 """Every rematerialization method on the same models and budgets, in one process and one sitting.
 
-    python benchmarks/run_all.py                          # all models (gpt2-12 takes ~10 min on 2 CPU cores)
+    python benchmarks/run_all.py                          # all models (gpt2-12 takes ~25 min on 2 CPU cores)
     python benchmarks/run_all.py --models mlp,resnet,gpt2-tiny --rounds 5
     python benchmarks/run_all.py --quick                  # smoke test: small MLP, 2 hierremat budgets, < 60 s
     python benchmarks/run_all.py --readme                 # also rewrite README's results block
