@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     budget.add_argument("--budget", help="bytes or '2GiB'; 'auto' on CUDA: free memory after weights and optimizer")
     budget.add_argument("--budget-fraction", type=float, default=0.5, help="fraction of plain autograd's peak")
     budget.add_argument("--no-remat", action="store_true", help="plain autograd (the baseline)")
+    p.add_argument("--no-variants", action="store_true",
+                   help="plan without hierremat's operator variants (the row-blocked cross-entropy, packed dropout masks)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("runs/gpt2"))
@@ -287,7 +289,7 @@ def run(args, ddp: Distributed) -> dict:
         example = ((probe,), {"labels": probe, "use_cache": False})
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
             if ddp.main:
-                module = hr.remat(model, *example, budget=budget)
+                module = hr.remat(model, *example, budget=budget, variants=not args.no_variants)
                 plan = module.plans[0]
             plan_json = ddp.broadcast(plan.to_json() if ddp.main else None)
             if not ddp.main:
