@@ -42,8 +42,8 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         Defaults: per-block ILP options and operator variants (hierremat.variants);
   hierremat configurations  (HIERREMAT_CONFIGS) the same budgets without operator variants (variants=False),
                         Rotor on blocks (block_options="autograd", variants=False: autograd's options and the
-                        model's own operators) and the whole-graph ILP (segmentation="none"); reported "not
-                        available" where the API does not take their arguments.
+                        model's own operators) and the whole-graph ILP (segmentation="none", variants=False);
+                        reported "not available" where the API does not take their arguments.
 
 Metrics per row: peak bytes above the parameter baseline and its ratio to no checkpointing; the
 median step time over ``--rounds`` rounds (every method once per round, in a seeded shuffled order)

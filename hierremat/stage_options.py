@@ -120,7 +120,6 @@ def _scaled(option: OptionCosts, scale: float) -> OptionCosts:
     return replace(option, fwd_time=option.fwd_time * scale, bwd_time=option.bwd_time * scale)
 
 
-
 def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
     """The joint graph of one stage, bound to another stage of the same signature.
 
@@ -206,6 +205,7 @@ def build_menus(
         return ChainMenus({}, executors, tuple(signatures), 0, time.perf_counter() - started)
     for i, (stage, signature) in enumerate(zip(stages[:-1], signatures)):
         # (the last stage returns the model's outputs, often several: option 0 only)
+        graph_key = _graph_key(signature, variants)  # menus and executor speeds of the traced graph
         if signature not in joints and signature not in menus:
             try:
                 if not isinstance(stage, torch.nn.Module):
@@ -225,19 +225,17 @@ def build_menus(
                 joints[signature] = None
                 continue
             joints[signature] = joint
-            menus[signature] = _menu(
-                joint, xs[i], shared, signature, _graph_key(signature, variants), cache, stored, time_limit
-            )
+            menus[signature] = _menu(joint, xs[i], shared, signature, graph_key, cache, stored, time_limit)
         joint, menu = joints.get(signature), menus.get(signature)
         if joint is None or menu is None:
             continue
         bound = rebind(joint, stage)
         executors[i] = [None] + [OptionExecutor(bound, option) for option in menu.options]
         if signature not in scales:
-            scales[signature] = cost_cache.get_scale(_graph_key(signature, variants), xs[i])
+            scales[signature] = cost_cache.get_scale(graph_key, xs[i])
             if scales[signature] is None:
                 scales[signature] = _executor_scale(executors[i][1:], stage, stages, xs[i], x0, shared)
-                cost_cache.put_scale(_graph_key(signature, variants), xs[i], scales[signature])
+                cost_cache.put_scale(graph_key, xs[i], scales[signature])
     solves = solve_count() - solves_before
     return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started, scales)
 

@@ -186,7 +186,7 @@ def test_packed_dropout_joint_graph_gives_the_same_results_and_saves_bits():
     for name, grad in a.param_grads.items():
         assert _same_bits(grad, b.param_grads[name]), name
     # the backward keeps 1 bit per element of the mask instead of a bool byte
-    saved = {packed.module.graph.find_nodes(op="call_function", target=t)[0].name: t for t in targets if not isinstance(t, str)}
-    bits_name = next(name for name, t in saved.items() if t is torch.ops.hierremat.dropout_bits.default)
+    (bits,) = packed.module.graph.find_nodes(op="call_function", target=torch.ops.hierremat.dropout_bits.default)
+    bits_name = bits.name
     assert saved_for_backward(packed)[bits_name] == 32 * 64 // 8
     assert not any(n.target is torch.ops.aten.native_dropout_backward.default for n in packed.module.graph.nodes)

@@ -29,8 +29,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from .joint import JointGraph, is_view_node, joint_inputs
 from ..runtime.memory import allocated_bytes
+from .joint import JointGraph, is_view_node, joint_inputs
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
 FLOPS_PER_S = 1e12

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import shutil
 import sysconfig
@@ -63,9 +64,7 @@ def pack_mask_reference(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_mask(bits: torch.Tensor, shape) -> torch.Tensor:
     """The bool mask of ``shape`` packed in ``bits``."""
-    numel = 1
-    for d in shape:
-        numel *= int(d)
+    numel = math.prod(int(d) for d in shape)
     flat = (bits.unsqueeze(1) >> _shifts(bits.device)) & 1
     return flat.view(-1)[:numel].view(tuple(shape)).to(torch.bool)
 
