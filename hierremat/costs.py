@@ -48,12 +48,16 @@ class StageCosts:
 
     nograd_fwd_time: seconds; nograd_fwd_overhead_bytes: peak above the memory before,
     at least bytes(x_{i+1}).
+    weight_cast_bytes: bytes of the low-precision copies of parameters that autocast makes
+        in one forward of the stage. They are created in the step, so they are already in
+        the overheads and kept bytes above; this says how much of those they are.
     """
 
     nograd_fwd_time: float
     nograd_fwd_overhead_bytes: int
     options: tuple[OptionCosts, ...]
     name: str = ""
+    weight_cast_bytes: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -61,6 +65,7 @@ class StageCosts:
             "nograd_fwd_time": self.nograd_fwd_time,
             "nograd_fwd_overhead_bytes": self.nograd_fwd_overhead_bytes,
             "options": [op.__dict__.copy() for op in self.options],
+            "weight_cast_bytes": self.weight_cast_bytes,
         }
 
     @classmethod
@@ -70,6 +75,7 @@ class StageCosts:
             nograd_fwd_overhead_bytes=int(d["nograd_fwd_overhead_bytes"]),
             options=tuple(OptionCosts(**op) for op in d["options"]),
             name=d.get("name", ""),
+            weight_cast_bytes=int(d.get("weight_cast_bytes", 0)),
         )
 
 

@@ -63,6 +63,7 @@ class ModelPlan:
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
             f" + shared inputs {format_bytes(self.shared_bytes)})",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
+            f"  {c.autocast_line()}",
             f"  planning: capture {self.capture_seconds:.2f} s, profile {c.profile_seconds:.2f} s, block options "
             f"{self.options_seconds:.2f} s ({len(self.menus)} menus, {self.options_solves} ILP solves), "
             f"chain DP {c.solve_seconds:.3f} s",

@@ -15,6 +15,7 @@ from .dp.baselines import keep_all_schedule, uniform_segments_schedule
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError
 from .sequential_plan import SequentialPlan
+from .runtime.autocast import AutocastState
 from .runtime.executor import ChainRunner, OutputUse, run_plainly, stage_buffers
 from .runtime.profile import ChainProfile, profile_chain
 from .runtime.rng import CPU_RNG_STATE_BYTES
@@ -150,7 +151,7 @@ def plan_from_profile(
     schedule = replace(schedule, budget_bytes=budget_bytes)
     return SequentialPlan(
         costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started,
-        profile.output_grad_mask,
+        profile.output_grad_mask, AutocastState.capture((device.type,)).describe(),
     )
 
 
@@ -297,7 +298,8 @@ def _check_input(input) -> None:
 
 
 class PlanCache:
-    """Plans per (stages, input shape/dtype/device, budget, slots, block options, variants); ``hits``/``misses`` count lookups."""
+    """Plans per (stages, input shape/dtype/device, autocast setting, budget, slots, block options, variants);
+    ``hits``/``misses`` count lookups."""
 
     def __init__(self):
         self._plans: dict[tuple, PlannedChain] = {}
@@ -319,7 +321,8 @@ class PlanCache:
         )
         return (
             tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
-            input.requires_grad, budget_bytes, slots, block_options, variants,
+            input.requires_grad, AutocastState.capture((input.device.type,)).key(), budget_bytes, slots, block_options,
+            variants,
         )
 
     def get(self, key: tuple):
@@ -337,6 +340,7 @@ class PlanCache:
 plan_cache = PlanCache()
 
 
+@torch.compiler.disable(reason="hierremat.checkpoint_sequential plans eagerly and runs its schedule with Python state")
 def checkpoint_sequential(
     functions,
     budget,
@@ -364,7 +368,8 @@ def checkpoint_sequential(
     otherwise logs a warning). block_options, variants: see plan_sequential.
 
     ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
-    RNG state is always preserved.
+    RNG state is always preserved. Inside a ``torch.compile``'d function the call is a
+    graph break: the code around it is compiled, the chain runs eagerly.
     """
     unknown = set(kwargs) - {"preserve_rng_state", "determinism_check", "debug"}
     if unknown:

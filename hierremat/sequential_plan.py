@@ -21,6 +21,8 @@ class SequentialPlan:
     output_grad_mask: per output of the last stage, whether the plan expects a gradient
         for it; with ``costs.output_held_bytes``, what the plan assumes of how the caller uses
         the output (the runtime checks it on every backward and re-plans if it differs).
+    autocast: the autocast setting the chain was profiled and planned under ('off', or e.g.
+        'bf16 on cpu'); the casts it makes, weights included, are in the stages' costs.
     """
 
     costs: ChainCosts
@@ -30,6 +32,7 @@ class SequentialPlan:
     profile_seconds: float
     solve_seconds: float
     output_grad_mask: tuple[bool, ...] = (True,)
+    autocast: str = "off"
 
     @property
     def budget_bytes(self) -> int:
@@ -69,6 +72,16 @@ class SequentialPlan:
                 kinds[op.stage].append("all" if op.option == 0 else f"all[{op.option}]")
         return [", ".join(k) for k in kinds]
 
+    def autocast_line(self) -> str:
+        """What autocast adds to a step, for summaries."""
+        if self.autocast == "off":
+            return "autocast: off"
+        casts = sum(st.weight_cast_bytes for st in self.costs.stages)
+        return (
+            f"autocast: {self.autocast}; weight casts {format_bytes(casts)} per forward "
+            "(counted in the stage costs)"
+        )
+
     def summary(self) -> str:
         s = self.schedule
         overhead = s.predicted_time / self.no_remat_step_time - 1 if self.no_remat_step_time > 0 else 0.0
@@ -83,6 +96,7 @@ class SequentialPlan:
             f"  assumes the caller holds {format_bytes(self.costs.held_output)} of the "
             f"{format_bytes(self.costs.activation_bytes[-1])} output during backward; "
             f"output gradient {format_bytes(self.costs.output_grad)}",
+            f"  {self.autocast_line()}",
             "",
             f"  {'stage':>5}  {'module':<18} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
         ]
@@ -109,6 +123,7 @@ class SequentialPlan:
                 "profile_seconds": self.profile_seconds,
                 "solve_seconds": self.solve_seconds,
                 "output_grad_mask": list(self.output_grad_mask),
+                "autocast": self.autocast,
             }
         )
 
@@ -125,4 +140,5 @@ class SequentialPlan:
             profile_seconds=float(d["profile_seconds"]),
             solve_seconds=float(d["solve_seconds"]),
             output_grad_mask=tuple(bool(m) for m in d.get("output_grad_mask", (True,))),
+            autocast=str(d.get("autocast", "off")),
         )

@@ -17,9 +17,14 @@ that option's node-time sum: the executor's own overhead, and kernels that are s
 the decomposed graph than in eager autograd, are then priced in, so the DP prefers
 autograd's option where the ILP's saves too little.
 
+Under autocast, joint graphs are traced under the caller's setting, so every cast autocast
+makes (weights included) is an explicit node of the graph, and options run with autocast
+off (hierremat.runtime.autocast).
+
 Stages whose joint graph cannot be traced, that return several tensors (the model's
 last stage), whose output is one result of a multi-output operator (a lone dropout) or
-that run under autocast keep option 0 only; the reason is logged.
+in which autocast casts one parameter more than once keep option 0 only; the reason is
+logged.
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ from typing import Sequence
 
 import torch
 
-from .block_graph import BlockGraph
+from .block_graph import FORWARD, BlockGraph
 from .blocks.joint import JointGraph, to_block_graph, trace_joint
 from .blocks.node_profile import profile_nodes
 from .costs import OptionCosts
 from .ilp.cache import CacheKey, OptionsCache, default_cache
 from .ilp.options import BlockOption, solve_menu
 from .ilp.solve import solve_count
+from .runtime.autocast import AutocastState
 from .runtime.block_exec import OptionExecutor
 from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
 from .runtime.stage_cost_cache import StageCostCache, device_name
@@ -146,20 +152,57 @@ def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
     )
 
 
+def check_autocast_exact(
+    joint: JointGraph, stage, x: torch.Tensor, shared: tuple, input_grad: bool, autocast: AutocastState
+) -> None:
+    """Raise ValueError where a joint graph traced under autocast cannot reproduce eager autocast bitwise.
+
+    * A parameter cast more than once: eager autocast casts it once per context and sums its
+      low-precision gradients before casting them back; the traced graph casts per use.
+    * A backward that autocast changes: eager runs the backward under autocast when one
+      context spans forward and backward, and without it when the context closed after the
+      forward (the recipe of torch's AMP docs). The joint graph is traced the second way; if
+      tracing it the first way gives another graph (on CPU, attention with dropout runs
+      SDPA's math path, whose fp32 matmuls autocast would cast in the backward), the stage's
+      gradients would depend on the caller's recipe, which is not known when planning.
+    """
+    recast = params_cast_more_than_once(joint)
+    if recast:
+        raise ValueError(f"autocast casts parameter(s) {', '.join(recast)} more than once")
+    under = trace_joint(stage, x, shared, input_requires_grad=input_grad, autocast=autocast, backward_under_autocast=True)
+    if under.module.code != joint.module.code:
+        raise ValueError("autocast would change its backward when one context spans forward and backward")
+
+
+def params_cast_more_than_once(joint: JointGraph) -> list[str]:
+    """Parameters that more than one forward ``_to_copy`` node of the joint graph reads."""
+    casts: dict[str, int] = {}
+    for node in joint.module.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default):
+        source = node.args[0]
+        if joint.phase.get(node.name) == FORWARD and isinstance(source, torch.fx.Node):
+            target = joint.param_inputs.get(source.name)
+            if target is not None:
+                casts[target] = casts.get(target, 0) + 1
+    return sorted(name for name, count in casts.items() if count > 1)
+
+
 def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple) -> list[torch.Tensor]:
     """x_0 .. x_{L-1}: each stage's input, by running the chain without grad (RNG and buffers restored)."""
     xs = [x0.detach()]
+    autocast = AutocastState.capture((x0.device.type,))
     with no_side_effects(stages, x0), torch.no_grad():
         for stage in stages[:-1]:
-            xs.append(stage(xs[-1], *shared))
+            with autocast.stage_scope():
+                xs.append(stage(xs[-1], *shared))
     return xs
 
 
 def module_signature(stage, x: torch.Tensor) -> str:
     """A structural key for a stage of a plain chain (no captured graph to hash): its class,
-    its printed configuration, its parameter and buffer shapes and dtypes, its mode and
-    its input's shape and dtype. Equal keys trace to equal joint graphs."""
-    parts = [type(stage).__qualname__, repr(stage), str(tuple(x.shape)), str(x.dtype)]
+    its printed configuration, its parameter and buffer shapes and dtypes, its mode, its
+    input's shape and dtype, and the autocast setting. Equal keys trace to equal joint graphs."""
+    autocast = AutocastState.capture((x.device.type,)).key()
+    parts = [type(stage).__qualname__, repr(stage), str(tuple(x.shape)), str(x.dtype), autocast]
     if isinstance(stage, torch.nn.Module):
         parts.append(str(stage.training))
         parts += [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}" for n, t in stage.named_parameters()]
@@ -200,9 +243,7 @@ def build_menus(
     executors: list[list] = [[None] for _ in range(L)]
     scales: dict[str, float] = {}
     solves_before = solve_count()
-    if torch.is_autocast_enabled(x0.device.type):
-        log.info("block options: autocast is on, so every stage keeps option 0 (the traced graphs are autocast-free)")
-        return ChainMenus({}, executors, tuple(signatures), 0, time.perf_counter() - started)
+    autocast = AutocastState.capture((x0.device.type,))
     for i, (stage, signature) in enumerate(zip(stages[:-1], signatures)):
         # (the last stage returns the model's outputs, often several: option 0 only)
         graph_key = _graph_key(signature, variants)  # menus and executor speeds of the traced graph
@@ -210,7 +251,10 @@ def build_menus(
             try:
                 if not isinstance(stage, torch.nn.Module):
                     raise TypeError("it is a plain callable, not an nn.Module")
-                joint = trace_joint(stage, xs[i], shared, input_requires_grad=i > 0 or x0.requires_grad)
+                input_grad = i > 0 or x0.requires_grad
+                joint = trace_joint(stage, xs[i], shared, input_requires_grad=input_grad, autocast=autocast)
+                if autocast.enabled:
+                    check_autocast_exact(joint, stage, xs[i], shared, input_grad, autocast)
                 if variants:
                     joint = pack_dropout_masks(joint)
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:

@@ -12,15 +12,17 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .blocks.capture import capture
+from .blocks.capture import capture, uncompiled
+from .blocks.hf import call_kwargs
 from .blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from .budget import parse_budget
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .model_plan import ModelPlan
+from .runtime.autocast import AutocastState
 from .runtime.executor import as_tuple
 from .runtime.profile import profile_chain, storage_bytes
 from .runtime.stage_cost_cache import StageCostCache
@@ -32,13 +34,20 @@ log = logging.getLogger(__name__)
 
 
 class ChainModule(nn.Module):
-    """Runs the stages of a captured model as the plan's schedule (the orchestrator's chain)."""
+    """Runs the stages of a captured model as the plan's schedule (the orchestrator's chain).
+
+    Under ``torch.compile`` its call is an explicit graph break (``torch.compiler.disable``):
+    the runner executes the schedule with Python state (RNG states, tapes, the output's
+    use) that Dynamo cannot trace, while the orchestrator's code around it (masks,
+    positions, the output's assembly) is compiled.
+    """
 
     def __init__(self, stages: list[nn.Module], planned: PlannedChain):
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.planned = planned
 
+    @torch.compiler.disable(reason="hierremat's chain runner: its schedule keeps Python state Dynamo cannot trace")
     def forward(self, x: torch.Tensor, *shared) -> tuple:
         for value in shared:
             if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -113,9 +122,11 @@ def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings
 ) -> _Compiled:
     started = time.perf_counter()
+    model = uncompiled(model)
+    autocast = AutocastState.capture(_device_types(args, kwargs))
     captured = capture(model, args, kwargs, variants=settings.variants)
     try:
-        chain = build_chain_graph(captured, model, settings.segmentation)
+        chain = build_chain_graph(captured, model, settings.segmentation, context=autocast.key())
     except (ValueError, StopIteration) as err:
         raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
     capture_seconds = time.perf_counter() - started
@@ -154,6 +165,11 @@ def _compile(
         )
         log.debug("%s", plan.summary())
     else:
+        if plan.chain.autocast != autocast.describe():
+            raise ValueError(
+                f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "
+                "call hierremat.plan/remat under the autocast context you train with"
+            )
         if plan.signatures != tuple(signatures):
             raise ValueError(
                 "plan does not match this model and input: its stages have other signatures "
@@ -170,9 +186,16 @@ def _compile(
     return _Compiled(chain, plan, chain_module)
 
 
+def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return tuple(dict.fromkeys(v.device.type for v in leaves if isinstance(v, torch.Tensor)))
+
+
 def _input_key(args: tuple, kwargs: dict) -> tuple:
+    """What a plan is specific to: the inputs' structure, shapes, dtypes, devices, and the autocast setting."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    return (str(spec),) + tuple(
+    autocast = AutocastState.capture(_device_types(args, kwargs)).key()
+    return (str(spec), autocast) + tuple(
         (tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v) for v in leaves
     )
 
@@ -180,15 +203,17 @@ def _input_key(args: tuple, kwargs: dict) -> tuple:
 class RematModule(nn.Module):
     """The model, called exactly like it, whose training step fits the budget.
 
-    Plans are cached per input shapes; a call with new shapes re-plans
-    (``on_new_shape="replan"``) or raises (``"error"``).
+    Plans are cached per input shapes and autocast setting; a call with new shapes re-plans
+    (``on_new_shape="replan"``) or raises (``"error"``). A call under an autocast setting
+    not planned for yet plans for it (logged once per setting): call ``remat`` inside the
+    autocast context you train with to plan once.
     """
 
     def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings):
         super().__init__()
         if on_new_shape not in ("replan", "error"):
             raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
-        self.model = model
+        self.model = uncompiled(model)
         self.budget_bytes = budget_bytes
         self.on_new_shape = on_new_shape
         self.settings = settings
@@ -199,20 +224,38 @@ class RematModule(nn.Module):
         return [c.plan for c in self._compiled.values()]
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
+        kwargs = call_kwargs(self.model, kwargs)
         compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.settings)
         self._compiled[_input_key(args, kwargs)] = compiled
         return compiled
 
     def forward(self, *args, **kwargs):
-        compiled = self._compiled.get(_input_key(args, kwargs))
+        orchestrator, kwargs = self._orchestrator(args, kwargs)
+        return orchestrator(*args, **kwargs)
+
+    @torch.compiler.disable(reason="hierremat plans (captures, profiles, solves) eagerly")
+    def _orchestrator(self, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, dict]:
+        """The captured model planned for these inputs and autocast setting (planned now if new),
+        and the keyword arguments to call it with (hierremat.blocks.hf.call_kwargs).
+
+        Outside what ``torch.compile`` traces: planning runs eagerly, and the returned
+        orchestrator is traced (and guarded on) by Dynamo like any module it is handed."""
+        kwargs = call_kwargs(self.model, kwargs)
+        key = _input_key(args, kwargs)
+        compiled = self._compiled.get(key)
         if compiled is None:
-            if self.on_new_shape == "error":
+            if any(k[2:] == key[2:] for k in self._compiled):
+                log.info(
+                    "%s called under autocast %r for the first time: planning for it",
+                    type(self.model).__name__, AutocastState.capture(_device_types(args, kwargs)).describe(),
+                )
+            elif self.on_new_shape == "error":
                 raise ValueError(
                     "inputs differ (shape, dtype, device or non-tensor values) from the planned ones; "
                     "call hierremat.remat(..., on_new_shape='replan') to plan per shape"
                 )
             compiled = self._add(args, kwargs)
-        return compiled.chain.orchestrator(*args, **kwargs)
+        return compiled.chain.orchestrator, kwargs
 
     def _apply(self, fn, recurse=True):
         self._compiled.clear()  # captured graphs hold the old tensors: re-plan after .to()/.cuda()
@@ -258,7 +301,8 @@ def plan(
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants)
-    return _compile(model, args, example_kwargs or {}, parse_budget(budget), None, settings).plan
+    kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
+    return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
 
 
 def remat(

@@ -94,3 +94,65 @@ def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, n_positions: int = 128, vocab_
         bos_token_id=0, eos_token_id=0,
     )
     return GPT2LMHeadModel(config).train()
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def tiny_llama(n_layer: int = 2, hidden_size: int = 64):
+    """A randomly initialised Llama-style model: GQA (4 query heads, 2 key/value heads), RMSNorm, SwiGLU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _quiet_transformers()
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=n_layer,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).train()
+
+
+def tiny_qwen2(n_layer: int = 2):
+    """A randomly initialised Qwen2-style model (GQA, biased q/k/v projections, tied embeddings)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _quiet_transformers()
+    config = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layer, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).train()
+
+
+def tiny_bert(n_layer: int = 2):
+    """A randomly initialised BERT for masked language modelling (dropout 0.1 as configured by default)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    _quiet_transformers()
+    config = BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=n_layer, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    return BertForMaskedLM(config).train()
+
+
+def tiny_vit(n_layer: int = 2):
+    """A randomly initialised ViT image classifier (32x32 images, 8x8 patches, 10 classes)."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    _quiet_transformers()
+    config = ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=n_layer, num_attention_heads=4,
+        intermediate_size=128, num_labels=10,
+    )
+    return ViTForImageClassification(config).train()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (integer views: signed zeros and NaN payloads count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))

@@ -21,6 +21,7 @@ from torch import fx
 from ..errors import UnsupportedModelError
 from ..variants.cross_entropy import use_row_blocked_cross_entropy
 from .causal_attention import restore_causal_attention
+from .hf import register_cache_pytrees
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,21 @@ def _explain(err: Exception) -> str:
     hint = ""
     if "data-dependent" in str(err).lower() or "GuardOnDataDependent" in type(err).__name__:
         hint = " The forward has data-dependent control flow (a Python branch on tensor values), which cannot be captured as one graph."
+    if "not a known type" in str(err) and "cache" in str(err).lower():
+        hint += (" The model returns a cache object that torch.export cannot flatten; in training, call it with "
+                 "use_cache=False.")
     where = f" (at {op.group(1)})" if op else ""
     return f"{type(err).__name__}{where}: {first[:300]}.{hint}"
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wraps (hierremat captures and runs the original;
+    compile the remat'd model instead: ``torch.compile(hierremat.remat(model, ...))``)."""
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(original, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
+        log.info("model is torch.compile'd: hierremat captures the original module; compile the remat'd model instead")
+        return original
+    return model
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, variants: bool = True) -> CapturedModel:
@@ -111,6 +125,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
+    register_cache_pytrees(model)
     try:
         exported = torch.export.export(model, args, kwargs or {}, strict=False)
     except Exception as err:  # torch raises many types here; all mean "cannot capture"

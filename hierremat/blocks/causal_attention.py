@@ -14,6 +14,15 @@ value at every call with these shapes; it is evaluated once and must equal the t
 aligned lower-triangular pattern that ``is_causal=True`` means, on a square ``L == S``
 score matrix, broadcast over batch and heads. Any other mask (padding, sliding window, a
 mask computed from a user's ``attention_mask``) is left as it is.
+
+Grouped-query attention takes the same detour. Without a mask, Hugging Face's SDPA
+integration passes the key/value heads as they are with ``enable_gqa=True`` (when both head
+dimensions are equal and at most 256, ``use_gqa_in_sdpa``); with the traced mask it repeats
+them first (``repeat_kv``: unsqueeze, expand, reshape). The results agree, but not bitwise:
+the kernel sums a shared head's gradient over its group in another order and, in bf16,
+with other roundings. So where the mask is restored and key and value are such repeats of
+``[B, Hkv, S, D]`` heads, the call gets those heads back with ``enable_gqa=True``: the call
+eager mode makes.
 """
 
 from __future__ import annotations
@@ -83,6 +92,53 @@ def _square_scores(query: fx.Node, key: fx.Node) -> int | None:
     return length if int(k.shape[-2]) == length else None
 
 
+_HEAD_DIM_LIMIT = 256  # the largest head dimension Hugging Face passes to SDPA with enable_gqa
+
+
+def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(h, n) when ``node`` is ``repeat_kv(h, n)``: h of shape [B, Hkv, S, D] unsqueezed at dim
+    2 (through no-op slices), expanded to [B, Hkv, n, S, D] and reshaped to [B, Hkv*n, S, D]."""
+    if node.op != "call_function" or node.target not in (torch.ops.aten.reshape.default, torch.ops.aten.view.default):
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, fx.Node) or expand.target is not torch.ops.aten.expand.default:
+        return None
+    source = expand.args[0]
+    while isinstance(source, fx.Node) and source.target is torch.ops.aten.slice.Tensor and _full_slice(source):
+        source = source.args[0]
+    if not isinstance(source, fx.Node) or source.target is not torch.ops.aten.unsqueeze.default or source.args[1] != 2:
+        return None
+    heads = source.args[0]
+    while isinstance(heads, fx.Node) and heads.target is torch.ops.aten.slice.Tensor and _full_slice(heads):
+        heads = heads.args[0]
+    h, e, out = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (heads, expand, node))
+    if not all(isinstance(t, torch.Tensor) for t in (h, e, out)) or h.dim() != 4 or e.dim() != 5:
+        return None
+    batch, groups, length, dim = h.shape
+    n = int(e.shape[2])
+    if tuple(e.shape) != (batch, groups, n, length, dim) or tuple(out.shape) != (batch, groups * n, length, dim):
+        return None
+    return heads, n
+
+
+def _full_slice(node: fx.Node) -> bool:
+    """Whether a ``slice`` node takes its whole dimension (``x[:, :, None]`` traces to such slices)."""
+    source, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.shape == out.shape
+
+
+def _grouped_heads(query: fx.Node, key: fx.Node, value: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """The key/value heads before ``repeat_kv`` when both are repeated alike and Hugging Face
+    would call SDPA on them with ``enable_gqa=True``; else None."""
+    k, v = _repeated_heads(key), _repeated_heads(value)
+    if k is None or v is None or k[1] != v[1] or k[1] < 2:
+        return None
+    k_val, v_val = k[0].meta["val"], v[0].meta["val"]
+    if k_val.shape[-1] != v_val.shape[-1] or k_val.shape[-1] > _HEAD_DIM_LIMIT:
+        return None
+    return k[0], v[0]
+
+
 def _erase_if_unused(node: fx.Node) -> None:
     """Erase ``node`` and then its input-free ancestors that nothing else uses any more."""
     stack = [node]
@@ -113,6 +169,11 @@ def restore_causal_attention(gm: fx.GraphModule) -> int:
         node.args = ()
         node.kwargs = {**call, "attn_mask": None, "is_causal": True}
         dropped_masks.append(mask)
+        grouped = _grouped_heads(call["query"], call["key"], call["value"])
+        if grouped is not None and not call.get("enable_gqa"):
+            repeated = (call["key"], call["value"])
+            node.kwargs = {**node.kwargs, "key": grouped[0], "value": grouped[1], "enable_gqa": True}
+            dropped_masks.extend(repeated)
         rewritten += 1
     for mask in dict.fromkeys(dropped_masks):
         _erase_if_unused(mask)

@@ -49,6 +49,7 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..block_graph import BACKWARD, FORWARD, BlockGraph, GraphNode
+from ..runtime.autocast import AutocastState
 from ..runtime.memory import allocated_bytes
 
 try:  # descriptor classes (torch >= 2.9)
@@ -149,11 +150,35 @@ def is_view_node(node: fx.Node) -> bool:
     return False
 
 
-def trace_joint(stage: nn.Module, x: torch.Tensor, shared: tuple = (), input_requires_grad: bool | None = None) -> JointGraph:
+class _ForwardUnderAutocast(nn.Module):
+    """``stage`` whose forward runs under an autocast setting, so that a joint trace records the
+    casts of the forward and traces the backward as autograd runs it after the context closed."""
+
+    PREFIX = "stage."
+
+    def __init__(self, stage: nn.Module, autocast: AutocastState):
+        super().__init__()
+        self.stage = stage
+        self.autocast = autocast
+
+    def forward(self, *args):
+        with self.autocast.applied():
+            return self.stage(*args)
+
+
+def trace_joint(
+    stage: nn.Module, x: torch.Tensor, shared: tuple = (), input_requires_grad: bool | None = None,
+    autocast: AutocastState | None = None, backward_under_autocast: bool = False,
+) -> JointGraph:
     """Trace ``stage(x, *shared)`` forward and backward into one functional ATen graph.
 
     input_requires_grad: whether the gradient of x is part of the graph (default: x is
         floating point). Shared values are traced without gradient.
+    autocast: the setting the forward runs under (None: autocast off). Every cast it makes
+        becomes an explicit ``_to_copy`` node. The backward is traced with autocast off, as
+        autograd runs it after a training step's autocast context closed, unless
+        ``backward_under_autocast`` (one context around forward and backward: then autocast
+        applies to the backward's ops too, as in eager mode).
     Tracing uses fake tensors: the stage's buffers and the RNG state are not touched.
     """
     if aot_export_joint_with_descriptors is None:  # pragma: no cover
@@ -163,9 +188,17 @@ def trace_joint(stage: nn.Module, x: torch.Tensor, shared: tuple = (), input_req
         input_requires_grad = x.is_floating_point() or x.is_complex()
     x_in = x.detach().requires_grad_(input_requires_grad)
     shared_in = tuple(s.detach() if isinstance(s, torch.Tensor) else s for s in shared)
+    autocast = autocast if autocast is not None else AutocastState.off((x.device.type,))
+    wrapped = autocast.enabled and not backward_under_autocast
+    traced = _ForwardUnderAutocast(stage, autocast) if wrapped else stage
+    ambient = autocast if backward_under_autocast else AutocastState.off((x.device.type,))
     with contextlib.ExitStack() as stack:
-        exported = aot_export_joint_with_descriptors(stack, stage, (x_in, *shared_in))
+        stack.enter_context(ambient.applied())
+        exported = aot_export_joint_with_descriptors(stack, traced, (x_in, *shared_in))
         gm = exported.graph_module
+
+    def own(target: str) -> str:  # the stage's name of a parameter or buffer of the traced module
+        return target.removeprefix(_ForwardUnderAutocast.PREFIX) if wrapped else target
 
     params, buffers, tangents = {}, {}, {}
     plain: dict[int, str] = {}
@@ -174,9 +207,9 @@ def trace_joint(stage: nn.Module, x: torch.Tensor, shared: tuple = (), input_req
             continue
         desc = node.meta.get("desc")
         if isinstance(desc, ParamAOTInput):
-            params[node.name] = desc.target
+            params[node.name] = own(desc.target)
         elif isinstance(desc, BufferAOTInput):
-            buffers[node.name] = desc.target
+            buffers[node.name] = own(desc.target)
         elif isinstance(desc, PlainAOTInput):
             plain[desc.idx] = node.name
         elif isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput):
@@ -203,11 +236,11 @@ def trace_joint(stage: nn.Module, x: torch.Tensor, shared: tuple = (), input_req
         if isinstance(desc, PlainAOTOutput):
             outputs[desc.idx] = value.name
         elif isinstance(desc, InputMutationAOTOutput) and isinstance(desc.mutated_input, BufferAOTInput):
-            mutations.append((value.name, desc.mutated_input.target))
+            mutations.append((value.name, own(desc.mutated_input.target)))
         elif isinstance(desc, GradAOTOutput):
             of = desc.grad_of
             if isinstance(of, ParamAOTInput):
-                param_grads[of.target] = value.name
+                param_grads[own(of.target)] = value.name
             elif isinstance(of, PlainAOTInput) and of.idx == 0:
                 input_grad = value.name
             # gradients of shared values are dropped: they are grad-free by contract
@@ -291,7 +324,7 @@ def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bo
     stage's buffers, as eager training would.
     """
     args = joint_inputs(joint, x, shared, tangents)
-    with torch.no_grad():
+    with torch.no_grad(), AutocastState.off((x.device.type,)).applied():  # the graph's casts are explicit
         flat = fx.Interpreter(joint.module).run(*args, enable_io_processing=False)
     out_node = _output_node(joint.module)
     values = {a.name: v for a, v in zip(out_node.args[0], flat) if isinstance(a, fx.Node)}

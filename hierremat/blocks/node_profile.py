@@ -29,6 +29,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..runtime.autocast import AutocastState
 from ..runtime.memory import allocated_bytes
 from .joint import JointGraph, is_view_node, joint_inputs
 
@@ -163,6 +164,7 @@ def profile_nodes(
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=devices))
         stack.enter_context(torch.no_grad())
+        stack.enter_context(AutocastState.off((device.type,)).applied())  # the graph's casts are explicit
         if cuda:
             stack.enter_context(torch.cuda.device(device))
         profiler.run(*args, enable_io_processing=False)

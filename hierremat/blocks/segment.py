@@ -5,9 +5,10 @@
    is itself such a container), e.g. ``transformer.h.3`` in GPT-2 or ``layer2.0`` in a
    ResNet. Nodes outside any container (embeddings, final norm, head, loss) get none.
    Maximal runs of nodes with the same unit, in graph order, are the candidate stages.
-2. Values that do not depend on anything trainable, are not random and do not mutate
-   (attention masks, position ids, shifted labels) and are used by a later stage are
-   *precomputed* once before the chain and passed to every stage as shared inputs.
+2. Values that depend on no parameter (trainable or frozen) and no input that requires
+   grad, are not random and do not mutate (attention masks, position ids, rotary tables,
+   shifted labels) and are used by a later stage are *precomputed* once before the chain
+   and passed to every stage as shared inputs.
 3. Between two stages exactly one value may flow (the carried activation); where more
    flow, the two stages are merged. The last stage produces what the model returns.
 4. Each stage becomes a GraphModule ``stage(x, *shared)``; an orchestrator GraphModule
@@ -88,12 +89,16 @@ def _mutates(node: fx.Node) -> bool:
     return target._schema.is_mutable
 
 
-def _trainable_dependent(gm: fx.GraphModule) -> set[fx.Node]:
+def _parameter_dependent(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes that depend on a parameter (trainable or frozen) or on an input that requires grad.
+
+    Frozen parameters count: a frozen embedding's output is an activation of the chain, not
+    a value to compute once before it and hold through the step like a mask."""
     dependent: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = operator.attrgetter(node.target)(gm)
-            if isinstance(value, torch.Tensor) and value.requires_grad:
+            if isinstance(value, torch.nn.Parameter) or (isinstance(value, torch.Tensor) and value.requires_grad):
                 dependent.add(node)
         elif node.op == "placeholder":
             val = node.meta.get("val")
@@ -111,16 +116,19 @@ def _target_name(target) -> str:
     return str(target)
 
 
-def signature_of(gm: fx.GraphModule) -> str:
-    """Hash of a stage graph's structure: ops, argument wiring, shapes, dtypes, constants."""
+def signature_of(gm: fx.GraphModule, context: str = "") -> str:
+    """Hash of a stage graph's structure: ops, argument wiring, shapes, dtypes, constants,
+    which parameters need gradients (a frozen block traces to another joint graph), and
+    ``context`` (what else changes the traced graphs, e.g. the autocast setting)."""
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
-    parts = []
+    parts = [context]
     for node in gm.graph.nodes:
         val = node.meta.get("val")
+        meta = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
         if node.op == "get_attr":
             value = operator.attrgetter(node.target)(gm)
-            val = value
-        meta = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
+            if isinstance(value, torch.Tensor):
+                meta = (tuple(value.shape), str(value.dtype), value.requires_grad)
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
         target = "attr" if node.op in ("get_attr", "placeholder") else _target_name(node.target)
         parts.append(f"{node.op}|{target}|{args}|{meta}")
@@ -202,8 +210,13 @@ def check_segmentation(segmentation: str) -> None:
         )
 
 
-def build_chain_graph(captured: CapturedModel, model: nn.Module, segmentation: str = "blocks") -> ChainGraph:
+def build_chain_graph(
+    captured: CapturedModel, model: nn.Module, segmentation: str = "blocks", context: str = ""
+) -> ChainGraph:
     """Cut the captured model into a chain of stages.
+
+    context: what else the stages' traced graphs depend on (the autocast setting), hashed
+    into every stage signature.
 
     segmentation: 'blocks' cuts at the boundaries of repeated child modules; 'none' keeps
     every stage before the last as ONE stage, so its block options come from one ILP over
@@ -216,7 +229,7 @@ def build_chain_graph(captured: CapturedModel, model: nn.Module, segmentation: s
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     compute = [n for n in nodes if n.op == "call_function"]
-    dependent = _trainable_dependent(gm)
+    dependent = _parameter_dependent(gm)
     runs = _runs(model, compute)
     stage_of = {n: k for k, (_, run) in enumerate(runs) for n in run}
     pre = _precompute(compute, stage_of, dependent)
@@ -257,7 +270,7 @@ def build_chain_graph(captured: CapturedModel, model: nn.Module, segmentation: s
         sub = _extract(gm, nodes_k, carries[k], shared_here, outs, tuple_output=k == len(stages) - 1 and len(outs) > 1)
         indices = tuple(shared_nodes.index(s) for s in shared_here)
         stage_modules.append(GraphStage(sub, indices, names[k]))
-        infos.append(StageInfo(names[k], signature_of(sub), len(nodes_k)))
+        infos.append(StageInfo(names[k], signature_of(sub, context), len(nodes_k)))
 
     orchestrator = _orchestrator(gm, placeholders, pre, carries[0], shared_nodes, final_outputs, output)
     return ChainGraph(stage_modules, infos, orchestrator)

@@ -10,6 +10,9 @@ no incumbent its decisions are None.
 Gurobi is used when ``gurobipy`` is importable and the model fits the size-limited
 license of the pip wheel (2000 variables and 2000 constraints, counted after splitting
 two-sided rows); any Gurobi error (license, size) falls back to HiGHS and is logged.
+
+Neither solver writes to the terminal: what their native code prints goes to this
+module's logger at DEBUG (hierremat.ilp.quiet).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from ..block_graph import BlockGraph
 from .formulation import CompactGraph, Decisions, Evaluation, IlpModel, Structure, build_model, compact, evaluate, structure
+from .quiet import solver_output_to_log
 
 log = logging.getLogger("hierremat.ilp")
 
@@ -197,13 +201,15 @@ def solve_model(
     _SOLVES += 1
     if use == "gurobi":
         try:
-            status, xs, gap = _solve_gurobi(model, c, lb, ub, time_limit, mip_rel_gap)
+            with solver_output_to_log(log, "Gurobi"):
+                status, xs, gap = _solve_gurobi(model, c, lb, ub, time_limit, mip_rel_gap)
         except Exception as err:  # license / size errors are GurobiError; anything else too
             log.warning("Gurobi could not solve the block ILP (%s); falling back to HiGHS", err)
             use = "highs"
             t0 = time.perf_counter()
     if use == "highs":
-        status, xs, gap = _solve_highs(model, c, lb, ub, time_limit, mip_rel_gap)
+        with solver_output_to_log(log, "HiGHS"):
+            status, xs, gap = _solve_highs(model, c, lb, ub, time_limit, mip_rel_gap)
     seconds = time.perf_counter() - t0
     if status == "optimal":
         gap = 0.0 if gap is None or not math.isfinite(gap) else float(gap)

@@ -13,7 +13,8 @@ Random nodes (dropout) run only in the forward, in graph order, so they draw wha
 autograd draws from the same RNG state (the chain runner restores that state when it
 replays a stage). Buffer updates (BatchNorm running statistics) are copied into the
 stage's buffers when computed in the forward, never when recomputed in the backward.
-The graph was traced without autocast, so it runs with autocast off.
+The graph holds every cast autocast made while it was traced (hierremat.runtime.autocast),
+so it runs with autocast off.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import fx
 from ..blocks.joint import JointGraph, joint_inputs
 from ..ilp.formulation import COMPUTE
 from ..ilp.options import BlockOption
+from .autocast import AutocastState
 
 
 @dataclass
@@ -85,7 +87,7 @@ class OptionExecutor:
         """Run the forward ops; return the stage output and the tape for :meth:`backward`."""
         env = self._environment(x, shared, None)
         computed: set[str] = set()
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        with torch.no_grad(), AutocastState.off((x.device.type,)).applied():
             for kind, name in self.option.fwd_ops:
                 if kind == COMPUTE:
                     env[name] = self._run(name, env)
@@ -108,7 +110,7 @@ class OptionExecutor:
         tape.kept = {}
         tape.x = None
         dx = None
-        with torch.no_grad(), torch.autocast(dy.device.type, enabled=False):
+        with torch.no_grad(), AutocastState.off((dy.device.type,)).applied():
             for kind, name in self.option.bwd_ops:
                 if kind != COMPUTE:
                     env.pop(name, None)

@@ -13,8 +13,8 @@ into ``.grad`` stage by stage, as plain autograd does.
 Replays are exact: a stage that runs more than once restores the RNG state it first
 ran with, its mutated buffers (BatchNorm running stats) are put back to their state
 before the first run for the replay and to their updated state after it (so they are
-updated exactly once per step), and recomputations in backward run under the caller's
-autocast settings.
+updated exactly once per step). Every stage call, recomputations in backward included,
+runs under the autocast setting of the step's forward (hierremat.runtime.autocast).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..errors import UnsupportedModelError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
-from .rng import AutocastState, RngState, cuda_devices_of
+from .autocast import AutocastState
+from .rng import RngState, cuda_devices_of
 
 
 def stage_buffers(stage: Callable, names: Sequence[str]) -> list[torch.Tensor]:
@@ -151,10 +152,14 @@ def tap_input(x: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tenso
         return _GradTap.apply(anchor, x, sink), sink
 
 
-def run_plainly(stages: Sequence[Callable], x, shared: tuple = ()):
-    """Call the stages one after the other, as plain PyTorch would."""
+def run_plainly(stages: Sequence[Callable], x, shared: tuple = (), autocast: AutocastState | None = None):
+    """Call the stages one after the other, as plain PyTorch would (each in ``autocast``'s stage scope)."""
     for stage in stages:
-        x = stage(x, *shared)
+        if autocast is None:
+            x = stage(x, *shared)
+        else:
+            with autocast.stage_scope():
+                x = stage(x, *shared)
     return x
 
 
@@ -196,10 +201,11 @@ class ChainRunner:
         plain autograd then does exactly what the schedule says, at no runner overhead (in
         the latter case an identity node on the output records how the caller used it).
         """
+        autocast = AutocastState.capture((x.device.type,))
         if not torch.is_grad_enabled():
-            return run_plainly(self.stages, x, shared)
+            return run_plainly(self.stages, x, shared, autocast)
         if self.schedule.keeps_everything:
-            return self._observed(run_plainly(self.stages, x, shared))
+            return self._observed(run_plainly(self.stages, x, shared, autocast))
         return self.run_schedule(x, shared)
 
     def _observed(self, out):
@@ -246,9 +252,8 @@ class _Step:
         self.grad[len(self.runner.stages)] = grad_outputs
         outer_rng = RngState.capture(self.cuda_devices)
         try:
-            with self.autocast.applied():
-                for op in self.runner.schedule.ops[self.runner.loss_index + 1 :]:
-                    self._execute(op)
+            for op in self.runner.schedule.ops[self.runner.loss_index + 1 :]:
+                self._execute(op)
         finally:
             outer_rng.restore()
         return self.grad.pop(0)
@@ -297,7 +302,12 @@ class _Step:
         return check_stage_output(i, stage, stage(x, *self.shared), i == len(self.runner.stages) - 1)
 
     def _forward(self, i: int, run: Callable):
-        """Run stage i's forward (``run()``); a replay gets the RNG state and buffers of the first run."""
+        """Run stage i's forward (``run()``) under the step's autocast setting; a replay gets the
+        RNG state and buffers of the first run."""
+        with self.autocast.stage_scope():
+            return self._replayed(i, run)
+
+    def _replayed(self, i: int, run: Callable):
         replay = self.runs[i] > 0
         self.runs[i] += 1
         if self.runner.forward_counts[i] == 1:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -68,11 +69,14 @@ class LiveTensorTracker(TorchDispatchMode):
                 self.live_bytes -= nbytes
 
     def _track(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "meta":
-            return
+        if tensor.device.type == "meta" or is_fake(tensor):
+            return  # no memory (fake tensors: something is traced while the mode is active)
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        key = storage.data_ptr()
+        try:
+            key = storage.data_ptr()
+        except RuntimeError:  # a functional tensor (traced inside the mode): no memory
+            return
         if nbytes == 0:
             return
         with self._lock:
@@ -139,3 +143,25 @@ def measure_peak(device: torch.device | str = "cpu") -> Iterator:
     """Context manager yielding a meter; read ``.peak_bytes`` after the block."""
     with memory_meter(device) as meter:
         yield meter
+
+
+class WeightCastCounter(TorchDispatchMode):
+    """Bytes of the copies made of the given parameters by ``_to_copy`` (the casts autocast
+    makes of weights run as ``aten._to_copy`` below the Autocast dispatch key, so this mode,
+    at the Python key, sees them); each new storage counted once."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+            if args[0].untyped_storage().data_ptr() in self.params and not is_fake(out):
+                key = out.untyped_storage().data_ptr()
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.bytes += out.untyped_storage().nbytes()
+        return out

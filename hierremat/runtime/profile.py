@@ -27,7 +27,8 @@ from ..costs import ChainCosts, OptionCosts, StageCosts
 from .executor import (
     as_tuple, backward_through, check_stage_output, default_grad_mask, gradient_edges, tap_input, watch_storages,
 )
-from .memory import allocated_bytes, memory_meter
+from .autocast import AutocastState
+from .memory import WeightCastCounter, allocated_bytes, memory_meter
 from .rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
 
@@ -163,6 +164,7 @@ def profile_chain(
     """
     cost_cache = cost_cache or StageCostCache(None)
     device = x0.device
+    autocast = AutocastState.capture((device.type,))
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated = [], []
     measured: dict[str, int] = {}
@@ -170,7 +172,7 @@ def profile_chain(
         x = x0.detach()
         for i, stage in enumerate(stages):
             last = i == len(stages) - 1
-            call = functools.partial(_call_stage, stage, shared, last, i)
+            call = functools.partial(_call_stage, stage, shared, last, i, autocast)
             signature = signatures[i] if signatures is not None else None
             requires_grad = i > 0 or x0.requires_grad
             wanted_mask = output_grad_mask if last else None
@@ -220,8 +222,11 @@ def profile_chain(
     return ChainProfile(costs, tuple(mutated), output_grad_mask)
 
 
-def _call_stage(stage: Callable, shared: tuple, last: bool, index: int, x: torch.Tensor):
-    return check_stage_output(index, stage, stage(x, *shared), last)
+def _call_stage(stage: Callable, shared: tuple, last: bool, index: int, autocast: AutocastState, x: torch.Tensor):
+    """The stage called as the runtime calls it (in the autocast stage scope)."""
+    with autocast.stage_scope():
+        out = stage(x, *shared)
+    return check_stage_output(index, stage, out, last)
 
 
 class _CallInBackward(torch.autograd.Function):
@@ -272,7 +277,8 @@ def _profile_stage(
     """Costs of one stage on input x, its backward fed gradients for the outputs in ``grad_mask``
     (None: hierremat.runtime.executor.default_grad_mask). Returns (StageCosts, mutated buffer
     names, output, the mask used)."""
-    with torch.no_grad():
+    params, _ = _modules_state([stage])
+    with torch.no_grad(), WeightCastCounter(params) as casts:
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
     meter = memory_meter(device)
     with meter:
@@ -345,6 +351,7 @@ def _profile_stage(
         nograd_fwd_overhead_bytes=max(nograd_peak, out_bytes),
         options=(option,),
         name=_stage_name(i, stage),
+        weight_cast_bytes=casts.bytes,
     )
     return cost, mutated, y, grad_mask
 

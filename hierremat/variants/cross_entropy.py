@@ -34,46 +34,66 @@ _BLOCK_BYTES = 8 << 20  # one block of rows of the intermediate gradient, at mos
 _BLOCKS = 16  # and at most 1/16 of the rows
 
 
-class _RowBlockedCrossEntropy(torch.autograd.Function):
-    """``cross_entropy(logits, target, reduction=..., ignore_index=...)`` on ``[N, C]`` logits."""
+@torch.library.custom_op("hierremat::row_blocked_cross_entropy", mutates_args=())
+def _row_blocked_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cross_entropy(logits, target, reduction=..., ignore_index=...)`` on ``[N, C]`` logits.
 
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int) -> torch.Tensor:
-        log_probs = torch.ops.aten._log_softmax(logits, 1, False)
-        loss, total_weight = torch.ops.aten.nll_loss_forward(log_probs, target, None, reduction, ignore_index)
-        ctx.save_for_backward(log_probs, target, total_weight)
-        ctx.reduction, ctx.ignore_index = reduction, ignore_index
-        ctx.mark_non_differentiable(total_weight)
-        return loss
+    Returns (loss, log-probabilities, total weight): the last two are what the backward
+    reads (autograd saves them; callers use the loss only).
+    """
+    log_probs = torch.ops.aten._log_softmax(logits, 1, False)
+    loss, total_weight = torch.ops.aten.nll_loss_forward(log_probs, target, None, reduction, ignore_index)
+    return loss, log_probs, total_weight
 
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        log_probs, target, total_weight = ctx.saved_tensors
-        grad_logits = torch.empty_like(log_probs)
-        rows, classes = log_probs.shape
-        step = max(1, min(-(-rows // _BLOCKS), _BLOCK_BYTES // max(1, classes * log_probs.element_size())))
-        per_row = grad_loss.dim() > 0  # reduction "none": one gradient per row
-        for start in range(0, rows, step):
-            block = slice(start, min(rows, start + step))
-            grad_log_probs = torch.ops.aten.nll_loss_backward(
-                grad_loss[block] if per_row else grad_loss,
-                log_probs[block],
-                target[block],
-                None,
-                ctx.reduction,
-                ctx.ignore_index,
-                total_weight,
-            )
-            torch.ops.aten._log_softmax_backward_data.out(
-                grad_log_probs, log_probs[block], 1, log_probs.dtype, out=grad_logits[block]
-            )
-            del grad_log_probs
-        return grad_logits, None, None, None
+
+@_row_blocked_cross_entropy.register_fake
+def _(logits, target, reduction, ignore_index):
+    rows = logits.shape[0]
+    loss = logits.new_empty((rows,) if reduction == 0 else ())
+    return loss, torch.empty_like(logits), logits.new_empty(())
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, target, reduction, ignore_index = inputs
+    _, log_probs, total_weight = output
+    ctx.save_for_backward(log_probs, target, total_weight)
+    ctx.reduction, ctx.ignore_index = reduction, ignore_index
+    ctx.set_materialize_grads(False)  # no [N, C] zeros for the log-probabilities nobody differentiates
+
+
+def _backward(ctx, grad_loss, _grad_log_probs, _grad_total_weight):
+    """The logits' gradient, one block of rows at a time (torch's own two backward kernels)."""
+    log_probs, target, total_weight = ctx.saved_tensors
+    grad_logits = torch.empty_like(log_probs)
+    rows, classes = log_probs.shape
+    step = max(1, min(-(-rows // _BLOCKS), _BLOCK_BYTES // max(1, classes * log_probs.element_size())))
+    per_row = grad_loss.dim() > 0  # reduction "none": one gradient per row
+    for start in range(0, rows, step):
+        block = slice(start, min(rows, start + step))
+        grad_log_probs = torch.ops.aten.nll_loss_backward(
+            grad_loss[block] if per_row else grad_loss,
+            log_probs[block],
+            target[block],
+            None,
+            ctx.reduction,
+            ctx.ignore_index,
+            total_weight,
+        )
+        torch.ops.aten._log_softmax_backward_data.out(
+            grad_log_probs, log_probs[block], 1, log_probs.dtype, out=grad_logits[block]
+        )
+        del grad_log_probs
+    return grad_logits, None, None, None
+
+
+_row_blocked_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
 def row_blocked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
     """``aten.cross_entropy_loss`` (no class weights, no label smoothing) with the row-blocked backward."""
-    return _RowBlockedCrossEntropy.apply(logits, target, reduction, ignore_index)
+    return torch.ops.hierremat.row_blocked_cross_entropy(logits, target, reduction, ignore_index)[0]
 
 
 def _rewritable(node: fx.Node, gm: fx.GraphModule) -> dict | None:

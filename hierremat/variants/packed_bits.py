@@ -119,6 +119,24 @@ def _dropout_bits_fake(x, p):
     return x.new_empty((packed_size(x.numel()),), dtype=torch.uint8)
 
 
+def _masked_scale_setup(ctx, inputs, output) -> None:
+    _, bits, scale = inputs
+    ctx.save_for_backward(bits)
+    ctx.scale = scale
+
+
+def _masked_scale_backward(ctx, grad):
+    """``masked_scale`` is linear in x: its gradient is ``masked_scale`` of the output gradient
+    (bitwise ``native_dropout_backward``)."""
+    (bits,) = ctx.saved_tensors
+    return torch.ops.hierremat.masked_scale(grad, bits, ctx.scale), None, None
+
+
+torch.library.register_autograd(
+    "hierremat::masked_scale", _masked_scale_backward, setup_context=_masked_scale_setup, lib=_LIBRARY
+)
+
+
 @functools.cache
 def load_cpu_kernels() -> bool:
     """Build (first time on this machine) and load the C++ CPU kernels; False, with one

@@ -1,0 +1,89 @@
+"""Hugging Face conventions: what ``hierremat.remat`` does for a ``transformers`` model.
+
+* **No KV cache in training.** A decoder returns its key/value cache by default
+  (``config.use_cache``), which is useless in training and ties every layer's keys and
+  values to the output. Hugging Face's own gradient checkpointing turns it off in
+  training (``use_cache=False``, with one warning); so does hierremat: for a model in
+  training mode whose ``forward`` takes ``use_cache``, every call (the example call that
+  is captured, and each call of the returned module) gets ``use_cache=False``, and one
+  line is logged.
+* **Cache objects in outputs** (a model in eval mode, or one called with a cache) are
+  flattened with the pytree support ``transformers`` ships for ``torch.export``
+  (``register_dynamic_cache_export_support``), so capture does not refuse them.
+
+Nothing here imports ``transformers`` unless the model is one of its models.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a ``transformers.PreTrainedModel`` (checked without importing transformers)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(model).__mro__
+    )
+
+
+def _takes_use_cache(model: torch.nn.Module) -> bool:
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _transformers_model_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The ``transformers`` model ``model`` is, or wraps as a PEFT model (``get_base_model()``)."""
+    if is_transformers_model(model):
+        return model
+    base = getattr(model, "get_base_model", None)
+    if callable(base):
+        inner = base()
+        if isinstance(inner, torch.nn.Module) and is_transformers_model(inner):
+            return inner
+    return None
+
+
+def call_kwargs(model: torch.nn.Module, kwargs: dict) -> dict:
+    """The keyword arguments hierremat captures and calls ``model`` with: ``use_cache=False``
+    added for a ``transformers`` model (or a PEFT model wrapping one) in training whose
+    forward takes it (module docstring)."""
+    inner = _transformers_model_of(model)
+    if inner is None or not model.training or not _takes_use_cache(inner):
+        return kwargs
+    if kwargs.get("use_cache") is False:
+        return kwargs
+    _log_use_cache_off(type(model).__name__, kwargs.get("use_cache"))
+    return {**kwargs, "use_cache": False}
+
+
+_LOGGED: set[tuple[str, object]] = set()
+
+
+def _log_use_cache_off(model_name: str, given) -> None:
+    if (model_name, given) in _LOGGED:
+        return
+    _LOGGED.add((model_name, given))
+    if given is True:
+        log.warning("%s: use_cache=True is incompatible with rematerialization in training; using use_cache=False "
+                    "(as Hugging Face's gradient checkpointing does)", model_name)
+    else:
+        log.info("%s in training: use_cache=False (no key/value cache is built, as with Hugging Face's gradient "
+                 "checkpointing)", model_name)
+
+
+def register_cache_pytrees(model: torch.nn.Module) -> None:
+    """Let torch.export flatten ``transformers`` cache objects (for models that return one)."""
+    if _transformers_model_of(model) is None:
+        return
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError:  # an older transformers: capture names the type if a cache is returned
+        return
+    register_dynamic_cache_export_support()

@@ -1,0 +1,210 @@
+"""Mixed precision keeps hierremat's promises: autocast (bf16, fp16) and models held in bf16.
+
+The references are the same models trained plainly with the same recipe, and the
+gradients must be *bitwise* equal (compared as integer views, so signed zeros and NaNs
+count), with the live-tensor tracker's peak of a whole step within the budget. Two recipes:
+
+* fresh context per step (torch's AMP docs, HF Trainer, accelerate): autocast around the
+  forward only, ``loss.backward()`` outside it;
+* one context around forward and backward.
+
+hierremat is planned inside the autocast context it trains under, so the plan (and its
+smallest feasible budget) is the autocast one.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hierremat as hr
+from hierremat.runtime import CudaPeakMeter, LiveTensorTracker
+
+from models import random_mlp_chain, same_bits, tiny_gpt2, tiny_llama
+
+pytest.importorskip("transformers")
+
+
+def _meter(device: torch.device):
+    return LiveTensorTracker() if device.type == "cpu" else CudaPeakMeter(device)
+
+
+def _step(model, ids, recipe: str, dtype: torch.dtype | None):
+    """One training step; returns (loss, grads, peak). dtype None: no autocast."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(7)
+    autocast = torch.autocast(ids.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+    with _meter(ids.device) as meter:
+        if recipe == "fresh":
+            with autocast:
+                loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        else:
+            with autocast:
+                loss = model(ids, labels=ids, use_cache=False).loss
+                loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+
+
+def _check(
+    make_model, recipe: str, dtype: torch.dtype | None, fractions=(0.0, 0.5, 1.0), model_dtype=None, device="cpu"
+):
+    """On CUDA, gradients are compared to within 1e-6 relative, not bitwise: CUDA's embedding
+    backward accumulates with atomics, so two plain runs already differ in the last bits;
+    the allocator rounds each block up to 512 bytes."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    if model_dtype is not None:
+        model = model.to(model_dtype)
+    ids = torch.randint(0, 256, (2, 48), device=device)
+    reference = copy.deepcopy(model)
+    loss_ref, grads_ref, plain_peak = _step(reference, ids, recipe, dtype)
+    kwargs = {"labels": ids, "use_cache": False}
+    autocast = torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+    with autocast, pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), kwargs, budget="1KiB")
+    low = err.value.min_budget_bytes
+    assert low < plain_peak
+    recomputed = False
+    slack = 0 if device.type == "cpu" else 512 * 64
+    for fraction in fractions:
+        budget = int(low + fraction * (plain_peak - low))
+        with autocast:
+            module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B")
+        (plan,) = module.plans
+        short = {None: None, torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        assert plan.chain.autocast == ("off" if dtype is None else f"{short} on {device.type}")
+        recomputed |= not plan.chain.schedule.keeps_everything
+        for _ in range(2):  # the second step: nothing planned, cached or warmed any more
+            loss, grads, peak = _step(module, ids, recipe, dtype)
+            for (name, _), a, b in zip([("loss", None), *reference.named_parameters()], [loss, *grads], [loss_ref, *grads_ref]):
+                if device.type == "cpu":
+                    assert same_bits(a, b), (fraction, name, (a.float() - b.float()).abs().max())
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            assert peak <= budget + slack, (fraction, budget, peak, plan.summary())
+    assert recomputed
+
+
+@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+def test_llama_bf16_autocast_bitwise_within_budget(recipe):
+    _check(tiny_llama, recipe, torch.bfloat16)
+
+
+@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+def test_gpt2_bf16_autocast_bitwise_within_budget(recipe):
+    _check(lambda: tiny_gpt2(n_layer=2), recipe, torch.bfloat16)
+
+
+def test_llama_held_in_bf16_bitwise_within_budget():
+    _check(tiny_llama, "fresh", None, fractions=(0.0, 0.5), model_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fp16_autocast_with_grad_scaler_trains_like_plain(device):
+    """fp16 autocast with torch.amp.GradScaler, unchanged: the same parameters after 3 SGD steps
+    (bitwise on CPU; on CUDA within 1e-6, see _check)."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2).to(device)
+    ids = torch.randint(0, 256, (2, 16), device=device)
+    reference = copy.deepcopy(model)
+    kwargs = {"labels": ids, "use_cache": False}
+    with torch.autocast(device, dtype=torch.float16):
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan(model, (ids,), kwargs, budget="1KiB")
+        module = hr.remat(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B")
+    assert not module.plans[0].chain.schedule.keeps_everything
+    for m in (reference, module):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**12)
+        for step in range(3):
+            optimizer.zero_grad()
+            torch.manual_seed(step)
+            with torch.autocast(device, dtype=torch.float16):
+                loss = m(ids, labels=ids, use_cache=False).loss
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        if device == "cpu":
+            assert same_bits(a.detach(), b.detach()), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_remat_planned_without_autocast_plans_again_under_it(caplog):
+    torch.manual_seed(0)
+    model = tiny_llama(n_layer=2)
+    ids = torch.randint(0, 256, (2, 48))  # the shapes of the tests above: their solved menus are reused
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB")
+    _, grads_ref, _ = _step(reference, ids, "fresh", torch.bfloat16)
+    with caplog.at_level("INFO", logger="hierremat.whole_model"):
+        _, grads, _ = _step(module, ids, "fresh", torch.bfloat16)
+    assert "under autocast 'bf16 on cpu' for the first time" in caplog.text
+    assert [p.chain.autocast for p in module.plans] == ["off", "bf16 on cpu"]
+    assert all(same_bits(a, b) for a, b in zip(grads, grads_ref))
+    fp32 = hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB")
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="made with autocast 'off'"):
+        hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, plan=fp32)
+
+
+class _Twice(nn.Module):
+    """One Linear applied twice: autocast casts its weight once per context."""
+
+    def __init__(self, width: int = 96):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.linear(torch.relu(self.linear(x)))
+
+
+@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+def test_checkpoint_sequential_under_autocast_bitwise_within_budget(recipe):
+    torch.manual_seed(3)
+    chain = nn.Sequential(*list(random_mlp_chain(3, stages=10))[:-1], _Twice(), nn.Linear(96, 10))
+    reference = copy.deepcopy(chain)
+    x = torch.randn(256, 96, requires_grad=True)
+
+    def step(run):
+        for p in list(chain.parameters()) + list(reference.parameters()):
+            p.grad = torch.zeros_like(p)
+        x.grad = None
+        torch.manual_seed(9)
+        with LiveTensorTracker() as tracker:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = run(x).float().pow(2).mean()
+                if recipe == "one-context":
+                    loss.backward()
+            if recipe == "fresh":
+                loss.backward()
+        return x.grad.clone(), tracker.peak_bytes
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan_sequential(chain, "1KiB", x)
+    dx_ref, plain_peak = step(reference)
+    grads_ref = [p.grad.clone() for p in reference.parameters()]
+    for budget in (err.value.min_budget_bytes, (err.value.min_budget_bytes + plain_peak) // 2):
+        dx, peak = step(lambda t: hr.checkpoint_sequential(chain, f"{budget}B", t))
+        dx, peak = step(lambda t: hr.checkpoint_sequential(chain, f"{budget}B", t))  # planned on the first call
+        assert peak <= budget, (budget, peak)
+        assert same_bits(dx, dx_ref)
+        for p, g in zip(chain.parameters(), grads_ref):
+            assert same_bits(p.grad, g)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+@pytest.mark.parametrize("make", [tiny_llama, lambda: tiny_gpt2(n_layer=2)], ids=["llama", "gpt2"])
+def test_cuda_bf16_autocast_within_budget(make, recipe):
+    _check(make, recipe, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_model_held_in_bf16_within_budget():
+    _check(tiny_llama, "fresh", None, fractions=(0.0, 0.5), model_dtype=torch.bfloat16, device="cuda")
