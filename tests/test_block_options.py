@@ -246,3 +246,23 @@ def test_checkpoint_sequential_with_ilp_options():
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
         assert tracker.peak_bytes <= budget, (budget, tracker.peak_bytes, plan.summary())
     assert used_ilp, "no plan used an ILP option"
+
+
+def test_frozen_block_has_a_signature_of_its_own_and_nothing_is_solved_again(tmp_path, caplog):
+    """Which parameters need gradients changes a block's joint graph, so it is part of its
+    signature: planning the frozen block after the trainable one finds no stale cache entry."""
+    from models import tiny_gpt2
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids}
+    trainable = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    for p in model.transformer.h.parameters():
+        p.requires_grad_(False)
+    with caplog.at_level("INFO", logger="hierremat"):
+        frozen = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+        again = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    assert "solving again" not in caplog.text
+    assert set(trainable.signatures[1:-1]).isdisjoint(frozen.signatures[1:-1])
+    assert again.signatures == frozen.signatures and again.options_solves == 0

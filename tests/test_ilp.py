@@ -440,6 +440,44 @@ def test_transformer_block_menu(caplog):
     assert min(o.kept_bytes for o in menu) < max(o.kept_bytes for o in menu)
 
 
+@pytest.mark.parametrize("backend", ["highs", "gurobi"])
+def test_solvers_write_nothing_to_stdout_or_stderr(backend, capfd, caplog, monkeypatch):
+    """What a solver's native code prints during a solve reaches the log, never the terminal."""
+    import os
+
+    from hierremat.ilp import solve as solve_module
+
+    if backend == "gurobi":
+        pytest.importorskip("gurobipy")
+    real = getattr(solve_module, f"_solve_{backend}")
+
+    def noisy(*args, **kwargs):
+        os.write(1, f"{backend} native stdout\n".encode())
+        os.write(2, f"{backend} native stderr\n".encode())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(solve_module, f"_solve_{backend}", noisy)
+    with caplog.at_level(logging.DEBUG, logger="hierremat.ilp"):
+        solve_menu(small_graphs(600, 1)[0], backend=backend, time_limit=3)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    assert f"{backend} native stdout" in caplog.text and f"{backend} native stderr" in caplog.text
+
+
+def test_native_solver_output_goes_to_logging(capfd, caplog):
+    import os
+
+    from hierremat.ilp.quiet import solver_output_to_log
+
+    with caplog.at_level(logging.DEBUG, logger="hierremat.ilp"), solver_output_to_log(log, "HiGHS"):
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        os.write(2, b"a native warning\n")
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    assert "HiGHS: HighsMipSolverData::transformNewIntegerFeasibleSolution" in caplog.text
+    assert "HiGHS: a native warning" in caplog.text
+
+
 def test_ilp_does_not_import_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
