@@ -23,6 +23,11 @@ class ModelPlan:
     and the number of ILP solves (0 when every menu came from the cache).
     segmentation: how the model was cut ('blocks' or 'none'; see hierremat.plan).
     variants: whether operators ran as hierremat's variants (see hierremat.plan).
+    gathered_stage_bytes: under FSDP2, per stage, the unsharded parameters FSDP2 gathers
+        while it runs (counted in the chain's costs); empty without FSDP2.
+    sharded_reserve_bytes: under FSDP2, what it holds beside the chain's schedule (the root
+        module's gathered parameters and gradients, a group prefetched for its backward,
+        reduce-scatter buffers); predicted_peak_bytes includes it (hierremat.runtime.fsdp).
     """
 
     chain: SequentialPlan
@@ -34,15 +39,17 @@ class ModelPlan:
     options_solves: int = 0
     segmentation: str = "blocks"
     variants: bool = True
+    gathered_stage_bytes: tuple[int, ...] = ()
+    sharded_reserve_bytes: int = 0
 
     @property
     def budget_bytes(self) -> int:
-        """The model's budget: the chain's plus the shared values held beside it."""
-        return self.chain.budget_bytes + self.shared_bytes
+        """The model's budget: the chain's plus the shared values (and FSDP2's root group) held beside it."""
+        return self.chain.budget_bytes + self.shared_bytes + self.sharded_reserve_bytes
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.chain.predicted_peak_bytes + self.shared_bytes
+        return self.chain.predicted_peak_bytes + self.shared_bytes + self.sharded_reserve_bytes
 
     @property
     def predicted_step_time(self) -> float:
@@ -64,6 +71,12 @@ class ModelPlan:
             f" + shared inputs {format_bytes(self.shared_bytes)})",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
             f"  {c.autocast_line()}",
+            *(
+                [f"  FSDP2: gathers up to {format_bytes(max(self.gathered_stage_bytes))} of parameters per stage "
+                 f"(in the stage costs) and holds {format_bytes(self.sharded_reserve_bytes)} beside the chain (the root "
+                 "module's group, a prefetched group, reduce-scatter buffers); block options off"]
+                if self.gathered_stage_bytes else []
+            ),
             f"  planning: capture {self.capture_seconds:.2f} s, profile {c.profile_seconds:.2f} s, block options "
             f"{self.options_seconds:.2f} s ({len(self.menus)} menus, {self.options_solves} ILP solves), "
             f"chain DP {c.solve_seconds:.3f} s",
@@ -94,6 +107,8 @@ class ModelPlan:
                 "options_solves": self.options_solves,
                 "segmentation": self.segmentation,
                 "variants": self.variants,
+                "gathered_stage_bytes": list(self.gathered_stage_bytes),
+                "sharded_reserve_bytes": self.sharded_reserve_bytes,
             }
         )
 
@@ -112,4 +127,6 @@ class ModelPlan:
             options_solves=int(d.get("options_solves", 0)),
             segmentation=str(d.get("segmentation", "blocks")),
             variants=bool(d.get("variants", True)),
+            gathered_stage_bytes=tuple(int(b) for b in d.get("gathered_stage_bytes", ())),
+            sharded_reserve_bytes=int(d.get("sharded_reserve_bytes", 0)),
         )

@@ -192,12 +192,25 @@ class PlannedChain:
         self.strategy = strategy
         self.signatures = signatures
         self.menus = menus
+        self.sharded = None
+        self.agree = None
         self._bind(plan)
 
     def _bind(self, plan: SequentialPlan) -> None:
         self.plan = plan
         executors = self.menus.executors if self.menus is not None else None
-        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers, executors)
+        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded)
+
+    def shard(self, sharded, plan: SequentialPlan, agree: Callable) -> None:
+        """Run the stages through their FSDP2 modules (hierremat.runtime.fsdp.ShardedChain) under
+        ``plan``, which uses option 0 of every stage (block options are not used under FSDP2).
+
+        agree: maps this rank's re-planning outcome (a plan, or an InfeasibleBudgetError) to
+        rank 0's, so that every rank keeps running the same schedule."""
+        self.sharded = sharded
+        self.agree = agree
+        self.menus = None
+        self._bind(plan)
 
     @property
     def assumed_output_use(self) -> OutputUse:
@@ -207,6 +220,8 @@ class PlannedChain:
         seen = self.runner.observed_output_use
         if seen is not None and seen != self.assumed_output_use:
             self._replan(seen, x, shared)
+        if self.sharded is not None:
+            return self.sharded.run(lambda x, *shared: self.runner.run(x, shared), x, *shared)
         return self.runner.run(x, shared)
 
     def _replan(self, seen: OutputUse, x: torch.Tensor, shared: tuple) -> None:
@@ -228,7 +243,9 @@ class PlannedChain:
         log.info("chain output used as %s, planned as %s: re-planning", seen, assumed)
         profile = ChainProfile(self.plan.costs, self.plan.mutated_buffers, self.plan.output_grad_mask)
         profile_seconds = self.plan.profile_seconds
-        if seen.grad_mask != assumed.grad_mask:
+        if seen.grad_mask != assumed.grad_mask and self.sharded is not None:
+            log.warning("under FSDP2 the stages are not profiled again: re-planning with the costs measured before")
+        elif seen.grad_mask != assumed.grad_mask:
             started = time.perf_counter()
             profile = profile_chain(
                 self.stages, x, shared=shared, signatures=self.signatures, output_grad_mask=seen.grad_mask
@@ -236,12 +253,18 @@ class PlannedChain:
             if self.menus is not None:
                 profile = self.menus.extend(profile)
             profile_seconds = time.perf_counter() - started
-        self._bind(
-            plan_from_profile(
+        try:
+            outcome = plan_from_profile(
                 self.stages, profile, self.plan.budget_bytes, x.device, slots=self.slots,
                 profile_seconds=profile_seconds, strategy=self.strategy, output_held=seen.held_bytes,
             )
-        )
+        except InfeasibleBudgetError as err:
+            outcome = err
+        if self.agree is not None:
+            outcome = self.agree(outcome)
+        if isinstance(outcome, InfeasibleBudgetError):
+            raise outcome
+        self._bind(outcome)
 
 
 def plan_sequential(

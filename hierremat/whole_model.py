@@ -7,6 +7,7 @@ returned module runs the model's own graph with the chain executed by the schedu
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -22,9 +23,11 @@ from .budget import parse_budget
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .model_plan import ModelPlan
+from .sequential_plan import SequentialPlan
 from .runtime.autocast import AutocastState
 from .runtime.executor import as_tuple
-from .runtime.profile import profile_chain, storage_bytes
+from .runtime.fsdp import ShardedChain, is_sharded, reserve_bytes, with_gathered
+from .runtime.profile import ChainProfile, profile_chain, storage_bytes
 from .runtime.stage_cost_cache import StageCostCache
 from .ilp.cache import OptionsCache, default_cache
 from .sequential import PlannedChain, check_block_options, plan_from_profile
@@ -95,6 +98,61 @@ class _Compiled:
             self._plan = replace(self._plan, chain=current)
         return self._plan
 
+    @property
+    def sharded(self) -> bool:
+        return self.chain_module.planned.sharded is not None
+
+    def shard(self, model: nn.Module, budget_bytes: int) -> None:
+        """Re-plan for the FSDP2 modules ``fully_shard`` made of ``model`` (hierremat.runtime.fsdp):
+        option 0 per stage, what FSDP2 gathers counted, rank 0's plan on every rank."""
+        sharded = ShardedChain(model, self.chain.stages)
+        gathered = sharded.gathered_bytes()
+        planned = self.chain_module.planned
+        plan = self.plan
+        costs = with_gathered(plan.chain.costs, gathered)
+        reserve = reserve_bytes(gathered)
+        profile = ChainProfile(costs, plan.chain.mutated_buffers, plan.chain.output_grad_mask)
+        device = next(iter(model.parameters())).device
+        try:
+            outcome = plan_from_profile(
+                planned.stages, profile, budget_bytes - plan.shared_bytes - reserve, device, slots=planned.slots,
+                strategy=planned.strategy, output_held=costs.output_held_bytes,
+            )
+        except InfeasibleBudgetError as err:
+            outcome = err
+        outcome = rank0s(outcome)
+        if isinstance(outcome, InfeasibleBudgetError):
+            raise InfeasibleBudgetError(budget_bytes, outcome.min_budget_bytes + plan.shared_bytes + reserve) from None
+        chain_plan = outcome
+        log.info(
+            "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B for the root group",
+            type(model).__name__, max(gathered.per_stage, default=0), reserve,
+        )
+        planned.shard(sharded, chain_plan, agree=rank0s)
+        self._plan = replace(
+            plan, chain=chain_plan, menus={}, gathered_stage_bytes=gathered.per_stage, sharded_reserve_bytes=reserve,
+        )
+
+
+def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | InfeasibleBudgetError:
+    """Rank 0's planning outcome (a plan, or the budget was infeasible) on every rank of the
+    default process group: every rank must run the same schedule (its collectives happen in
+    the schedule's order) or raise the same error. ``outcome`` itself without a group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return outcome
+    if isinstance(outcome, InfeasibleBudgetError):
+        mine = {"infeasible": [outcome.budget_bytes, outcome.min_budget_bytes]}
+    else:
+        mine = {"plan": outcome.to_json()}
+    box = [json.dumps(mine) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    theirs = json.loads(box[0])
+    if "infeasible" in theirs:
+        return InfeasibleBudgetError(*theirs["infeasible"])
+    return SequentialPlan.from_json(theirs["plan"])
+
 
 @dataclass(frozen=True)
 class PlanSettings:
@@ -123,6 +181,12 @@ def _compile(
 ) -> _Compiled:
     started = time.perf_counter()
     model = uncompiled(model)
+    if is_sharded(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is already sharded with fully_shard: hierremat plans the whole model first. Call "
+            "hierremat.remat(model, ...) before fully_shard (as activation checkpointing is applied before it), then "
+            "fully_shard each block and the model; the first call re-plans for the shards"
+        )
     autocast = AutocastState.capture(_device_types(args, kwargs))
     captured = capture(model, args, kwargs, variants=settings.variants)
     try:
@@ -243,6 +307,8 @@ class RematModule(nn.Module):
         kwargs = call_kwargs(self.model, kwargs)
         key = _input_key(args, kwargs)
         compiled = self._compiled.get(key)
+        if compiled is not None and not compiled.sharded and is_sharded(self.model):
+            compiled.shard(self.model, self.budget_bytes)
         if compiled is None:
             if any(k[2:] == key[2:] for k in self._compiled):
                 log.info(

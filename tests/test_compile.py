@@ -16,6 +16,7 @@ from torch import nn
 
 import hierremat as hr
 from hierremat.runtime import LiveTensorTracker
+from hierremat.runtime.memory import CpuAllocatorMeter
 from hierremat.variants import packed_bits  # noqa: F401  (defines the hierremat:: ops)
 from hierremat.variants.cross_entropy import row_blocked_cross_entropy
 
@@ -73,20 +74,6 @@ def test_dynamo_traces_the_operators_into_one_graph():
     assert torch.equal(got, expected) and torch.equal(grad, grad_expected)
 
 
-def _allocator_peak(prof) -> int:
-    """Peak bytes the CPU allocator handed out while ``prof`` recorded, above its start.
-
-    The live-tensor tracker is a TorchDispatchMode, and Dynamo does not compile under an
-    active dispatch mode; the profiler's memory events see every allocation, compiled
-    kernels' buffers included."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def _step(module, ids, seed=1, meter="tracker"):
     for p in module.parameters():
         p.grad = torch.zeros_like(p)
@@ -96,10 +83,10 @@ def _step(module, ids, seed=1, meter="tracker"):
             loss = module(ids, labels=ids, use_cache=False).loss
             loss.backward()
         return loss.detach(), [p.grad.clone() for p in module.parameters()], tracker.peak_bytes
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with CpuAllocatorMeter() as allocator:  # the tracker is a dispatch mode, under which Dynamo does not compile
         loss = module(ids, labels=ids, use_cache=False).loss
         loss.backward()
-    return loss.detach(), [p.grad.clone() for p in module.parameters()], _allocator_peak(prof)
+    return loss.detach(), [p.grad.clone() for p in module.parameters()], allocator.peak_bytes
 
 
 def test_compiled_remat_model_trains_like_eager_hierremat_within_budget():

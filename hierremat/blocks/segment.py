@@ -64,6 +64,23 @@ class GraphStage(nn.Module):
     def forward(self, x, *shared):
         return self.graph_module(x, *(shared[i] for i in self.shared_indices))
 
+    def parameter_targets(self) -> list[str]:
+        """The parameters the stage reads, by their names in the captured model (the user's model's names)."""
+        return [
+            node.target for node in self.graph_module.graph.find_nodes(op="get_attr")
+            if isinstance(operator.attrgetter(node.target)(self.graph_module), nn.Parameter)
+        ]
+
+    def bind(self, model: nn.Module) -> None:
+        """Read every parameter from ``model`` again (after ``fully_shard`` replaced them, or while
+        FSDP2 holds them gathered): the graph then computes with the model's current parameters."""
+        for target in self.parameter_targets():
+            path, _, leaf = target.rpartition(".")
+            live = model.get_parameter(target)
+            holder = self.graph_module.get_submodule(path)
+            if getattr(holder, leaf) is not live:
+                setattr(holder, leaf, live)
+
 
 def block_unit(model: nn.Module, stack: list[str]) -> str | None:
     for path in stack:

@@ -152,14 +152,10 @@ def tap_input(x: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tenso
         return _GradTap.apply(anchor, x, sink), sink
 
 
-def run_plainly(stages: Sequence[Callable], x, shared: tuple = (), autocast: AutocastState | None = None):
-    """Call the stages one after the other, as plain PyTorch would (each in ``autocast``'s stage scope)."""
+def run_plainly(stages: Sequence[Callable], x, shared: tuple = ()):
+    """Call the stages one after the other, as plain PyTorch would."""
     for stage in stages:
-        if autocast is None:
-            x = stage(x, *shared)
-        else:
-            with autocast.stage_scope():
-                x = stage(x, *shared)
+        x = stage(x, *shared)
     return x
 
 
@@ -168,10 +164,11 @@ class ChainRunner:
 
     def __init__(
         self, stages: Sequence[Callable], schedule: ChainSchedule, mutated_buffers: Sequence[Sequence[str]],
-        option_executors: Sequence[Sequence] | None = None,
+        option_executors: Sequence[Sequence] | None = None, sharded=None,
     ):
         """option_executors[i][k]: runs option k >= 1 of stage i (hierremat.runtime.block_exec);
-        option 0 is always the stage itself under autograd."""
+        option 0 is always the stage itself under autograd. sharded: a
+        hierremat.runtime.fsdp.ShardedChain through which stages are called (FSDP2)."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
         self.option_executors = option_executors or [()] * len(stages)
@@ -184,6 +181,7 @@ class ChainRunner:
                         "autograd keeps) runs on a chain of callables"
                     )
         self.stages = list(stages)
+        self.sharded = sharded
         self.schedule = schedule
         #: How the caller used the output in the latest backward this runner executed (None before).
         self.observed_output_use: OutputUse | None = None
@@ -202,11 +200,18 @@ class ChainRunner:
         the latter case an identity node on the output records how the caller used it).
         """
         autocast = AutocastState.capture((x.device.type,))
-        if not torch.is_grad_enabled():
-            return run_plainly(self.stages, x, shared, autocast)
-        if self.schedule.keeps_everything:
-            return self._observed(run_plainly(self.stages, x, shared, autocast))
+        if not torch.is_grad_enabled() or self.schedule.keeps_everything:
+            for i in range(len(self.stages)):
+                with autocast.stage_scope():
+                    x = self.call_stage(i, x, shared)
+            return x if not torch.is_grad_enabled() else self._observed(x)
         return self.run_schedule(x, shared)
+
+    def call_stage(self, i: int, x: torch.Tensor, shared: tuple):
+        """Stage i on x: the stage itself, or through its FSDP2 module (``sharded``)."""
+        if self.sharded is not None:
+            return self.sharded.call(i, x, *shared)
+        return self.stages[i](x, *shared)
 
     def _observed(self, out):
         """``out`` through an identity autograd node whose backward records the OutputUse."""
@@ -298,8 +303,8 @@ class _Step:
             raise TypeError(f"unexpected op {op!r}")
 
     def _call(self, i: int, x: torch.Tensor):
-        stage = self.runner.stages[i]
-        return check_stage_output(i, stage, stage(x, *self.shared), i == len(self.runner.stages) - 1)
+        out = self.runner.call_stage(i, x, self.shared)
+        return check_stage_output(i, self.runner.stages[i], out, i == len(self.runner.stages) - 1)
 
     def _forward(self, i: int, run: Callable):
         """Run stage i's forward (``run()``) under the step's autocast setting; a replay gets the

@@ -130,6 +130,37 @@ class CudaPeakMeter:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
+class CpuAllocatorMeter:
+    """Peak bytes the CPU allocator handed out while active, above what it held at the start,
+    from ``torch.profiler``'s memory events.
+
+    It sees what the live-tensor tracker cannot: buffers inside compiled code (Dynamo does not
+    compile under a dispatch mode such as the tracker) and storages that are resized in place
+    (FSDP2 frees a gathered parameter by resizing its storage to 0 and all-gathers into it
+    again). It also counts kernels' internal scratch allocations, which the tracker leaves
+    out. ``peak_bytes`` is read after the block.
+    """
+
+    def __enter__(self) -> "CpuAllocatorMeter":
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        self.peak_bytes = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        profile, self._profile = self._profile, None
+        profile.__exit__(*exc)
+        changes = sorted(
+            (e.start_ns(), e.nbytes()) for e in profile.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        del profile  # the profiler's results are not kept past this point
+        live = 0
+        for _, nbytes in changes:
+            live += nbytes
+            self.peak_bytes = max(self.peak_bytes, live)
+
+
 def memory_meter(device: torch.device | str):
     """The meter the budget is checked with on ``device``: allocator stats on CUDA, the tracker elsewhere."""
     device = torch.device(device)
