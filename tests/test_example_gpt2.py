@@ -18,9 +18,12 @@ def _load():
     return module
 
 
-def test_finetune_three_steps_tiny_cpu(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_finetune_three_steps_tiny_cpu(tmp_path, dtype):
+    """--dtype bf16: autocast around the forward only, a fresh context each step (the standard recipe)."""
     report = _load().main(
-        ["--steps", "3", "--seq-len", "64", "--batch", "2", "--budget-fraction", "0.5", "--device", "cpu", "--out", str(tmp_path)]
+        ["--steps", "3", "--seq-len", "64", "--batch", "2", "--budget-fraction", "0.5", "--device", "cpu",
+         "--dtype", dtype, "--out", str(tmp_path)]
     )
     assert all(math.isfinite(loss) for loss in report["train_losses"]) and len(report["train_losses"]) == 3
     assert report["within_budget"] and report["measured_peak_bytes"] <= report["budget_bytes"]

@@ -99,8 +99,9 @@ def test_gpt2_bf16_autocast_bitwise_within_budget(recipe):
     _check(lambda: tiny_gpt2(n_layer=2), recipe, torch.bfloat16)
 
 
-def test_llama_held_in_bf16_bitwise_within_budget():
-    _check(tiny_llama, "fresh", None, fractions=(0.0, 0.5), model_dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_llama_held_in_low_precision_bitwise_within_budget(dtype):
+    _check(tiny_llama, "fresh", None, fractions=(0.0, 0.5), model_dtype=dtype)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
