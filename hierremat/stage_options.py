@@ -17,14 +17,14 @@ that option's node-time sum: the executor's own overhead, and kernels that are s
 the decomposed graph than in eager autograd, are then priced in, so the DP prefers
 autograd's option where the ILP's saves too little.
 
-Under autocast, joint graphs are traced under the caller's setting, so every cast autocast
-makes (weights included) is an explicit node of the graph, and options run with autocast
-off (hierremat.runtime.autocast).
+Under autocast, joint graphs are traced with the forward under the caller's setting, so
+every cast autocast makes (weights included) is an explicit node of the graph, and options
+run with autocast off (hierremat.runtime.autocast).
 
 Stages whose joint graph cannot be traced, that return several tensors (the model's
-last stage), whose output is one result of a multi-output operator (a lone dropout) or
-in which autocast casts one parameter more than once keep option 0 only; the reason is
-logged.
+last stage), whose output is one result of a multi-output operator (a lone dropout), in
+which autocast casts one parameter more than once, or whose backward autocast would
+change (check_autocast_exact) keep option 0 only; the reason is logged.
 """
 
 from __future__ import annotations

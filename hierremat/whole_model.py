@@ -125,7 +125,7 @@ class _Compiled:
             raise InfeasibleBudgetError(budget_bytes, outcome.min_budget_bytes + plan.shared_bytes + reserve) from None
         chain_plan = outcome
         log.info(
-            "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B for the root group",
+            "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B held beside the chain",
             type(model).__name__, max(gathered.per_stage, default=0), reserve,
         )
         planned.shard(sharded, chain_plan, agree=rank0s)
@@ -307,10 +307,15 @@ class RematModule(nn.Module):
         kwargs = call_kwargs(self.model, kwargs)
         key = _input_key(args, kwargs)
         compiled = self._compiled.get(key)
+        if is_sharded(self) and not is_sharded(self.model):
+            raise UnsupportedModelError(
+                "fully_shard was applied to the module hierremat.remat returned: apply it to the model passed to "
+                "remat (each block, then the model itself)"
+            )
         if compiled is not None and not compiled.sharded and is_sharded(self.model):
             compiled.shard(self.model, self.budget_bytes)
         if compiled is None:
-            if any(k[2:] == key[2:] for k in self._compiled):
+            if any(k[:1] + k[2:] == key[:1] + key[2:] for k in self._compiled):  # all but the autocast setting
                 log.info(
                     "%s called under autocast %r for the first time: planning for it",
                     type(self.model).__name__, AutocastState.capture(_device_types(args, kwargs)).describe(),
