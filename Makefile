@@ -25,7 +25,7 @@ test: setup
 
 # `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~25 min on 2 CPU cores, the small models ~15).
 # BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.
-# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality).
+# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality, torch.compile).
 BENCH_ARGS ?=
 
 bench: setup
@@ -38,6 +38,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_sequential.py
 	$(BIN)/python benchmarks/bench_plan.py
 	$(BIN)/python benchmarks/bench_quality.py
+	$(BIN)/python benchmarks/bench_compile.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

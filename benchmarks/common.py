@@ -88,25 +88,14 @@ def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
 
 
 def allocator_peak_bytes(step: Callable[[], None]) -> int:
-    """CPU: peak of the running sum of allocator allocations minus frees during ``step`` (torch.profiler)."""
-    from torch._C._profiler import _EventType
+    """CPU: peak of the running sum of allocator allocations minus frees during ``step``
+    (torch.profiler's memory events, hierremat.runtime.memory.CpuAllocatorMeter)."""
+    from hierremat.runtime.memory import CpuAllocatorMeter
 
     gc.collect()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with CpuAllocatorMeter() as meter:
         step()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation and "cpu" in str(e.extra_fields.device.type).lower():
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        stack.extend(e.children)
-    events.sort(key=lambda t: t[0])
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return int(peak)
+    return int(meter.peak_bytes)
 
 
 def timed_step(step: Callable[[], None], params: list, device: torch.device) -> float:
