@@ -116,6 +116,41 @@ def test_compiled_remat_model_trains_like_eager_hierremat_within_budget():
     assert len(reasons) == 2 and all("hierremat" in r and "torch.compiler.disable" in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_compiled_training_step_with_backward_inside_is_exact(autocast):
+    """``torch.compile`` of a whole training step, ``backward()`` included: Dynamo would compile
+    any frame the backward calls, hierremat's recomputations (and their dropout draws) too,
+    unless the runner's backward is left eager."""
+    from models import same_bits
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 48))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        # compiled code keeps the model's outputs alive through the backward: plan for it
+        module = hr.remat(model, (ids,), {"labels": ids}, budget="1.2MiB", output_held=True)
+    assert not module.plans[0].chain.schedule.keeps_everything  # recomputes (stages or within blocks)
+    eager_copy = copy.deepcopy(module)
+
+    def train_step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = m(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    def grads(m, step):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        torch.manual_seed(1)
+        loss = step(m)
+        return [loss] + [p.grad.clone() for p in m.parameters()]
+
+    expected = grads(eager_copy, train_step)
+    compiled = torch.compile(train_step, backend="aot_eager")
+    for _ in range(2):
+        assert all(same_bits(a, b) for a, b in zip(grads(module, compiled), expected))
+
+
 def test_checkpoint_sequential_in_a_compiled_function_is_one_graph_break():
     torch.manual_seed(5)
     chain = random_mlp_chain(5)

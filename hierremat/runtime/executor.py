@@ -33,6 +33,12 @@ from .autocast import AutocastState
 from .rng import RngState, cuda_devices_of
 
 
+#: For the runner's backward steps, which autograd calls from wherever ``backward()`` was called:
+#: inside a ``torch.compile``'d function Dynamo would otherwise compile them (and, with them,
+#: the recomputations and their random draws) like any frame called there.
+eager_only = torch.compiler.disable(reason="hierremat's chain backward runs its schedule eagerly")
+
+
 def stage_buffers(stage: Callable, names: Sequence[str]) -> list[torch.Tensor]:
     if not names:
         return []
@@ -136,6 +142,7 @@ class _GradTap(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @eager_only
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         ctx.sink.grad = grad
@@ -347,6 +354,7 @@ class _ObserveOutputUse(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @eager_only
     @once_differentiable
     def backward(ctx, *grads):
         ctx.runner.observed_output_use = ctx.output_watch.use(grads)
@@ -361,6 +369,7 @@ class _ChainFunction(torch.autograd.Function):
         return step.run_forward()
 
     @staticmethod
+    @eager_only
     @once_differentiable
     def backward(ctx, *grad_outputs: torch.Tensor):
         step, ctx.step = ctx.step, None
