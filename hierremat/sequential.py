@@ -91,9 +91,11 @@ def _fastest_fitting(costs, budget_bytes: int, reserve: list[int], reserved: Cal
         if candidate.predicted_peak_bytes + reserved(candidate) <= budget_bytes:
             return candidate
     schedule = min_peak_schedule(costs)
-    needed = schedule.predicted_peak_bytes + reserved(schedule)
-    if needed > budget_bytes:
-        raise InfeasibleBudgetError(budget_bytes, needed)
+    if schedule.predicted_peak_bytes + reserved(schedule) > budget_bytes:
+        # The budget reported works whatever schedule of least peak a later plan picks: which
+        # one (hence which stages hold a replay reserve) depends on measured times, and a plan
+        # at peak + every stage's reserve finds one through the DP at ``budget - sum(reserve)``.
+        raise InfeasibleBudgetError(budget_bytes, schedule.predicted_peak_bytes + sum(reserve))
     return schedule
 
 
