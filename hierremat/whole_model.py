@@ -26,7 +26,7 @@ from .model_plan import ModelPlan
 from .sequential_plan import SequentialPlan
 from .runtime.autocast import AutocastState
 from .runtime.executor import as_tuple
-from .runtime.fsdp import ShardedChain, is_sharded, reserve_bytes, with_gathered
+from .runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered
 from .runtime.profile import ChainProfile, profile_chain, storage_bytes
 from .runtime.stage_cost_cache import StageCostCache
 from .ilp.cache import OptionsCache, default_cache
@@ -307,13 +307,14 @@ class RematModule(nn.Module):
         kwargs = call_kwargs(self.model, kwargs)
         key = _input_key(args, kwargs)
         compiled = self._compiled.get(key)
-        if is_sharded(self) and not is_sharded(self.model):
-            raise UnsupportedModelError(
-                "fully_shard was applied to the module hierremat.remat returned: apply it to the model passed to "
-                "remat (each block, then the model itself)"
-            )
-        if compiled is not None and not compiled.sharded and is_sharded(self.model):
-            compiled.shard(self.model, self.budget_bytes)
+        if compiled is None or not compiled.sharded:  # has fully_shard been applied since the plan?
+            if is_fsdp_module(self):
+                raise UnsupportedModelError(
+                    "fully_shard was applied to the module hierremat.remat returned: apply it to the model passed to "
+                    "remat (each block, then the model itself)"
+                )
+            if compiled is not None and is_sharded(self.model):
+                compiled.shard(self.model, self.budget_bytes)
         if compiled is None:
             if any(k[:1] + k[2:] == key[:1] + key[2:] for k in self._compiled):  # all but the autocast setting
                 log.info(

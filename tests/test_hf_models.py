@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.runtime import CudaPeakMeter, LiveTensorTracker
+from hierremat.runtime import LiveTensorTracker, memory_meter
 
 from models import same_bits, tiny_bert, tiny_gpt2, tiny_llama, tiny_qwen2, tiny_vit
 
@@ -55,7 +55,7 @@ def _step(model, inputs, hold_outputs: bool, seed=3):
             p.grad = torch.zeros_like(p)
     torch.manual_seed(seed)
     device = next(iter(inputs.values())).device
-    with LiveTensorTracker() if device.type == "cpu" else CudaPeakMeter(device) as tracker:
+    with memory_meter(device) as tracker:
         outputs = model(**inputs)
         loss, cache = outputs.loss, getattr(outputs, "past_key_values", None)
         if not hold_outputs:

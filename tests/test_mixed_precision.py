@@ -19,15 +19,11 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.runtime import CudaPeakMeter, LiveTensorTracker
+from hierremat.runtime import LiveTensorTracker, memory_meter
 
 from models import random_mlp_chain, same_bits, tiny_gpt2, tiny_llama
 
 pytest.importorskip("transformers")
-
-
-def _meter(device: torch.device):
-    return LiveTensorTracker() if device.type == "cpu" else CudaPeakMeter(device)
 
 
 def _step(model, ids, recipe: str, dtype: torch.dtype | None):
@@ -36,7 +32,7 @@ def _step(model, ids, recipe: str, dtype: torch.dtype | None):
         p.grad = torch.zeros_like(p)
     torch.manual_seed(7)
     autocast = torch.autocast(ids.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-    with _meter(ids.device) as meter:
+    with memory_meter(ids.device) as meter:
         if recipe == "fresh":
             with autocast:
                 loss = model(ids, labels=ids, use_cache=False).loss

@@ -103,14 +103,10 @@ def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
     expand = node.args[0]
     if not isinstance(expand, fx.Node) or expand.target is not torch.ops.aten.expand.default:
         return None
-    source = expand.args[0]
-    while isinstance(source, fx.Node) and source.target is torch.ops.aten.slice.Tensor and _full_slice(source):
-        source = source.args[0]
+    source = _through_full_slices(expand.args[0])
     if not isinstance(source, fx.Node) or source.target is not torch.ops.aten.unsqueeze.default or source.args[1] != 2:
         return None
-    heads = source.args[0]
-    while isinstance(heads, fx.Node) and heads.target is torch.ops.aten.slice.Tensor and _full_slice(heads):
-        heads = heads.args[0]
+    heads = _through_full_slices(source.args[0])
     h, e, out = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (heads, expand, node))
     if not all(isinstance(t, torch.Tensor) for t in (h, e, out)) or h.dim() != 4 or e.dim() != 5:
         return None
@@ -121,10 +117,15 @@ def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
     return heads, n
 
 
-def _full_slice(node: fx.Node) -> bool:
-    """Whether a ``slice`` node takes its whole dimension (``x[:, :, None]`` traces to such slices)."""
-    source, out = node.args[0].meta.get("val"), node.meta.get("val")
-    return isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.shape == out.shape
+def _through_full_slices(node):
+    """``node`` with the ``slice`` nodes that take their whole dimension skipped (``x[:, :, None]``
+    traces to such slices)."""
+    while isinstance(node, fx.Node) and node.target is torch.ops.aten.slice.Tensor:
+        source, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.shape == out.shape):
+            break
+        node = node.args[0]
+    return node
 
 
 def _grouped_heads(query: fx.Node, key: fx.Node, value: fx.Node) -> tuple[fx.Node, fx.Node] | None:

@@ -60,16 +60,19 @@ class GraphStage(nn.Module):
         self.graph_module = graph_module
         self.shared_indices = shared_indices
         self.stage_name = name
+        self._parameter_targets: tuple[str, ...] | None = None
 
     def forward(self, x, *shared):
         return self.graph_module(x, *(shared[i] for i in self.shared_indices))
 
-    def parameter_targets(self) -> list[str]:
+    def parameter_targets(self) -> tuple[str, ...]:
         """The parameters the stage reads, by their names in the captured model (the user's model's names)."""
-        return [
-            node.target for node in self.graph_module.graph.find_nodes(op="get_attr")
-            if isinstance(operator.attrgetter(node.target)(self.graph_module), nn.Parameter)
-        ]
+        if self._parameter_targets is None:
+            self._parameter_targets = tuple(
+                node.target for node in self.graph_module.graph.find_nodes(op="get_attr")
+                if isinstance(operator.attrgetter(node.target)(self.graph_module), nn.Parameter)
+            )
+        return self._parameter_targets
 
     def bind(self, model: nn.Module) -> None:
         """Read every parameter from ``model`` again (after ``fully_shard`` replaced them, or while

@@ -44,6 +44,10 @@ DEVICE_TYPES = ("cpu", "cuda")
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
+def _types(device_types: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(DEVICE_TYPES + tuple(device_types)))
+
+
 @dataclass(frozen=True)
 class AutocastState:
     """Autocast settings per device type (type, enabled, lower-precision dtype) and the cache flag."""
@@ -54,17 +58,15 @@ class AutocastState:
     @classmethod
     def capture(cls, device_types: tuple[str, ...] = ()) -> "AutocastState":
         """The current thread's settings for DEVICE_TYPES and ``device_types``."""
-        types = tuple(dict.fromkeys(DEVICE_TYPES + tuple(device_types)))
         return cls(
-            tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types),
+            tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _types(device_types)),
             torch.is_autocast_cache_enabled(),
         )
 
     @classmethod
     def off(cls, device_types: tuple[str, ...] = ()) -> "AutocastState":
         """Autocast disabled on DEVICE_TYPES and ``device_types`` (for graphs whose casts are explicit)."""
-        types = tuple(dict.fromkeys(DEVICE_TYPES + tuple(device_types)))
-        return cls(tuple((t, False, torch.get_autocast_dtype(t)) for t in types))
+        return cls(tuple((t, False, torch.get_autocast_dtype(t)) for t in _types(device_types)))
 
     @property
     def enabled(self) -> bool:

@@ -58,9 +58,14 @@ except ImportError:  # pragma: no cover - torch built without distributed
     FSDPModule = None
 
 
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` itself."""
+    return FSDPModule is not None and isinstance(module, FSDPModule)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` or any of its submodules."""
-    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+    return any(is_fsdp_module(m) for m in model.modules())
 
 
 def _owner(model: nn.Module, target: str) -> nn.Module:
@@ -68,7 +73,7 @@ def _owner(model: nn.Module, target: str) -> nn.Module:
     parts = target.split(".")[:-1]
     for depth in range(len(parts), -1, -1):
         module = model.get_submodule(".".join(parts[:depth]))
-        if isinstance(module, FSDPModule):
+        if is_fsdp_module(module):
             return module
     raise UnsupportedModelError(
         f"parameter {target} belongs to no fully_shard'ed module: apply fully_shard to the model too "
@@ -82,11 +87,7 @@ def _group_bytes(module: nn.Module) -> int:
     state = module._get_fsdp_state()  # the mixed-precision policy's parameter dtype, if any
     policy = getattr(state, "_mp_policy", None)
     dtype = getattr(policy, "param_dtype", None)
-    return sum(
-        p.numel() * (torch.empty((), dtype=dtype or p.dtype).element_size())
-        for p in module.parameters()
-        if id(p) not in inner
-    )
+    return sum(p.numel() * (dtype or p.dtype).itemsize for p in module.parameters() if id(p) not in inner)
 
 
 @dataclass(frozen=True)
