@@ -5,7 +5,9 @@ Methods, all on the same model, batch and seed:
   - plain compiled: ``torch.compile(model)`` (Inductor), no checkpointing;
   - hierremat: ``hr.remat(model, budget=B)`` run eagerly;
   - hierremat compiled: ``torch.compile(hr.remat(model, budget=B))``: Dynamo compiles the code
-    around hierremat's two graph breaks (planning, the chain runner), the chain runs eagerly.
+    around hierremat's two graph breaks (planning, the chain runner), the chain runs eagerly;
+  - hierremat compile=True: ``hr.remat(model, budget=B, compile=True)``: block options also
+    offered compiled by Inductor, chosen with their measured compiled costs (hierremat.stage_compile).
 B is 0.6x plain's live-tensor peak. Reported per method: the median step time over
 interleaved rounds and its ratio to plain; the first call's seconds (compile and/or plan);
 the CPU allocator's peak (torch.profiler memory events: it sees compiled code's buffers,
@@ -67,6 +69,7 @@ def main() -> None:
         ("plain compiled", lambda: torch.compile(copy.deepcopy(model))),
         ("hierremat", lambda: hr.remat(copy.deepcopy(model), (ids,), {"labels": ids}, budget=f"{budget}B")),
         ("hierremat compiled", lambda: torch.compile(hr.remat(copy.deepcopy(model), (ids,), {"labels": ids}, budget=f"{budget}B"))),
+        ("hierremat compile=True", lambda: hr.remat(copy.deepcopy(model), (ids,), {"labels": ids}, budget=f"{budget}B", compile=True)),
     ):
         started = time.perf_counter()
         module = make()
@@ -106,9 +109,7 @@ def main() -> None:
         f"{args.seq}, fp32, CPU ({info['device_name']}, {info['torch_threads']} threads), budget {C.fmt(budget / C.MIB)} MiB (0.6x plain's live-tensor "
         f"peak), {args.rounds} interleaved rounds; hierremat {C.library_revision()}.\n\n{table}\n"
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
+    C.write_results(RESULTS, text)
 
 
 if __name__ == "__main__":

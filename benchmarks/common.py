@@ -242,6 +242,13 @@ def device_info(device: torch.device, threads: int) -> dict:
 # report helpers
 
 
+def write_results(path: Path, text: str) -> None:
+    """Write a benchmark's Markdown report to ``path`` (creating its folder) and print it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+
+
 def markdown_table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
     """A Markdown table; ``align``: one letter per column, 'l' or 'r' (default: first two left, rest right)."""
     align = align or ("ll" + "r" * (len(header) - 2))

@@ -42,8 +42,9 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         Defaults: per-block ILP options and operator variants (hierremat.variants);
   hierremat configurations  (HIERREMAT_CONFIGS) the same budgets without operator variants (variants=False),
                         Rotor on blocks (block_options="autograd", variants=False: autograd's options and the
-                        model's own operators) and the whole-graph ILP (segmentation="none", variants=False);
-                        reported "not available" where the API does not take their arguments.
+                        model's own operators), the whole-graph ILP (segmentation="none", variants=False) and
+                        block options compiled by Inductor (compile=True; peaks from the CPU allocator's events,
+                        as for torch.compile); reported "not available" where the API does not take their arguments.
 
 Metrics per row: peak bytes above the parameter baseline and its ratio to no checkpointing; the
 median step time over ``--rounds`` rounds (every method once per round, in a seeded shuffled order)
@@ -109,6 +110,8 @@ HIERREMAT_CONFIGS: list[tuple[str, dict]] = [
     # one ILP over everything before the head; without variants (with them its ILP is far slower to solve:
     # recomputable dropout outputs open every cone through the dropouts)
     ("hierremat, whole-graph ILP (no operator variants)", {"segmentation": "none", "variants": False}),
+    # block options also offered compiled by Inductor, chosen with their measured compiled costs
+    ("hierremat, compiled block options", {"compile": True}),
 ]
 # the whole-graph ILP grows with the model: run it on the small models only
 WHOLE_GRAPH_MODELS = ("mlp", "resnet", "gpt2-tiny")
@@ -596,6 +599,9 @@ class Bench:
                 self.skip(method, "segmentation='none'", family, "small models only (the whole-graph ILP grows with "
                           f"the model; run on {', '.join(WHOLE_GRAPH_MODELS)})")
                 continue
+            if extra.get("compile") and self.args.quick:
+                self.skip(method, "compile=True", family, "--quick: not compiled (Inductor takes tens of seconds)")
+                continue
             if missing:
                 self.skip(method, ", ".join(f"{k}={v!r}" for k, v in extra.items()), family,
                           f"not yet available: hierremat.{api.__name__} has no {'/'.join(missing)}= argument")
@@ -621,8 +627,9 @@ class Bench:
                 except Exception as err:
                     self.skip(method, setting, family, f"{type(err).__name__}: {err}", "failed", budget_bytes=b)
                     continue
+                # compiled code allocates outside the tracker's view: measured with the CPU allocator's events
                 row = self.prepare(Row(wl.name, method, setting, family, budget_bytes=b, step=step,
-                                       params=self.params, plan=plan))
+                                       params=self.params, plan=plan, compiled=bool(extra.get("compile"))))
                 if row.status == "ok":
                     row.within_budget = row.peak_bytes <= b
                 elif isinstance(row.error, InfeasibleBudgetError) and not retried:

@@ -28,6 +28,9 @@ class ModelPlan:
     sharded_reserve_bytes: under FSDP2, what it holds beside the chain's schedule (the root
         module's gathered parameters and gradients, a group prefetched for its backward,
         reduce-scatter buffers); predicted_peak_bytes includes it (hierremat.runtime.fsdp).
+    compiled: block options run compiled by Inductor, at costs measured so (hierremat.stage_compile).
+    compile_seconds: of planning, the seconds spent compiling block options (or loading them
+        from Inductor's cache).
     """
 
     chain: SequentialPlan
@@ -41,6 +44,8 @@ class ModelPlan:
     variants: bool = True
     gathered_stage_bytes: tuple[int, ...] = ()
     sharded_reserve_bytes: int = 0
+    compiled: bool = False
+    compile_seconds: float = 0.0
 
     @property
     def budget_bytes(self) -> int:
@@ -66,7 +71,8 @@ class ModelPlan:
         lines = [
             f"hierremat model plan: {len(self.stages)} stages ({unique} distinct), budget {format_bytes(self.budget_bytes)}"
             + (", segmentation='none' (one ILP over everything before the output stage)" if self.segmentation == "none" else "")
-            + ("" if self.variants else ", operator variants off"),
+            + ("" if self.variants else ", operator variants off")
+            + (", block options compiled" if self.compiled else ""),
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
             f" + shared inputs {format_bytes(self.shared_bytes)})",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
@@ -79,7 +85,8 @@ class ModelPlan:
             ),
             f"  planning: capture {self.capture_seconds:.2f} s, profile {c.profile_seconds:.2f} s, block options "
             f"{self.options_seconds:.2f} s ({len(self.menus)} menus, {self.options_solves} ILP solves), "
-            f"chain DP {c.solve_seconds:.3f} s",
+            f"chain DP {c.solve_seconds:.3f} s"
+            + (f", compiling block options {self.compile_seconds:.1f} s" if self.compiled else ""),
             "",
             f"  {'stage':>5}  {'module':<28} {'signature':<16} {'nodes':>5} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
         ]
@@ -109,6 +116,8 @@ class ModelPlan:
                 "variants": self.variants,
                 "gathered_stage_bytes": list(self.gathered_stage_bytes),
                 "sharded_reserve_bytes": self.sharded_reserve_bytes,
+                "compiled": self.compiled,
+                "compile_seconds": self.compile_seconds,
             }
         )
 
@@ -129,4 +138,6 @@ class ModelPlan:
             variants=bool(d.get("variants", True)),
             gathered_stage_bytes=tuple(int(b) for b in d.get("gathered_stage_bytes", ())),
             sharded_reserve_bytes=int(d.get("sharded_reserve_bytes", 0)),
+            compiled=bool(d.get("compiled", False)),
+            compile_seconds=float(d.get("compile_seconds", 0.0)),
         )

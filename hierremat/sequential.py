@@ -14,6 +14,7 @@ from .dp import min_peak_schedule, solve_chain
 from .dp.baselines import keep_all_schedule, uniform_segments_schedule
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError
+from .ilp.cache import default_cache
 from .sequential_plan import SequentialPlan
 from .runtime.autocast import AutocastState
 from .runtime.executor import ChainRunner, OutputUse, run_plainly, stage_buffers
@@ -271,7 +272,7 @@ class PlannedChain:
 
 def plan_sequential(
     functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal",
-    output_held: bool | None = True, block_options: str = "ilp", variants: bool = True,
+    output_held: bool | None = True, block_options: str = "ilp", variants: bool = True, compile: bool | str = "auto",
 ) -> SequentialPlan:
     """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
 
@@ -287,20 +288,26 @@ def plan_sequential(
     variants: whether the block options may use hierremat's operator variants (packed
     dropout masks, recomputable dropout outputs; hierremat.variants). They compute
     bitwise what the operators compute.
+    compile: whether block options run compiled by Inductor: True, False or "auto" (True
+    on CUDA); see hierremat.plan.
     """
     stages = as_stages(functions)
     _check_input(input)
     return _plan(
         stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held,
-        block_options=block_options, variants=variants,
+        block_options=block_options, variants=variants, compile=compile,
     ).plan
 
 
 def _plan(
     stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3,
     strategy: str = "optimal", output_held: bool | None = True, block_options: str = "ilp", variants: bool = True,
+    compile: bool | str = "auto",
 ) -> PlannedChain:
     check_block_options(block_options)
+    from .stage_compile import plan_compiled, resolve_compile  # torch-side planning, loaded when used
+
+    compiled = resolve_compile(compile, input.device)
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
     profile_seconds = time.perf_counter() - started
@@ -309,11 +316,18 @@ def _plan(
         from .stage_options import build_menus  # torch-side planning, loaded when used
 
         menus = build_menus(stages, input, (), None, variants=variants)
-        profile = menus.extend(profile)
-    plan = plan_from_profile(
-        stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=profile_seconds,
-        strategy=strategy, output_held=output_held,
-    )
+
+    def solve(profile):
+        return plan_from_profile(
+            stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=profile_seconds,
+            strategy=strategy, output_held=output_held,
+        )
+
+    if menus is not None and compiled:
+        cache = default_cache()
+        plan = plan_compiled(menus, profile, solve, stages, input, (), cache.directory / "inductor" if cache.enabled else None)
+    else:
+        plan = solve(menus.extend(profile) if menus is not None else profile)
     return PlannedChain(stages, plan, slots=slots, strategy=strategy, menus=menus)
 
 
@@ -323,7 +337,8 @@ def _check_input(input) -> None:
 
 
 class PlanCache:
-    """Plans per (stages, input shape/dtype/device, autocast setting, budget, slots, block options, variants);
+    """Plans per (stages, input shape/dtype/device, autocast setting, budget, slots, block options, variants,
+    compile);
     ``hits``/``misses`` count lookups."""
 
     def __init__(self):
@@ -338,7 +353,7 @@ class PlanCache:
     @staticmethod
     def key(
         stages: Sequence[Callable], input: torch.Tensor, budget_bytes: int, slots: int, block_options: str = "ilp",
-        variants: bool = True,
+        variants: bool = True, compile: bool | str = "auto",
     ) -> tuple:
         modes = tuple(getattr(s, "training", None) for s in stages)
         trainable = tuple(
@@ -347,7 +362,7 @@ class PlanCache:
         return (
             tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
             input.requires_grad, AutocastState.capture((input.device.type,)).key(), budget_bytes, slots, block_options,
-            variants,
+            variants, compile,
         )
 
     def get(self, key: tuple):
@@ -376,6 +391,7 @@ def checkpoint_sequential(
     output_held: bool | None = True,
     block_options: str = "ilp",
     variants: bool = True,
+    compile: bool | str = "auto",
     **kwargs,
 ) -> torch.Tensor:
     """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with a budget instead of segments.
@@ -390,7 +406,7 @@ def checkpoint_sequential(
     (as in ``y = checkpoint_sequential(...); loss_fn(y).backward()``); see plan_sequential.
     Every backward checks how the output was used, and a different use re-plans the
     next call (releasing it early gives a faster plan; holding it when the plan assumed
-    otherwise logs a warning). block_options, variants: see plan_sequential.
+    otherwise logs a warning). block_options, variants, compile: see plan_sequential.
 
     ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
     RNG state is always preserved. Inside a ``torch.compile``'d function the call is a
@@ -407,12 +423,12 @@ def checkpoint_sequential(
     )
     if not torch.is_grad_enabled() or not needs_grad:
         return run_plainly(stages, input)  # nothing to plan for
-    key = PlanCache.key(stages, input, budget_bytes, slots, block_options, variants)
+    key = PlanCache.key(stages, input, budget_bytes, slots, block_options, variants, compile)
     entry = plan_cache.get(key)
     if entry is None:
         entry = _plan(
             stages, budget_bytes, input, slots=slots, output_held=output_held, block_options=block_options,
-            variants=variants,
+            variants=variants, compile=compile,
         )
         log.debug("%s", entry.plan.summary())
         plan_cache.put(key, entry)

@@ -46,7 +46,8 @@ from .ilp.cache import CacheKey, OptionsCache, default_cache
 from .ilp.options import BlockOption, solve_menu
 from .ilp.solve import solve_count
 from .runtime.autocast import AutocastState
-from .runtime.block_exec import OptionExecutor
+from .runtime.block_exec import GeneratedOption, OptionExecutor
+from .runtime.option_codegen import StageBinding
 from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
 from .runtime.stage_cost_cache import StageCostCache, device_name
 from .variants.dropout import pack_dropout_masks
@@ -58,7 +59,7 @@ COST_MODEL_VERSION = "nodes-2"
 #: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
 TIE_MARGIN = 1e-6
 #: Bump when the ILP formulation changes (invalidates cached menus).
-FORMULATION_VERSION = "staged-3"
+FORMULATION_VERSION = "staged-4"
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class ChainMenus:
 
     menus: signature -> StageMenu; executors[i][k]: runs option k of stage i (index 0 is
     None: option 0 is the stage under autograd); solves: ILP solves done (0 on a cache hit).
+    compiled: (signature, option name) -> (its hierremat.runtime.compiled_option.CompiledProgram,
+    its CompiledCosts or None when loaded for a saved plan); filled by hierremat.stage_compile.
+    compile: whether each stage also offers every menu option compiled (hierremat.stage_compile):
+    then options 1..n of a stage with an n-option menu run as generated eager code, and
+    options n+1..2n are the same options compiled.
     """
 
     menus: dict[str, StageMenu]
@@ -100,25 +106,65 @@ class ChainMenus:
     seconds: float = 0.0
     #: signature -> measured seconds of executing an option per second of its node-time sum
     scales: dict = field(default_factory=dict)
+    compiled: dict = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    compile: bool = False
+
+    def menu_size(self, stage: int) -> int:
+        """n: the number of options of stage ``stage``'s menu (0 without one)."""
+        menu = self.menus.get(self.signatures[stage])
+        return len(menu.options) if menu is not None and len(self.executors[stage]) > 1 else 0
+
+    def option(self, stage: int, k: int) -> BlockOption:
+        """The menu option that option k >= 1 of stage ``stage`` runs (eager or compiled)."""
+        n = self.menu_size(stage)
+        return self.menus[self.signatures[stage]].options[(k - 1) % n]
+
+    def is_compiled_index(self, stage: int, k: int) -> bool:
+        return k > self.menu_size(stage)
+
+    def compiled_scale(self, signature: str) -> float | None:
+        """Measured seconds of the signature's compiled options per second of their node-time sums
+        (the largest ratio of those measured), or None when none is compiled."""
+        ratios = [
+            (costs.fwd_time + costs.bwd_time) / program.option.total_time
+            for (sig, _), (program, costs) in self.compiled.items()
+            if sig == signature and costs is not None and program.option.total_time > 0
+        ]
+        return max(ratios) if ratios else None
 
     def extend(self, profile: ChainProfile) -> ChainProfile:
-        """The profile with each stage's menu options appended after option 0, times calibrated."""
+        """The profile with each stage's menu options appended after option 0, times calibrated;
+        with ``compile``, followed by the same options compiled.
+
+        A compiled option has the costs measured on its compiled form; one not compiled yet is
+        priced at the ILP's memory and the speed its signature's compiled options showed
+        (hierremat.stage_compile compiles it if the plan then picks it, and plans again)."""
         stages = []
-        for stage_costs, signature, executors in zip(profile.costs.stages, self.signatures, self.executors):
-            menu = self.menus.get(signature)
-            if menu is None or len(executors) <= 1:  # no menu, or none runnable here (the last stage)
+        for i, (stage_costs, signature) in enumerate(zip(profile.costs.stages, self.signatures)):
+            n = self.menu_size(i)
+            if n == 0:  # no menu, or none runnable here (the last stage)
                 stages.append(stage_costs)
                 continue
+            menu = self.menus[signature]
             base = stage_costs.options[0]
-            node_total = sum(n.time for n in menu.graph.nodes)
+            node_total = sum(nd.time for nd in menu.graph.nodes)
             # the executor runs the same kernels as autograd plus its own overhead: never price it
             # faster than autograd (a measurement of a sub-millisecond stage can say otherwise), and
             # a hair slower, so that an option that keeps what autograd keeps never wins a tie
             # against option 0 through rounding (option 0 runs as plain autograd)
             as_autograd = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
             scale = max(self.scales.get(signature, as_autograd), as_autograd * (1 + TIE_MARGIN))
-            extra = tuple(_scaled(o.to_option_costs(), scale) for o in menu.options)
-            stages.append(replace(stage_costs, options=(base,) + extra))
+            extra = [_scaled(o.to_option_costs(), scale) for o in menu.options]
+            compiled_scale = self.compiled_scale(signature)
+            if self.compile and compiled_scale is not None:
+                for o in menu.options:
+                    entry = self.compiled.get((signature, o.name))
+                    if entry is not None and entry[1] is not None:
+                        extra.append(entry[1].to_option_costs(o))
+                    else:
+                        extra.append(replace(_scaled(o.to_option_costs(), compiled_scale), name=f"{o.name}+compiled?"))
+            stages.append(replace(stage_costs, options=(base, *extra)))
         return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
 
 
@@ -241,6 +287,7 @@ def build_menus(
     menus: dict[str, StageMenu] = {}
     joints: dict[str, JointGraph] = {}
     executors: list[list] = [[None] for _ in range(L)]
+    generated: dict[str, list[GeneratedOption]] = {}  # one program per (signature, option), made when first run
     scales: dict[str, float] = {}
     solves_before = solve_count()
     autocast = AutocastState.capture((x0.device.type,))
@@ -274,7 +321,12 @@ def build_menus(
         if joint is None or menu is None:
             continue
         bound = rebind(joint, stage)
-        executors[i] = [None] + [OptionExecutor(bound, option) for option in menu.options]
+        if signature not in generated:
+            generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
+        binding = StageBinding(bound)
+        executors[i] = [None] + [
+            OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])
+        ]
         if signature not in scales:
             scales[signature] = cost_cache.get_scale(graph_key, xs[i])
             if scales[signature] is None:

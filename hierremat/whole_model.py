@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import fx, nn
@@ -31,6 +32,7 @@ from .runtime.profile import ChainProfile, profile_chain, storage_bytes
 from .runtime.stage_cost_cache import StageCostCache
 from .ilp.cache import OptionsCache, default_cache
 from .sequential import PlannedChain, check_block_options, plan_from_profile
+from .stage_compile import compile_options, offer_compiled, options_used, plan_compiled, resolve_compile
 from .stage_options import StageMenu, build_menus
 
 log = logging.getLogger(__name__)
@@ -165,15 +167,22 @@ class PlanSettings:
     cache: bool | str = True
     segmentation: str = "blocks"
     variants: bool = True
+    compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
         check_block_options(self.block_options)
         check_segmentation(self.segmentation)
+        resolve_compile(self.compile, torch.device("cpu"))  # checks the value
 
     def options_cache(self) -> OptionsCache:
         if isinstance(self.cache, str):
             return default_cache(self.cache)
         return default_cache(enabled=bool(self.cache))
+
+    def inductor_cache(self) -> Path | None:
+        """Where compiled block options are cached (Inductor's caches): under the options cache."""
+        cache = self.options_cache()
+        return cache.directory / "inductor" if cache.enabled else None
 
 
 def _compile(
@@ -209,19 +218,27 @@ def _compile(
             menus = build_menus(
                 chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants
             )
-            profile = menus.extend(profile)
-        try:
-            chain_plan = plan_from_profile(
+
+        def solve(profile):
+            return plan_from_profile(
                 chain.stages, profile, budget_bytes - shared_bytes, x0.device, slots=settings.slots,
                 profile_seconds=profile_seconds, strategy=settings.strategy, output_held=settings.output_held,
             )
+
+        compiled = menus is not None and resolve_compile(settings.compile, x0.device)
+        try:
+            if compiled:
+                chain_plan = plan_compiled(menus, profile, solve, chain.stages, x0, shared, settings.inductor_cache())
+            else:
+                chain_plan = solve(menus.extend(profile) if menus is not None else profile)
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + shared_bytes) from None
         plan = ModelPlan(
             chain_plan, tuple(chain.infos), shared_bytes, capture_seconds,
             menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
             options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
-            segmentation=settings.segmentation, variants=settings.variants,
+            segmentation=settings.segmentation, variants=settings.variants, compiled=compiled,
+            compile_seconds=menus.compile_seconds if menus else 0.0,
         )
         log.info(
             "planned %s: %d stages, predicted peak %d B, step %.1f ms", type(model).__name__, len(plan.stages),
@@ -242,6 +259,12 @@ def _compile(
         if plan.menus:
             stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
             menus = build_menus(chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants)
+            if plan.compiled:  # its costs are those of compiled options: run them so
+                offer_compiled(menus)
+                compile_options(
+                    menus, options_used(plan.chain.schedule), chain.stages, x0, shared, settings.inductor_cache(),
+                    measure=False,
+                )
     planned = PlannedChain(
         chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus
     )
@@ -347,6 +370,7 @@ def plan(
     cache: bool | str = True,
     segmentation: str = "blocks",
     variants: bool = True,
+    compile: bool | str = "auto",
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -370,9 +394,15 @@ def plan(
     None (default): assume held unless only a plan assuming release fits; the module
     checks on every backward and re-plans if the caller does otherwise. Of several
     outputs, only scalar losses are expected to receive gradients (also checked).
+    compile: whether block options run compiled by Inductor (hierremat.stage_compile): True,
+    False, or "auto" (default: True on CUDA, False on CPU). Compiled options are chosen with
+    costs measured on their compiled form; the options the plan uses are compiled while
+    planning (cached on disk by Inductor under ``cache``), and ``summary()`` shows the time
+    that took. Gradients then agree with eager ones to within the rounding of fused
+    arithmetic, as with ``torch.compile``; dropout stays bitwise.
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants)
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants, compile)
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
     return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
 
@@ -392,11 +422,13 @@ def remat(
     cache: bool | str = True,
     segmentation: str | None = None,
     variants: bool | None = None,
+    compile: bool | str | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy, output_held, block_options, cache, segmentation, variants: as for hierremat.plan
-    (segmentation and variants default to ``plan``'s, else 'blocks' and True).
+    strategy, output_held, block_options, cache, segmentation, variants, compile: as for
+    hierremat.plan (segmentation, variants and compile default to ``plan``'s, else 'blocks',
+    True and "auto").
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -406,7 +438,9 @@ def remat(
         segmentation = plan.segmentation if plan is not None else "blocks"
     if variants is None:
         variants = plan.variants if plan is not None else True
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants)
+    if compile is None:
+        compile = plan.compiled if plan is not None else "auto"
+    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants, compile)
     module = RematModule(model, budget_bytes, on_new_shape, settings)
     module._add(args, example_kwargs or {}, plan)
     return module

@@ -100,3 +100,58 @@ def test_cuda_whole_gpt2_with_ilp_options(tmp_path):
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert peak <= budget + 512 * 64  # the allocator rounds blocks up to 512 bytes
+
+
+def _dropout_chain(width: int = 256) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Dropout(0.1)) for _ in range(6)
+    ])
+
+
+def _tight_budget(model, x) -> str:
+    """A budget between the smallest feasible and plain autograd's peak: stages are recomputed."""
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    lo = err.value.min_budget_bytes
+    return f"{lo + lo // 4}B"
+
+
+def test_cuda_step_does_not_synchronize_the_host():
+    """Recomputations, replays (RNG states) and block options run without a host synchronization:
+    with CUDA's sync debug mode set to error, any synchronizing call in a planned step raises."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = _dropout_chain().to(device)
+    x = torch.randn(512, 256, device=device, requires_grad=True)
+    budget = _tight_budget(model, x)
+    hr.checkpoint_sequential(model, budget, x).sum().backward()  # plans (planning synchronizes)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hr.checkpoint_sequential(model, budget, x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    entry = list(hr.plan_cache._plans.values())[-1]
+    assert max(entry.plan.schedule.forward_counts()) > 1, entry.plan.summary()
+
+
+def test_cuda_stages_run_on_the_callers_stream():
+    """A step on a side stream gives the gradients of the same step on the default stream."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = _dropout_chain().to(device)
+    x = torch.randn(512, 256, device=device)
+    budget = _tight_budget(model, x.clone().requires_grad_())
+    results = []
+    for stream in (torch.cuda.current_stream(device), torch.cuda.Stream(device)):
+        for p in model.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(stream):
+            torch.manual_seed(1)
+            hr.checkpoint_sequential(model, budget, xi).square().sum().backward()
+        stream.synchronize()
+        results.append([xi.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..block_graph import BlockGraph
 from ..costs import OptionCosts
-from .formulation import Decisions, Evaluation, Structure, evaluate, op_lists
+from .formulation import COMPUTE, Decisions, Evaluation, Structure, evaluate, op_lists
 from .solve import BlockIlp, solve_count
 
 log = logging.getLogger("hierremat.ilp")
@@ -179,10 +179,10 @@ def make_option(st: Structure, d: Decisions, name: str, optimal: bool, ev: Evalu
         raise ValueError(f"option {name}: {ev.why}")
     graph = st.cg.graph
     fwd_ops, bwd_ops = op_lists(st, d)
-    return BlockOption(
+    option = BlockOption(
         name=name,
-        fwd_ops=fwd_ops,
-        bwd_ops=bwd_ops,
+        fwd_ops=free_at_last_use(graph, fwd_ops),
+        bwd_ops=free_at_last_use(graph, bwd_ops),
         fwd_time=float(ev.fwd_time),
         bwd_time=float(ev.bwd_time),
         kept_bytes=int(ev.kept_bytes),
@@ -194,6 +194,37 @@ def make_option(st: Structure, d: Decisions, name: str, optimal: bool, ev: Evalu
         input_grad_bytes=graph.input_bytes if graph.input_grad_name else 0,
         **budgets,
     )
+    # the earlier frees can only lower the ILP's peaks: the option states what it really uses
+    simulated = simulate_option(graph, option)
+    if simulated.fwd_peak_bytes > option.fwd_peak_bytes or simulated.bwd_peak_bytes > option.bwd_peak_bytes:
+        raise AssertionError(f"option {name}: freeing at last use raised a peak")  # pragma: no cover
+    return replace(option, fwd_peak_bytes=simulated.fwd_peak_bytes, bwd_peak_bytes=simulated.bwd_peak_bytes)
+
+
+def free_at_last_use(graph: BlockGraph, ops: tuple) -> tuple:
+    """``ops`` with every free moved up to just after the last op before it that computes or
+    reads the freed name (to the front if none does).
+
+    The staged formulation frees values at stage boundaries; the runtime's generated code
+    (hierremat.runtime.option_codegen) drops each value at its last use, so the op lists say
+    the same. Only frees move: what is computed, and what is alive at the end, are unchanged.
+    """
+    inputs = {n.name: n.inputs for n in graph.nodes}
+    anchors: dict[int, list] = {}
+    last_touch: dict[str, int] = {}
+    for i, (kind, name) in enumerate(ops):
+        if kind == COMPUTE:
+            last_touch[name] = i
+            for arg in inputs.get(name, ()):
+                last_touch[arg] = i
+        else:
+            anchors.setdefault(last_touch.get(name, -1), []).append((kind, name))
+    out = list(anchors.get(-1, ()))
+    for i, op in enumerate(ops):
+        if op[0] == COMPUTE:
+            out.append(op)
+            out += anchors.get(i, ())
+    return tuple(out)
 
 
 def keep_all_decisions(st: Structure) -> Decisions:
@@ -387,6 +418,9 @@ def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
 
     def run(ops, live: set, phase: str):
         mem = storage_bytes(live)
+        names_of: dict[str, int] = {}  # storage -> how many live names hold it
+        for nm in live:
+            names_of[root[nm]] = names_of.get(root[nm], 0) + 1
         entry, peak, clock = mem, mem, 0.0
         for i, (kind, nm) in enumerate(ops):
             if kind == "compute":
@@ -398,16 +432,18 @@ def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
                     raise ValueError(f"{phase} op {i}: {nm} reads {missing}, not in memory")
                 if nm in live:
                     raise ValueError(f"{phase} op {i}: {nm} is already in memory")
-                new = 0 if any(root[o] == root[nm] for o in live) else size[root[nm]]
+                new = 0 if names_of.get(root[nm], 0) else size[root[nm]]
                 peak = max(peak, mem + new + n.workspace_bytes)
                 live.add(nm)
+                names_of[root[nm]] = names_of.get(root[nm], 0) + 1
                 mem += new
                 clock += n.time
             elif kind == "free":
                 if nm not in live:
                     raise ValueError(f"{phase} op {i}: frees {nm!r}, which is not in memory")
                 live.discard(nm)
-                if not any(root[o] == root[nm] for o in live):
+                names_of[root[nm]] -= 1
+                if not names_of[root[nm]]:
                     mem -= size[root[nm]]
             else:
                 raise ValueError(f"{phase} op {i}: unknown kind {kind!r}")

@@ -1,0 +1,314 @@
+"""Generated code for block options: an option's op lists as straight-line Python functions.
+
+A :class:`hierremat.ilp.options.BlockOption` says, for a stage's joint ATen graph
+(hierremat.blocks.joint), which nodes the forward and the backward compute, in which
+order, and when each value is freed. :func:`generate_option` turns each phase into a new
+fx graph whose nodes are those computations in that order (a node the backward
+recomputes is a node of the backward graph), and lets fx generate its Python source:
+one line per ATen call, no interpreter loop, no environment dict. A value is dropped
+(``name = None``) right after its last use in the phase, which is never later than the
+option frees it (the ILP cannot read a value after freeing it without recomputing it,
+and a recomputation is a node of its own), so the memory in use is at most what the
+ILP modelled, and equal when the ILP frees at last use, as an optimal schedule does.
+
+Functions take their inputs boxed (fx's ``_BoxedCodeGen``: one list, cleared once
+unpacked), so that an input, the option's kept values included, is freed at its last
+use too rather than held by the caller until the call returns.
+
+What the generated code does besides the graph's ATen calls, as the ILP models it:
+
+* a multi-output op (``native_layer_norm``, ``native_dropout``, ...) is unpacked into its
+  read elements at once, so an element no ``getitem`` reads dies with the op's call
+  (its workspace) and every other lives as long as its readers;
+* the forward copies buffer updates (BatchNorm running statistics) into the stage's
+  buffers when computed, never the backward's recomputations;
+* the backward hands each parameter gradient to ``accumulate`` as soon as it is computed
+  (so it is freed then, and gradient hooks fire as in plain training), and returns the
+  input gradient.
+
+Without ``accumulate`` the graphs are pure, for a compiler (hierremat.runtime.compiled_option):
+positional inputs, buffer updates returned after the kept values, parameter gradients
+returned after the input gradient.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import fx
+from torch.fx.graph import _BoxedCodeGen
+
+from ..blocks.joint import JointGraph
+from ..ilp.formulation import COMPUTE
+from ..ilp.options import BlockOption
+
+#: Where a generated function's input comes from: ("param", placeholder), ("buffer",
+#: placeholder), ("x", ""), ("shared", index), ("dy", ""), ("y", "") or ("kept", slot index).
+#: Parameters and buffers are named by their placeholder in the joint graph, so that one
+#: program runs on every stage of a signature (StageBinding resolves them per stage).
+InputSource = tuple[str, object]
+
+
+@dataclass(frozen=True)
+class OptionProgram:
+    """The generated forward and backward of one option on one joint graph.
+
+    forward(args) returns ``(y, *kept)``: args as ``forward_inputs`` lists them; kept in
+        the order of ``kept_slots``. Pure: ``forward(*args)`` returns ``(y, *kept, *updates)``,
+        the new value of each buffer of ``buffer_updates``.
+    backward(args) returns the input gradient (None when the graph has none) after
+        accumulating every parameter gradient: args as ``backward_inputs`` lists them.
+        Pure: ``backward(*args)`` returns ``(dx, *grads)``, the gradient of each parameter of
+        ``param_grads``.
+    kept_slots: (node name, element index or None) of each kept value: an element index
+        for an element of a multi-output op kept whole.
+    forward_module, backward_module: the fx GraphModules whose code they are.
+    """
+
+    forward: Callable
+    backward: Callable
+    forward_inputs: tuple[InputSource, ...]
+    backward_inputs: tuple[InputSource, ...]
+    kept_slots: tuple[tuple[str, int | None], ...]
+    forward_module: fx.GraphModule
+    backward_module: fx.GraphModule
+    #: placeholders of the buffers the pure forward returns new values of, in order
+    buffer_updates: tuple[str, ...] = ()
+    #: placeholders of the parameters the pure backward returns gradients of, in order
+    param_grads: tuple[str, ...] = ()
+
+
+class StageBinding:
+    """One stage's parameters and buffers by joint-graph placeholder: builds a program's inputs."""
+
+    def __init__(self, joint: JointGraph):
+        params = dict(joint.stage.named_parameters(remove_duplicate=False))
+        buffers = dict(joint.stage.named_buffers(remove_duplicate=False))
+        self.params = {name: params[target] for name, target in joint.param_inputs.items()}
+        self.buffers = {name: buffers[target] for name, target in joint.buffer_inputs.items()}
+
+    def args(self, sources: tuple[InputSource, ...], x, shared: tuple, dy=None, tape=None) -> list:
+        """The input list for ``sources``; tape: the forward's (kept values, x and y if pinned)."""
+        args = []
+        for kind, key in sources:
+            if kind == "param":
+                args.append(self.params[key])  # (programs run without grad)
+            elif kind == "buffer":
+                args.append(self.buffers[key])
+            elif kind == "x":
+                args.append(x)
+            elif kind == "shared":
+                args.append(shared[key])
+            elif kind == "dy":
+                args.append(dy)
+            elif kind == "y":
+                args.append(tape.y)
+            else:  # "kept"
+                args.append(tape.kept[key])
+        return args
+
+
+class _Elements:
+    """The read elements of a multi-output op: element index -> the node holding it."""
+
+    def __init__(self, elements: dict[int, fx.Node]):
+        self.elements = elements
+
+
+class _PhaseBuilder:
+    """Builds one phase's fx graph: placeholders on first read, nodes in op-list order."""
+
+    def __init__(self, joint: JointGraph, sources: dict[str, InputSource], boxed: bool):
+        self.joint = joint
+        self.nodes = {n.name: n for n in joint.module.graph.nodes}
+        self.graph = fx.Graph()
+        if boxed:
+            self.graph.set_codegen(_BoxedCodeGen())
+        self.sources = dict(sources)  # original placeholder or kept name -> where it comes from
+        self.inputs: list[InputSource] = []
+        self.env: dict[str, fx.Node | _Elements] = {}
+        self.first_compute: fx.Node | None = None
+        self.read_elements = _read_elements(joint.module.graph)
+
+    def input(self, name: str, source: InputSource) -> fx.Node:
+        """A placeholder for ``source``, placed before every computation (fx's argument order)."""
+        if self.first_compute is None:
+            node = self.graph.placeholder(_safe(name))
+        else:
+            with self.graph.inserting_before(self.first_compute):
+                node = self.graph.placeholder(_safe(name))
+        self.inputs.append(source)
+        return node
+
+    def read(self, name: str):
+        if name not in self.env:
+            source = self.sources.pop(name, None)
+            if source is None:
+                raise ValueError(f"the option reads {name!r} before computing it (or after freeing it)")
+            self.env[name] = self.input(name, source)
+        return self.env[name]
+
+    def _added(self, node: fx.Node) -> fx.Node:
+        if self.first_compute is None:
+            self.first_compute = node
+        return node
+
+    def compute(self, name: str) -> fx.Node | _Elements:
+        node = self.nodes[name]
+        base = node.args[0] if node.target is operator.getitem else None
+        if isinstance(base, fx.Node) and isinstance(self.read(base.name), _Elements):
+            value = self.env[base.name].elements.get(node.args[1])
+            if value is None:
+                raise ValueError(f"{name} reads an element of {base.name} that no getitem of the graph reads")
+        else:
+            value = self._added(self.graph.node_copy(node, lambda n: self.read(n.name)))
+            used = self.read_elements.get(name)
+            if used is not None:  # unpack now: unread elements die with the call
+                value = _Elements({i: self.graph.call_function(operator.getitem, (value, i)) for i in sorted(used)})
+        self.env[name] = value
+        return value
+
+    def call(self, fn: Callable, *args) -> fx.Node:
+        return self._added(self.graph.call_function(fn, args))
+
+    def free(self, name: str) -> None:
+        self.env.pop(name, None)
+
+    def module(self, root: torch.nn.Module, outputs) -> fx.GraphModule:
+        self.graph.output(outputs)
+        self.graph.lint()
+        return fx.GraphModule(root, self.graph, class_name="GeneratedOption")
+
+
+def _safe(name: str) -> str:
+    return name if name.isidentifier() else "v"
+
+
+def _read_elements(graph: fx.Graph) -> dict[str, set[int]]:
+    """Multi-output node -> the element indices that some getitem node reads."""
+    read: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            read.setdefault(node.args[0].name, set()).add(node.args[1])
+    return read
+
+
+def _plain_sources(joint: JointGraph, with_input: bool) -> dict[str, InputSource]:
+    """Sources of the joint graph's parameter, buffer and shared placeholders (and x's)."""
+    sources: dict[str, InputSource] = {}
+    for name in joint.param_inputs:
+        sources[name] = ("param", name)
+    for name in joint.buffer_inputs:
+        sources[name] = ("buffer", name)
+    for index, name in enumerate(joint.shared_names):
+        sources[name] = ("shared", index)
+    if with_input:
+        sources[joint.input_name] = ("x", "")
+    return sources
+
+
+def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable | None = None) -> OptionProgram:
+    """Generate ``option``'s forward and backward functions on ``joint``.
+
+    accumulate(param, grad): called by the backward with each parameter and its gradient,
+    as soon as it is computed. None: pure graphs (see the module docstring).
+    """
+    if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
+        raise ValueError("block options run only on stages with one output and one output gradient")
+    pure = accumulate is None
+    output_name = joint.output_names[0]
+    (tangent_name,) = joint.tangent_names.values()
+
+    fwd = _PhaseBuilder(joint, _plain_sources(joint, with_input=True), boxed=not pure)
+    placeholder_of_buffer = {target: name for name, target in joint.buffer_inputs.items()}
+    mutated = {node: placeholder_of_buffer[target] for node, target in joint.mutations}
+    buffers: dict[str, fx.Node] = {}
+    updates: dict[str, fx.Node] = {}
+    for kind, name in option.fwd_ops:
+        if kind != COMPUTE:
+            fwd.free(name)
+            continue
+        value = fwd.compute(name)
+        buffer = mutated.get(name)
+        if buffer is None:
+            continue
+        if pure:
+            updates[buffer] = value
+            continue
+        if buffer not in buffers:
+            buffers[buffer] = fwd.input(f"buffer_{len(buffers)}", ("buffer", buffer))
+        fwd.call(_copy_into, buffers[buffer], value)
+    y = fwd.env.get(output_name)
+    if not isinstance(y, fx.Node):
+        raise ValueError(f"option {option.name!r}'s forward does not leave the stage output {output_name} computed")
+    computed = [n for n in fwd.env if n not in fwd.nodes or fwd.nodes[n].op != "placeholder"]
+    kept_slots: list[tuple[str, int | None]] = []
+    kept_values: list[fx.Node] = []
+    for name in computed:
+        if name == output_name:
+            continue
+        value = fwd.env[name]
+        if isinstance(value, _Elements):
+            for index, element in value.elements.items():
+                kept_slots.append((name, index))
+                kept_values.append(element)
+        else:
+            kept_slots.append((name, None))
+            kept_values.append(value)
+    forward = fwd.module(joint.module, (y, *kept_values, *updates.values()))
+
+    bwd_sources = _plain_sources(joint, with_input=option.pins_input)
+    bwd_sources[tangent_name] = ("dy", "")
+    if option.pins_output:
+        bwd_sources[output_name] = ("y", "")
+    bwd = _PhaseBuilder(joint, bwd_sources, boxed=not pure)
+    kept_elements: dict[str, dict[int, int]] = {}
+    for slot, (name, index) in enumerate(kept_slots):
+        if index is None:
+            bwd.sources[name] = ("kept", slot)
+        else:
+            kept_elements.setdefault(name, {})[index] = slot
+    params: dict[str, fx.Node] = {}
+    grads: dict[str, fx.Node] = {}
+    placeholder_of_param = {target: name for name, target in joint.param_inputs.items()}
+    grad_of = {node: placeholder_of_param[target] for target, node in joint.param_grad_names.items()}
+    dx = None
+    for kind, name in option.bwd_ops:
+        if kind != COMPUTE:
+            bwd.free(name)
+            continue
+        node = bwd.nodes[name]
+        for arg in node.all_input_nodes:  # kept elements of a multi-output op: placeholders when first read
+            if arg.name in kept_elements and arg.name not in bwd.env:
+                bwd.env[arg.name] = _Elements({
+                    index: bwd.input(f"{arg.name}_{index}", ("kept", slot)) for index, slot in kept_elements.pop(arg.name).items()
+                })
+        value = bwd.compute(name)
+        target = grad_of.get(name)
+        if target is not None and pure:
+            grads[target] = value
+        elif target is not None:
+            if target not in params:
+                params[target] = bwd.input(f"param_{len(params)}", ("param", target))
+            bwd.call(accumulate, params[target], value)
+        if name == joint.input_grad_name:
+            dx = value
+    backward = bwd.module(joint.module, (dx, *grads.values()) if pure else dx)
+    return OptionProgram(
+        forward=forward.forward,
+        backward=backward.forward,
+        forward_inputs=tuple(fwd.inputs),
+        backward_inputs=tuple(bwd.inputs),
+        kept_slots=tuple(kept_slots),
+        forward_module=forward,
+        backward_module=backward,
+        buffer_updates=tuple(updates),
+        param_grads=tuple(grads),
+    )
+
+
+def _copy_into(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    buffer.copy_(value)

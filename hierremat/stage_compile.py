@@ -1,0 +1,132 @@
+"""``compile=True``: block options that also run compiled, chosen with their compiled costs.
+
+With compile on, every stage with a menu of n options offers the chain DP 2n + 1 options:
+0 (the stage under autograd), 1..n (the menu's options as generated eager code,
+hierremat.runtime.block_exec) and n+1..2n (the same options compiled by Inductor,
+hierremat.runtime.compiled_option). Eager and compiled forms differ in time and, since
+Inductor orders and fuses work its own way, in memory, so the DP picks by budget: compile
+never raises the smallest feasible budget.
+
+Compiling every option of every menu would take minutes per block on a CPU, and most are
+never used. So (:func:`plan_compiled`):
+
+1. each distinct stage signature gets its fastest option compiled and measured, which
+   tells how much faster the signature's options run compiled (ChainMenus.compiled_scale);
+2. the chain DP plans with every compiled option at its measured costs, and the compiled
+   forms not compiled yet at the ILP's memory and that compiled speed;
+3. compiled forms the plan uses that are not compiled yet are compiled and measured, and
+   the chain is planned again, until the plan uses measured forms only (at most
+   ``MAX_ROUNDS`` rounds).
+
+The plan is always safe in memory: a compiled option has its measured peaks, and a
+compiled form still unmeasured after the last round runs as generated eager code, whose
+memory the ILP modelled. Only its time was a guess. Option 0 is never compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .runtime.compiled_option import CompiledOptionExecutor, CompiledProgram
+from .runtime.profile import ChainProfile, no_side_effects, scratch_grads
+from .schedule import FAll
+from .stage_options import ChainMenus, stage_inputs
+
+log = logging.getLogger(__name__)
+
+#: Plan-compile-measure rounds before the plan is kept as it is (see the module docstring).
+MAX_ROUNDS = 4
+
+
+def resolve_compile(compile, device: torch.device) -> bool:
+    """The ``compile=`` argument: True, False, or "auto" (True on CUDA, False elsewhere)."""
+    if compile == "auto":
+        return device.type == "cuda"
+    if isinstance(compile, bool):
+        return compile
+    raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+
+
+def options_used(schedule) -> set[tuple[int, int]]:
+    """(stage, option) of every block option (k >= 1) a ChainSchedule runs."""
+    return {(op.stage, op.option) for op in schedule.ops if isinstance(op, FAll) and op.option > 0}
+
+
+def offer_compiled(menus: ChainMenus) -> None:
+    """Give every stage with a menu its compiled forms n+1..2n (running eagerly until compiled)."""
+    menus.compile = True
+    for i, row in enumerate(menus.executors):
+        n = menus.menu_size(i)
+        if n and len(row) == n + 1:
+            row += row[1:]
+
+
+def compile_options(
+    menus: ChainMenus, wanted: set[tuple[int, int]], stages: Sequence, x0: torch.Tensor, shared: tuple,
+    cache_dir: Path | None, measure: bool = True,
+) -> int:
+    """Compile (and measure) the compiled forms ``wanted`` as (stage, option) that are not compiled
+    yet, once per (signature, option); bind every stage's executor of a compiled form to it.
+    Returns the number of options compiled."""
+    todo: dict[tuple[str, str], tuple[int, int]] = {}
+    for i, k in sorted(wanted):
+        key = (menus.signatures[i], menus.option(i, k).name)
+        if menus.is_compiled_index(i, k) and key not in menus.compiled and key not in todo:
+            todo[key] = (i, k)
+    if todo:
+        xs = stage_inputs(stages, x0, shared)
+        for key, (i, k) in todo.items():
+            joint = menus.executors[i][k].joint
+            with no_side_effects(stages, x0):
+                program = CompiledProgram(joint, menus.option(i, k), xs[i], shared, cache_dir)
+                costs = None
+                if measure:
+                    with scratch_grads(stages[i]):
+                        costs = CompiledOptionExecutor(joint, program).measure(xs[i], shared)
+            menus.compiled[key] = (program, costs)
+            menus.compile_seconds += program.compile_seconds
+            log.info(
+                "stage signature %s: option %s compiled in %.1f s%s", key[0], key[1], program.compile_seconds,
+                f" ({(costs.fwd_time + costs.bwd_time) * 1e3:.2f} ms)" if costs is not None else "",
+            )
+        del xs
+    for i, row in enumerate(menus.executors):
+        n = menus.menu_size(i)
+        for k in range(n + 1, len(row)):
+            entry = menus.compiled.get((menus.signatures[i], menus.option(i, k).name))
+            if entry is not None and not isinstance(row[k], CompiledOptionExecutor):
+                row[k] = CompiledOptionExecutor(row[k].joint, entry[0])
+    return len(todo)
+
+
+def plan_compiled(
+    menus: ChainMenus, profile: ChainProfile, solve: Callable[[ChainProfile], object], stages: Sequence,
+    x0: torch.Tensor, shared: tuple, cache_dir: Path | None,
+):
+    """The plan (``solve(profile)``'s result, with ``.schedule``) with compiled block options on offer."""
+    started = time.perf_counter()
+    offer_compiled(menus)
+    fastest = set()
+    for i in range(len(menus.executors)):
+        n = menus.menu_size(i)
+        if n:
+            fastest.add((i, n + 1 + min(range(n), key=lambda j: menus.option(i, j + 1).total_time)))
+    compile_options(menus, fastest, stages, x0, shared, cache_dir)
+    plan = solve(menus.extend(profile))
+    for _ in range(MAX_ROUNDS):
+        if not compile_options(menus, options_used(plan.schedule), stages, x0, shared, cache_dir):
+            break
+        plan = solve(menus.extend(profile))
+    unmeasured = [
+        (i, k) for i, k in options_used(plan.schedule)
+        if menus.is_compiled_index(i, k) and (menus.signatures[i], menus.option(i, k).name) not in menus.compiled
+    ]
+    if unmeasured:
+        log.info("after %d rounds, options %s run as generated eager code", MAX_ROUNDS, sorted(unmeasured))
+    log.info("compiled block options: %.1f s in all, %.1f s compiling", time.perf_counter() - started, menus.compile_seconds)
+    return plan

@@ -1,0 +1,180 @@
+"""Block options compiled by Inductor (``compile=True``; hierremat.stage_compile).
+
+- A compiled option gives the eager option's output and gradients to within fused-arithmetic
+  rounding, with the same dropout masks (Inductor's ``fallback_random``), and its measured
+  costs are consistent (its forward peak holds what it keeps and its output).
+- A whole model planned with compile=True, its compiled forms forced into the plan: the
+  smallest feasible budget no higher than without compiling; gradients equal plain
+  autograd's to within that rounding, the CPU allocator's peak within the budget and equal
+  to the prediction; the plan says what compiling took; a saved plan runs compiled
+  again; Inductor's caches are written under hierremat's cache directory.
+- checkpoint_sequential(compile=True) trains with exact dropout.
+- A bad ``compile=`` value is refused by name.
+The CPU allocator meter (torch.profiler memory events) is used because the live-tensor
+tracker cannot see inside compiled code.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hierremat as hr
+from hierremat.blocks.joint import to_block_graph, trace_joint
+from hierremat.blocks.node_profile import profile_nodes
+from hierremat.ilp.options import solve_menu
+from hierremat.runtime.block_exec import OptionExecutor
+from hierremat.runtime.compiled_option import CompiledCosts, CompiledOptionExecutor, CompiledProgram
+from hierremat.runtime.memory import CpuAllocatorMeter, CudaPeakMeter
+from hierremat.sequential import plan_cache
+from hierremat.stage_compile import options_used, resolve_compile
+
+from models import tiny_gpt2
+from stages import stage_of
+
+pytest.importorskip("transformers")
+
+#: fused arithmetic rounds differently from eager kernels (what torch.compile itself gives)
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _run(executor, x, shared, dy, params, seed):
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(seed)
+    y, tape = executor.forward(x, shared)
+    dx = executor.backward(tape, dy, shared)
+    return y, dx, [p.grad.clone() for p in params]
+
+
+def test_compiled_option_matches_the_eager_option_with_the_same_dropout(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 64))
+    stage, x, shared = stage_of(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.0")
+    joint = trace_joint(stage, x, shared)
+    menu = solve_menu(to_block_graph(joint, profile_nodes(joint, x, shared, method="flops")))
+    option = min(menu.options, key=lambda o: o.kept_bytes)  # recomputes in its backward
+    params = list(stage.parameters())
+    dy = torch.randn(x.shape)
+    y_ref, dx_ref, g_ref = _run(OptionExecutor(joint, option), x, shared, dy, params, seed=7)
+    program = CompiledProgram(joint, option, x, shared, cache_dir=tmp_path / "inductor")
+    assert program.compile_seconds > 0
+    executor = CompiledOptionExecutor(joint, program)
+    y, dx, grads = _run(executor, x, shared, dy, params, seed=7)
+    # a different dropout mask would change about 10% of the entries by O(1)
+    torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(dx, dx_ref, rtol=RTOL, atol=ATOL)
+    for g, r in zip(grads, g_ref):
+        torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
+    costs = executor.measure(x, shared)
+    y_bytes = y.untyped_storage().nbytes()
+    assert costs.fwd_peak_bytes >= costs.kept_bytes + y_bytes
+    assert costs.fwd_time > 0 and costs.bwd_time > 0
+    assert any((tmp_path / "inductor").rglob("*")), "Inductor's caches go under hierremat's cache directory"
+
+
+def _step(model, ids, meter):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(1)
+    with meter as m:
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    return [p.grad.clone() for p in model.parameters()], m.peak_bytes
+
+
+def _prefer_compiled(monkeypatch):
+    """Price compiled forms 100x faster than measured, so that the plan uses them wherever memory
+    allows (what the DP picks is a matter of costs; what is checked here is that compiled forms
+    run exactly within their measured memory)."""
+    to_costs = CompiledCosts.to_option_costs
+
+    def faster(self, option):
+        costs = to_costs(self, option)
+        return type(costs)(**{**costs.__dict__, "fwd_time": costs.fwd_time / 100, "bwd_time": costs.bwd_time / 100})
+
+    monkeypatch.setattr(CompiledCosts, "to_option_costs", faster)
+
+
+def _check_whole_model(device, tmp_path, monkeypatch, meter):
+    _prefer_compiled(monkeypatch)
+    torch.manual_seed(2)
+    model = tiny_gpt2(n_layer=3).to(device)
+    ids = torch.randint(0, 256, (2, 64), device=device)
+    reference = copy.deepcopy(model)
+    grads_ref, plain_peak = _step(reference, ids, meter())
+    kwargs = {"labels": ids, "use_cache": False}
+    cache = str(tmp_path)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=cache, output_held=False, compile=True)
+    lo = err.value.min_budget_bytes
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=cache, output_held=False, compile=False)
+    assert lo <= err.value.min_budget_bytes  # the eager forms stay on offer
+    budget = lo + (plain_peak - lo) // 3
+    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=cache, output_held=False, compile=True)
+    (plan,) = module.plans
+    assert plan.compiled and "compiling block options" in plan.summary()
+    used = options_used(plan.chain.schedule)
+    assert any(k > len(plan.menus[plan.signatures[i]]["options"]) for i, k in used), plan.summary()
+    _step(module, ids, meter())  # warm-up
+    reference.load_state_dict(model.state_dict())
+    grads_ref, _ = _step(reference, ids, meter())
+    grads, peak = _step(module, ids, meter())
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert peak <= budget, (budget, peak, plan.summary())
+    assert abs(peak - plan.predicted_peak_bytes) <= max(0.05 * plan.predicted_peak_bytes, 64 * 1024)
+    again = hr.ModelPlan.from_json(plan.to_json())
+    assert again.compiled and again.compile_seconds == plan.compile_seconds
+    saved = hr.remat(model, (ids,), kwargs, plan=again, cache=cache, output_held=False)
+    grads_saved, peak_saved = _step(saved, ids, meter())
+    for a, b in zip(grads_saved, grads):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert peak_saved <= again.budget_bytes
+
+
+def test_whole_model_compiled_within_budget_and_exact(tmp_path, monkeypatch):
+    _check_whole_model(torch.device("cpu"), tmp_path, monkeypatch, CpuAllocatorMeter)
+
+
+@pytest.mark.cuda
+def test_whole_model_compiled_within_budget_and_exact_cuda(tmp_path, monkeypatch):
+    device = torch.device("cuda")
+    _check_whole_model(device, tmp_path, monkeypatch, lambda: CudaPeakMeter(device))
+
+
+def test_checkpoint_sequential_compiled_keeps_dropout_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("HIERREMAT_CACHE_DIR", str(tmp_path))
+    _prefer_compiled(monkeypatch)
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Dropout(0.1)) for _ in range(4)
+    ])
+    reference = copy.deepcopy(seq)
+    x = torch.randn(32, 64)
+    out = []
+    for model, kwargs in ((seq, {"compile": True}), (reference, None)):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(3)
+        y = hr.checkpoint_sequential(model, "100KiB", xi, **kwargs) if kwargs else model(xi)
+        y.square().sum().backward()
+        out.append((y.detach(), xi.grad, [p.grad for p in model.parameters()]))
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = out
+    entry = list(plan_cache._plans.values())[-1]
+    assert any(entry.menus.is_compiled_index(i, k) for i, k in options_used(entry.plan.schedule)), entry.plan.summary()
+    torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(dx, dx_ref, rtol=RTOL, atol=ATOL)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_compile_argument_is_checked():
+    assert resolve_compile("auto", torch.device("cpu")) is False
+    assert resolve_compile("auto", torch.device("cuda")) is True
+    with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
+        resolve_compile("yes", torch.device("cpu"))
+    with pytest.raises(ValueError, match="compile"):
+        hr.plan(tiny_gpt2(), (torch.zeros(1, 8, dtype=torch.long),), budget="1MiB", compile="fast")
