@@ -108,11 +108,11 @@ class Methods:
     def interpreted(self):
         executor = self.executors["keep all"]
         program = executor.program
-        forward, backward = program.forward.__self__, program.backward.__self__
+        forward, backward = program.forward_module, program.backward_module
         with torch.no_grad():
-            y, *kept = fx.Interpreter(forward).run(*executor._args(program.forward_inputs, self.x, self.shared))
+            y, *kept = fx.Interpreter(forward).run(*executor.binding.args(program.forward_inputs, self.x, self.shared))
             tape = type("Tape", (), {"kept": kept, "x": self.x, "y": y})
-            fx.Interpreter(backward).run(*executor._args(program.backward_inputs, self.x, self.shared, self.dy, tape))
+            fx.Interpreter(backward).run(*executor.binding.args(program.backward_inputs, self.x, self.shared, self.dy, tape))
 
     def node_seconds(self, name: str) -> str:
         """The cost model's milliseconds of a method: the sum of the profiled times of the ops it runs."""

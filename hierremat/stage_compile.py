@@ -76,18 +76,28 @@ def compile_options(
     todo: dict[tuple[str, str], tuple[int, int]] = {}
     for i, k in sorted(wanted):
         key = (menus.signatures[i], menus.option(i, k).name)
-        if menus.is_compiled_index(i, k) and key not in menus.compiled and key not in todo:
+        if menus.is_compiled_index(i, k) and key not in menus.compiled and key not in menus.compile_failed and key not in todo:
             todo[key] = (i, k)
     if todo:
         xs = stage_inputs(stages, x0, shared)
         for key, (i, k) in todo.items():
             joint = menus.executors[i][k].joint
-            with no_side_effects(stages, x0):
-                program = CompiledProgram(joint, menus.option(i, k), xs[i], shared, cache_dir)
-                costs = None
-                if measure:
-                    with scratch_grads(stages[i]):
-                        costs = CompiledOptionExecutor(joint, program).measure(xs[i], shared)
+            started = time.perf_counter()
+            try:
+                with no_side_effects(stages, x0):
+                    program = CompiledProgram(joint, menus.option(i, k), xs[i], shared, cache_dir)
+                    costs = None
+                    if measure:
+                        with scratch_grads(stages[i]):
+                            costs = CompiledOptionExecutor(joint, program).measure(xs[i], shared)
+            except Exception as err:  # noqa: BLE001 - Inductor's errors are many; the eager form always works
+                log.warning(
+                    "stage signature %s: option %s could not be compiled (%s: %s); it runs as generated eager code",
+                    key[0], key[1], type(err).__name__, str(err).splitlines()[0] if str(err) else "",
+                )
+                menus.compile_failed.add(key)
+                menus.compile_seconds += time.perf_counter() - started
+                continue
             menus.compiled[key] = (program, costs)
             menus.compile_seconds += program.compile_seconds
             log.info(
@@ -125,6 +135,7 @@ def plan_compiled(
     unmeasured = [
         (i, k) for i, k in options_used(plan.schedule)
         if menus.is_compiled_index(i, k) and (menus.signatures[i], menus.option(i, k).name) not in menus.compiled
+        and (menus.signatures[i], menus.option(i, k).name) not in menus.compile_failed
     ]
     if unmeasured:
         log.info("after %d rounds, options %s run as generated eager code", MAX_ROUNDS, sorted(unmeasured))

@@ -107,6 +107,8 @@ class ChainMenus:
     #: signature -> measured seconds of executing an option per second of its node-time sum
     scales: dict = field(default_factory=dict)
     compiled: dict = field(default_factory=dict)
+    #: (signature, option name) that Inductor failed to compile: their compiled forms run eagerly
+    compile_failed: set = field(default_factory=set)
     compile_seconds: float = 0.0
     compile: bool = False
 
@@ -162,6 +164,8 @@ class ChainMenus:
                     entry = self.compiled.get((signature, o.name))
                     if entry is not None and entry[1] is not None:
                         extra.append(entry[1].to_option_costs(o))
+                    elif (signature, o.name) in self.compile_failed:
+                        extra.append(_scaled(o.to_option_costs(), scale))
                     else:
                         extra.append(replace(_scaled(o.to_option_costs(), compiled_scale), name=f"{o.name}+compiled?"))
             stages.append(replace(stage_costs, options=(base, *extra)))

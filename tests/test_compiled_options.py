@@ -9,6 +9,7 @@
   to the prediction; the plan says what compiling took; a saved plan runs compiled
   again; Inductor's caches are written under hierremat's cache directory.
 - checkpoint_sequential(compile=True) trains with exact dropout.
+- An option Inductor fails to compile runs as eager code, with one warning.
 - A bad ``compile=`` value is refused by name.
 The CPU allocator meter (torch.profiler memory events) is used because the live-tensor
 tracker cannot see inside compiled code.
@@ -17,6 +18,7 @@ tracker cannot see inside compiled code.
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from hierremat.runtime.block_exec import OptionExecutor
 from hierremat.runtime.compiled_option import CompiledCosts, CompiledOptionExecutor, CompiledProgram
 from hierremat.runtime.memory import CpuAllocatorMeter, CudaPeakMeter
 from hierremat.sequential import plan_cache
+from hierremat import stage_compile
 from hierremat.stage_compile import options_used, resolve_compile
 
 from models import tiny_gpt2
@@ -178,3 +181,23 @@ def test_compile_argument_is_checked():
         resolve_compile("yes", torch.device("cpu"))
     with pytest.raises(ValueError, match="compile"):
         hr.plan(tiny_gpt2(), (torch.zeros(1, 8, dtype=torch.long),), budget="1MiB", compile="fast")
+
+
+def test_an_option_inductor_cannot_compile_runs_eagerly_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HIERREMAT_CACHE_DIR", str(tmp_path))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(stage_compile, "CompiledProgram", fail)
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3)])
+    reference = copy.deepcopy(seq)
+    x = torch.randn(16, 32)
+    with caplog.at_level(logging.WARNING, logger="hierremat"):
+        y = hr.checkpoint_sequential(seq, "1MiB", x.clone().requires_grad_(), compile=True)
+    assert "could not be compiled (RuntimeError: no C++ compiler)" in caplog.text
+    y.sum().backward()
+    reference(x.clone().requires_grad_()).sum().backward()
+    for a, b in zip(seq.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
