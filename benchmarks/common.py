@@ -183,9 +183,10 @@ def smallest_feasible_budget(plan_at: Callable[[str], object], notes: list[str] 
 
 
 def model_plan_seconds(plan) -> float:
-    """Planning cost recorded in a hierremat ModelPlan (capture + profile + solve) or SequentialPlan."""
+    """Planning cost recorded in a hierremat ModelPlan (capture + profile + solve + compiling block
+    options) or SequentialPlan."""
     if hasattr(plan, "chain"):
-        return plan.capture_seconds + plan.chain.profile_seconds + plan.chain.solve_seconds
+        return plan.capture_seconds + plan.chain.profile_seconds + plan.chain.solve_seconds + plan.compile_seconds
     return plan.profile_seconds + plan.solve_seconds
 
 
