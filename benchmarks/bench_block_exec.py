@@ -33,7 +33,7 @@ from hierremat.blocks.node_profile import profile_nodes
 from hierremat.blocks.segment import build_chain_graph
 from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu
 from hierremat.ilp.solve import BlockIlp
-from hierremat.runtime.block_exec import OptionExecutor
+from hierremat.runtime.block_exec import OptionExecutor, OptionTape
 from hierremat.stage_options import stage_inputs
 from hierremat.whole_model import chain_inputs
 
@@ -111,7 +111,7 @@ class Methods:
         forward, backward = program.forward_module, program.backward_module
         with torch.no_grad():
             y, *kept = fx.Interpreter(forward).run(*executor.binding.args(program.forward_inputs, self.x, self.shared))
-            tape = type("Tape", (), {"kept": kept, "x": self.x, "y": y})
+            tape = OptionTape(kept, self.x, y)
             fx.Interpreter(backward).run(*executor.binding.args(program.backward_inputs, self.x, self.shared, self.dy, tape))
 
     def node_seconds(self, name: str) -> str:

@@ -63,6 +63,15 @@ def check_block_options(block_options: str) -> None:
         raise ValueError(f"block_options={block_options!r} is not one of {BLOCK_OPTIONS}")
 
 
+def resolve_compile(compile, device: torch.device) -> bool:
+    """The ``compile=`` argument: True, False, or "auto" (True on CUDA, False elsewhere)."""
+    if compile == "auto":
+        return device.type == "cuda"
+    if isinstance(compile, bool):
+        return compile
+    raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+
+
 def fixed_schedule(costs, strategy: str):
     """The schedule of a baseline strategy ('none' or 'segments=K')."""
     if strategy == "none":
@@ -305,8 +314,6 @@ def _plan(
     compile: bool | str = "auto",
 ) -> PlannedChain:
     check_block_options(block_options)
-    from .stage_compile import plan_compiled, resolve_compile  # torch-side planning, loaded when used
-
     compiled = resolve_compile(compile, input.device)
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
@@ -324,6 +331,8 @@ def _plan(
         )
 
     if menus is not None and compiled:
+        from .stage_compile import plan_compiled  # loaded when used: it compiles with Inductor
+
         cache = default_cache()
         plan = plan_compiled(menus, profile, solve, stages, input, (), cache.directory / "inductor" if cache.enabled else None)
     else:

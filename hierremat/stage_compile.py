@@ -43,15 +43,6 @@ log = logging.getLogger(__name__)
 MAX_ROUNDS = 4
 
 
-def resolve_compile(compile, device: torch.device) -> bool:
-    """The ``compile=`` argument: True, False, or "auto" (True on CUDA, False elsewhere)."""
-    if compile == "auto":
-        return device.type == "cuda"
-    if isinstance(compile, bool):
-        return compile
-    raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-
-
 def options_used(schedule) -> set[tuple[int, int]]:
     """(stage, option) of every block option (k >= 1) a ChainSchedule runs."""
     return {(op.stage, op.option) for op in schedule.ops if isinstance(op, FAll) and op.option > 0}
@@ -75,8 +66,8 @@ def compile_options(
     Returns the number of options compiled."""
     todo: dict[tuple[str, str], tuple[int, int]] = {}
     for i, k in sorted(wanted):
-        key = (menus.signatures[i], menus.option(i, k).name)
-        if menus.is_compiled_index(i, k) and key not in menus.compiled and key not in menus.compile_failed and key not in todo:
+        key = menus.option_key(i, k)
+        if menus.is_compiled_index(i, k) and not _tried(menus, key) and key not in todo:
             todo[key] = (i, k)
     if todo:
         xs = stage_inputs(stages, x0, shared)
@@ -108,10 +99,15 @@ def compile_options(
     for i, row in enumerate(menus.executors):
         n = menus.menu_size(i)
         for k in range(n + 1, len(row)):
-            entry = menus.compiled.get((menus.signatures[i], menus.option(i, k).name))
+            entry = menus.compiled.get(menus.option_key(i, k))
             if entry is not None and not isinstance(row[k], CompiledOptionExecutor):
-                row[k] = CompiledOptionExecutor(row[k].joint, entry[0])
+                row[k] = CompiledOptionExecutor(row[k].joint, entry[0], row[k].binding)
     return len(todo)
+
+
+def _tried(menus: ChainMenus, key: tuple[str, str]) -> bool:
+    """Whether the option was compiled, or failed to compile."""
+    return key in menus.compiled or key in menus.compile_failed
 
 
 def plan_compiled(
@@ -133,9 +129,7 @@ def plan_compiled(
             break
         plan = solve(menus.extend(profile))
     unmeasured = [
-        (i, k) for i, k in options_used(plan.schedule)
-        if menus.is_compiled_index(i, k) and (menus.signatures[i], menus.option(i, k).name) not in menus.compiled
-        and (menus.signatures[i], menus.option(i, k).name) not in menus.compile_failed
+        (i, k) for i, k in options_used(plan.schedule) if menus.is_compiled_index(i, k) and not _tried(menus, menus.option_key(i, k))
     ]
     if unmeasured:
         log.info("after %d rounds, options %s run as generated eager code", MAX_ROUNDS, sorted(unmeasured))

@@ -125,6 +125,10 @@ class ChainMenus:
     def is_compiled_index(self, stage: int, k: int) -> bool:
         return k > self.menu_size(stage)
 
+    def option_key(self, stage: int, k: int) -> tuple[str, str]:
+        """(signature, option name): what ``compiled`` and ``compile_failed`` are keyed by."""
+        return self.signatures[stage], self.option(stage, k).name
+
     def compiled_scale(self, signature: str) -> float | None:
         """Measured seconds of the signature's compiled options per second of their node-time sums
         (the largest ratio of those measured), or None when none is compiled."""

@@ -31,8 +31,8 @@ from .runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_byte
 from .runtime.profile import ChainProfile, profile_chain, storage_bytes
 from .runtime.stage_cost_cache import StageCostCache
 from .ilp.cache import OptionsCache, default_cache
-from .sequential import PlannedChain, check_block_options, plan_from_profile
-from .stage_compile import compile_options, offer_compiled, options_used, plan_compiled, resolve_compile
+from .sequential import PlannedChain, check_block_options, plan_from_profile, resolve_compile
+from .stage_compile import compile_options, offer_compiled, options_used, plan_compiled
 from .stage_options import StageMenu, build_menus
 
 log = logging.getLogger(__name__)

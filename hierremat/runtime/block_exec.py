@@ -38,6 +38,11 @@ class OptionTape:
     x: torch.Tensor | None
     y: torch.Tensor | None
 
+    @classmethod
+    def of(cls, option: BlockOption, kept: list, x: torch.Tensor, y: torch.Tensor) -> "OptionTape":
+        """The tape of ``option``'s forward: x and y kept only where the option pins them."""
+        return cls(kept, x if option.pins_input else None, y if option.pins_output else None)
+
 
 class GeneratedOption:
     """An option's generated program (hierremat.runtime.option_codegen), made on first use:
@@ -84,7 +89,7 @@ class OptionExecutor:
         args = self.binding.args(self.program.forward_inputs, x.detach(), shared)
         with torch.no_grad(), AutocastState.off((x.device.type,)).applied():
             y, *kept = self.program.forward(args)
-        return y, OptionTape(kept, x if self.option.pins_input else None, y if self.option.pins_output else None)
+        return y, OptionTape.of(self.option, kept, x, y)
 
     def backward(self, tape: OptionTape, dy: torch.Tensor, shared: tuple) -> torch.Tensor | None:
         """Run the backward from the tape and the output gradient; return the input gradient."""

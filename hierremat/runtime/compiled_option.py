@@ -31,7 +31,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -100,10 +100,9 @@ class CompiledProgram:
         with torch.no_grad(), AutocastState.off((x.device.type,)).applied():
             with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
                 y, *rest = self.program.forward(*fwd_args)  # example inputs of the backward
-            kept = rest[: len(self.program.kept_slots)]
-            tape = OptionTape(kept, x.detach() if option.pins_input else None, y if option.pins_output else None)
+            tape = OptionTape.of(option, rest[: len(self.program.kept_slots)], x.detach(), y)
             bwd_args = binding.args(self.program.backward_inputs, tape.x, shared, torch.ones_like(y), tape)
-            del y, rest, kept, tape
+            del y, rest, tape
             with inductor_cache_dir(cache_dir):
                 self.forward = _Compiled(self.program.forward_module, fwd_args)
                 self.backward = _Compiled(self.program.backward_module, bwd_args)
@@ -121,26 +120,23 @@ class CompiledCosts:
     bwd_peak_bytes: int
 
     def to_option_costs(self, option: BlockOption) -> OptionCosts:
-        return OptionCosts(
-            fwd_time=self.fwd_time,
-            bwd_time=self.bwd_time,
-            kept_bytes=self.kept_bytes,
-            fwd_overhead_bytes=self.fwd_peak_bytes,
-            bwd_overhead_bytes=max(self.bwd_peak_bytes, option.input_grad_bytes),
-            pins_output=option.pins_output,
-            pins_input=option.pins_input,
-            name=f"{option.name}+compiled",
-        )
+        """``option``'s costs for the chain DP with these figures in place of the ILP's."""
+        return replace(
+            option, name=f"{option.name}+compiled", fwd_time=self.fwd_time, bwd_time=self.bwd_time,
+            kept_bytes=self.kept_bytes, fwd_peak_bytes=self.fwd_peak_bytes, bwd_peak_bytes=self.bwd_peak_bytes,
+        ).to_option_costs()
 
 
 class CompiledOptionExecutor:
-    """Runs a CompiledProgram on one stage (``joint`` bound to it); OptionExecutor's interface."""
+    """Runs a CompiledProgram on one stage (``joint`` bound to it); OptionExecutor's interface.
 
-    def __init__(self, joint: JointGraph, compiled: CompiledProgram):
+    binding: the stage's parameters and buffers (default: made here)."""
+
+    def __init__(self, joint: JointGraph, compiled: CompiledProgram, binding: StageBinding | None = None):
         self.joint = joint
         self.option = compiled.option
         self.compiled = compiled
-        self.binding = StageBinding(joint)
+        self.binding = binding if binding is not None else StageBinding(joint)
         self.program = compiled.program
 
     def forward(self, x: torch.Tensor, shared: tuple) -> tuple[torch.Tensor, OptionTape]:
@@ -150,7 +146,7 @@ class CompiledOptionExecutor:
         n_kept = len(self.program.kept_slots)
         for target, value in zip(self.program.buffer_updates, rest[n_kept:]):
             self.binding.buffers[target].copy_(value)
-        return y, OptionTape(rest[:n_kept], x if self.option.pins_input else None, y if self.option.pins_output else None)
+        return y, OptionTape.of(self.option, rest[:n_kept], x, y)
 
     def backward(self, tape: OptionTape, dy: torch.Tensor, shared: tuple) -> torch.Tensor | None:
         args = self.binding.args(self.program.backward_inputs, tape.x, shared, dy, tape)
