@@ -11,13 +11,12 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,examples]"
 	touch $@
 
 setup: $(BIN)/.installed
 
 demo: setup
-	$(BIN)/pip install -q -e ".[examples]"
 	$(BIN)/python examples/gpt2/finetune.py --steps 20 --out runs/gpt2
 
 test: setup
@@ -29,11 +28,9 @@ test: setup
 BENCH_ARGS ?=
 
 bench: setup
-	$(BIN)/pip install -q -e ".[examples]"
 	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 bench-extra: setup
-	$(BIN)/pip install -q -e ".[examples]"
 	$(BIN)/python benchmarks/bench_dp.py
 	$(BIN)/python benchmarks/bench_sequential.py
 	$(BIN)/python benchmarks/bench_plan.py

@@ -3,7 +3,7 @@
     python benchmarks/run_all.py                          # all models (gpt2-12 takes ~25 min on 2 CPU cores)
     python benchmarks/run_all.py --models mlp,resnet,gpt2-tiny --rounds 5
     python benchmarks/run_all.py --quick                  # smoke test: small MLP, 2 hierremat budgets, < 60 s
-    python benchmarks/run_all.py --readme                 # also rewrite README's results block
+    python benchmarks/run_all.py --readme                 # also rewrite docs/results.md's results block
     python benchmarks/run_all.py --from-json benchmarks/results/run_all_gpt2_12.json --readme   # re-render only
 
 Models (``--models``, built from configs with random weights, nothing downloaded):
@@ -58,10 +58,11 @@ that meter for every row; for eager code it agrees with the tracker) and their r
 allocator peak. On CUDA every row uses the ``torch.cuda.max_memory_allocated`` delta.
 
 Outputs under ``--out`` (default benchmarks/results): ``<stem>.json`` (all rows and the environment),
-``<stem>.md`` (tables ready to paste into README), ``<stem>_<model>.png`` (peak vs step time per model)
+``<stem>.md`` (the Markdown report), ``<stem>_<model>.png`` (peak vs step time per model)
 and ``<stem>_planning.png`` (planning/compile time per method); stem ``run_all`` (``run_all_quick`` with
 ``--quick``). ``--readme`` replaces the text between ``<!-- results:start -->`` and
-``<!-- results:end -->`` in README.md with the Markdown report, when both markers exist.
+``<!-- results:end -->`` in docs/results.md (the full tables the README links to) with the report, when
+both markers exist.
 """
 
 from __future__ import annotations
@@ -706,8 +707,14 @@ class Bench:
 # report
 
 
-def render(results: dict, plot_paths: dict[str, str]) -> str:
+def render(results: dict, plot_paths: dict[str, Path], doc_dir: Path) -> str:
+    """The Markdown report of one run; plots (paths) are embedded as images relative to ``doc_dir``,
+    the folder the report is written to."""
     meta = results["meta"]
+
+    def image(title: str, path: Path) -> str:
+        return f"![{title}]({os.path.relpath(path, doc_dir)})"
+
     lines = [
         f"Machine: {meta['device_name']} ({meta['device']}, {meta['cpu_count']} CPUs, {meta['torch_threads']} torch "
         f"threads); torch {meta['torch']}, transformers {meta.get('transformers', '-')}, hierremat {meta['hierremat']} "
@@ -755,9 +762,9 @@ def render(results: dict, plot_paths: dict[str, str]) -> str:
         if m["notes"]:
             lines += [""] + [f"- note: {n}" for n in m["notes"]]
         if m["name"] in plot_paths:
-            lines += ["", f"Plot: `{plot_paths[m['name']]}`"]
+            lines += ["", image(f"{m['name']}: peak against step time", plot_paths[m["name"]])]
     if "planning" in plot_paths:
-        lines += ["", f"Planning/compile time per method: `{plot_paths['planning']}`"]
+        lines += ["", image("planning and compile time per method", plot_paths["planning"])]
     return "\n".join(lines) + "\n"
 
 
@@ -780,19 +787,13 @@ def short_label(r: dict) -> str:
     return f"{r['method'][:40]}, {r['setting'][:24]}"
 
 
-def plot(results: dict, out: Path, stem: str) -> dict[str, str]:
+def plot(results: dict, out: Path, stem: str) -> dict[str, Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths: dict[str, str] = {}
-
-    def rel(p: Path) -> str:
-        try:
-            return str(p.resolve().relative_to(C.REPO_ROOT))
-        except ValueError:
-            return str(p)
+    paths: dict[str, Path] = {}
 
     for m in results["models"]:
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -817,7 +818,7 @@ def plot(results: dict, out: Path, stem: str) -> dict[str, str]:
         p = out / f"{stem}_{m['name']}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
-        paths[m["name"]] = rel(p)
+        paths[m["name"]] = p.resolve()
 
     bars = []
     for m in results["models"]:
@@ -839,7 +840,7 @@ def plot(results: dict, out: Path, stem: str) -> dict[str, str]:
         p = out / f"{stem}_planning.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
-        paths["planning"] = rel(p)
+        paths["planning"] = p.resolve()
     return paths
 
 
@@ -881,11 +882,11 @@ def parse_args(argv):
                     "a model")
     ap.add_argument("--out", type=Path, default=C.RESULTS_DIR, help="output folder")
     ap.add_argument("--stem", default=None, help="output file stem (default run_all, run_all_quick with --quick)")
-    ap.add_argument("--readme", action="store_true", help="rewrite README.md between <!-- results:start --> and "
-                    "<!-- results:end --> with the report")
+    ap.add_argument("--readme", action="store_true", help="rewrite docs/results.md (the full tables the README "
+                    "links to) between <!-- results:start --> and <!-- results:end --> with the report")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--from-json", type=Path, nargs="+", help="run nothing: render the report of earlier runs' "
-                    "JSON files (with --readme, into README.md)")
+                    "JSON files (with --readme, into docs/results.md)")
     ap.add_argument("-v", "--verbose", action="store_true", help="hierremat INFO logs and tracebacks")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in (args.models or ("mlp" if args.quick else ",".join(ALL_MODELS))).split(",")
@@ -907,17 +908,20 @@ def parse_args(argv):
     return args
 
 
-def rewrite_readme(report: str) -> None:
-    readme = C.REPO_ROOT / "README.md"
-    new = C.replace_between_markers(readme.read_text(), report, "<!-- results:start -->", "<!-- results:end -->")
+#: The document ``--readme`` rewrites: the full tables, linked from README.md.
+RESULTS_DOC = C.REPO_ROOT / "docs" / "results.md"
+
+
+def rewrite_results_doc(report: str, doc: Path = RESULTS_DOC) -> None:
+    new = C.replace_between_markers(doc.read_text(), report, "<!-- results:start -->", "<!-- results:end -->")
     if new is None:
-        log.warning("README.md has no <!-- results:start --> ... <!-- results:end --> markers: not changed")
+        log.warning("%s has no <!-- results:start --> ... <!-- results:end --> markers: not changed", doc)
     else:
-        readme.write_text(new)
-        log.info("rewrote the results block of %s", readme)
+        doc.write_text(new)
+        log.info("rewrote the results block of %s", doc)
 
 
-def report_from_json(paths: list[Path]) -> str:
+def report_from_json(paths: list[Path], doc_dir: Path) -> str:
     """The Markdown report of earlier runs (their JSON files, plots found beside them), one after the other."""
     parts = []
     for path in paths:
@@ -925,7 +929,7 @@ def report_from_json(paths: list[Path]) -> str:
         stem = path.stem
         plots = {m["name"]: path.parent / f"{stem}_{m['name']}.png" for m in results["models"]}
         plots["planning"] = path.parent / f"{stem}_planning.png"
-        parts.append(render(results, {k: str(v.relative_to(C.REPO_ROOT)) for k, v in plots.items() if v.exists()}))
+        parts.append(render(results, {k: v for k, v in plots.items() if v.exists()}, doc_dir))
     return "\n\n".join(parts)
 
 
@@ -934,10 +938,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(relativeCreated)7.0f ms] %(message)s")
     if args.from_json:
-        report = report_from_json([p.resolve() for p in args.from_json])
-        print(report)
+        paths = [p.resolve() for p in args.from_json]
+        print(report_from_json(paths, paths[0].parent))
         if args.readme:
-            rewrite_readme(report)
+            rewrite_results_doc(report_from_json(paths, RESULTS_DOC.parent))
         return 0
     logging.getLogger("hierremat").setLevel(logging.INFO if args.verbose else logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -964,14 +968,14 @@ def main(argv=None) -> int:
             plot_paths = plot(results, out, args.stem)
         except Exception as err:  # plots are optional
             log.warning("plotting failed: %s", err)
-    report = render(results, plot_paths)
+    report = render(results, plot_paths, out)
     (out / f"{args.stem}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / f"{args.stem}.md").write_text("# hierremat: all methods, same models and budgets\n\n" + report)
     print(report)
     log.info("wrote %s, %s%s", out / f"{args.stem}.json", out / f"{args.stem}.md",
              "".join(f", {p}" for p in plot_paths.values()))
     if args.readme:
-        rewrite_readme(report)
+        rewrite_results_doc(render(results, plot_paths, RESULTS_DOC.parent))
     return 0
 
 

@@ -21,6 +21,8 @@ _TORCH_NAMES = {
     "plan_sequential": "sequential",
     "plan_cache": "sequential",
     "plan": "whole_model",
+    "explore": "whole_model",
+    "BudgetExplorer": "whole_model",
     "remat": "whole_model",
     "RematModule": "whole_model",
 }
@@ -35,6 +37,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BudgetExplorer",
     "ChainSchedule",
     "ModelPlan",
     "RematModule",
@@ -43,6 +46,7 @@ __all__ = [
     "SequentialPlan",
     "UnsupportedModelError",
     "checkpoint_sequential",
+    "explore",
     "format_bytes",
     "parse_budget",
     "plan",

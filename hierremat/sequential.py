@@ -13,7 +13,7 @@ from .budget import parse_budget
 from .dp import min_peak_schedule, solve_chain
 from .dp.baselines import keep_all_schedule, uniform_segments_schedule
 from .dp.solve import DEFAULT_SLOTS
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .ilp.cache import default_cache
 from .sequential_plan import SequentialPlan
 from .runtime.autocast import AutocastState
@@ -252,7 +252,8 @@ class PlannedChain:
                 "gradients arrived for chain outputs %s, which the plan expected none for: that step may have "
                 "exceeded the budget by their bytes. Re-profiling and re-planning.", unexpected,
             )
-        log.info("chain output used as %s, planned as %s: re-planning", seen, assumed)
+        log.info("re-planning for how the caller used the chain's output: %s (planned: %s)", seen.describe(),
+                 assumed.describe())
         profile = ChainProfile(self.plan.costs, self.plan.mutated_buffers, self.plan.output_grad_mask)
         profile_seconds = self.plan.profile_seconds
         if seen.grad_mask != assumed.grad_mask and self.sharded is not None:
@@ -314,6 +315,7 @@ def _plan(
     compile: bool | str = "auto",
 ) -> PlannedChain:
     check_block_options(block_options)
+    check_slots(slots)
     compiled = resolve_compile(compile, input.device)
     started = time.perf_counter()
     profile = profile_chain(stages, input, repeats=repeats)
@@ -343,6 +345,27 @@ def _plan(
 def _check_input(input) -> None:
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a tensor, got {type(input).__name__}")
+    check_devices((input.device.type,), "input")
+
+
+#: Devices hierremat plans for: it measures the step it plans, so the tensors must be real.
+SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+def check_devices(device_types: Sequence[str], what: str) -> None:
+    """Raise UnsupportedModelError naming ``what`` if a tensor lives on a device hierremat cannot measure."""
+    bad = [d for d in device_types if d not in SUPPORTED_DEVICES]
+    if bad:
+        raise UnsupportedModelError(
+            f"{what} on device {bad[0]!r}: hierremat plans on {' and '.join(SUPPORTED_DEVICES)} only (it measures "
+            "each stage's time and memory); move the model and inputs there"
+        )
+
+
+def check_slots(slots) -> None:
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots must be a positive int (memory slots of the chain DP; default {DEFAULT_SLOTS}), "
+                         f"got {slots!r}")
 
 
 class PlanCache:

@@ -252,16 +252,58 @@ def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple) -> list[torc
 
 
 def module_signature(stage, x: torch.Tensor) -> str:
-    """A structural key for a stage of a plain chain (no captured graph to hash): its class,
-    its printed configuration, its parameter and buffer shapes and dtypes, its mode, its
-    input's shape and dtype, and the autocast setting. Equal keys trace to equal joint graphs."""
+    """A structural key for a stage of a plain chain (no captured graph to hash): per module
+    in it, its class and the code of its forward, its plain attributes (sizes, flags,
+    probabilities, lists of such: what a forward may branch on beyond its parameters), its
+    printed configuration, its parameter and buffer shapes and dtypes, its mode; the input's
+    shape and dtype, and the autocast setting. Equal keys trace to equal joint graphs, so
+    stages with equal keys share one traced graph, menu and generated code."""
     autocast = AutocastState.capture((x.device.type,)).key()
     parts = [type(stage).__qualname__, repr(stage), str(tuple(x.shape)), str(x.dtype), autocast]
     if isinstance(stage, torch.nn.Module):
         parts.append(str(stage.training))
         parts += [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}" for n, t in stage.named_parameters()]
         parts += [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in stage.named_buffers()]
+        for name, module in stage.named_modules():
+            cls = type(module)
+            parts.append(f"{name}:{cls.__module__}.{cls.__qualname__}:{_code_digest(cls.forward)}")
+            parts += [f"{name}.{k}={v!r}" for k, v in sorted(vars(module).items())
+                      if not k.startswith("_") and _plain(v)]
+    else:
+        parts.append(_code_digest(stage))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _plain(value) -> bool:
+    """Numbers, strings, flags, None, and tuples/lists/dicts of them: values whose repr is their content."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _code_digest(function) -> str:
+    """A digest of a function's bytecode and constants (nested code objects included), the same in
+    every process; '' for callables without Python code."""
+    code = getattr(function, "__code__", None) or getattr(getattr(function, "__call__", None), "__code__", None)
+    digest = hashlib.sha256()
+
+    def add(c) -> None:
+        digest.update(c.co_code)
+        digest.update(repr(c.co_names).encode())
+        for const in c.co_consts:
+            if hasattr(const, "co_code"):
+                add(const)
+            else:
+                digest.update(repr(const).encode())
+
+    if code is None:
+        return ""
+    add(code)
+    return digest.hexdigest()[:16]
 
 
 def build_menus(
@@ -324,7 +366,9 @@ def build_menus(
                 joints[signature] = None
                 continue
             joints[signature] = joint
-            menus[signature] = _menu(joint, xs[i], shared, signature, graph_key, cache, stored, time_limit)
+            menu = _menu(joint, xs[i], shared, signature, graph_key, cache, stored, time_limit)
+            if menu is not None:
+                menus[signature] = menu
         joint, menu = joints.get(signature), menus.get(signature)
         if joint is None or menu is None:
             continue
@@ -342,6 +386,19 @@ def build_menus(
                 cost_cache.put_scale(graph_key, xs[i], scales[signature])
     solves = solve_count() - solves_before
     return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started, scales)
+
+
+_SOLVER_FAILURES: list[str] = []
+
+
+def _warn_solver_failure(signature: str, err: Exception) -> None:
+    """One warning per process for a failing ILP solver; later failures are logged at INFO."""
+    what = f"{type(err).__name__}: {err}"
+    (log.info if _SOLVER_FAILURES else log.warning)(
+        "the block ILP for stage signature %s failed (%s): that block runs autograd's option only%s", signature,
+        what, "" if _SOLVER_FAILURES else " (further failures of this process are logged at INFO)",
+    )
+    _SOLVER_FAILURES.append(what)
 
 
 def _executor_scale(executors, stage, stages, x, x0, shared, repeats: int = 3) -> float:
@@ -393,8 +450,9 @@ def _graph_key(signature: str, variants: bool) -> str:
     return signature if not variants else f"{signature}+variants"
 
 
-def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit) -> StageMenu:
-    """The stage's menu: from a saved plan, else from the cache, else solved (and cached).
+def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit) -> StageMenu | None:
+    """The stage's menu: from a saved plan, else from the cache, else solved (and cached);
+    None when solving fails (the stage then offers autograd's option only, with a warning).
 
     A saved or cached menu is used only if its block graph has the structure of the one
     traced now (op lists name nodes of that graph)."""
@@ -409,7 +467,7 @@ def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit)
         device_type=x.device.type,
         device_name=device_name(x.device),
         dtype=str(x.dtype) if x.is_floating_point() else "int",
-        cost_model_version=COST_MODEL_VERSION,
+        cost_model_version=f"{COST_MODEL_VERSION}/torch-{torch.__version__}",
         formulation_version=FORMULATION_VERSION,
     )
     payload = cache.get(key)
@@ -422,8 +480,12 @@ def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit)
         except (KeyError, TypeError, ValueError) as err:
             log.warning("cached options for %s are unreadable (%s); solving again", signature, err)
     graph = to_block_graph(joint, profile_nodes(joint, x, shared))
-    with _progress_bar(f"hierremat: block {signature}") as advance:
-        solved = solve_menu(graph, time_limit=time_limit, progress=advance)
+    try:
+        with _progress_bar(f"hierremat: block {signature}") as advance:
+            solved = solve_menu(graph, time_limit=time_limit, progress=advance, label=signature)
+    except Exception as err:  # a solver that errors (HiGHS failing, a broken install): plan without the menu
+        _warn_solver_failure(signature, err)
+        return None
     menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds)
     cache.put(key, menu.to_dict())
     log.info("stage signature %s: %d options from %d ILP solves in %.2f s", signature, len(menu.options), solved.n_solves, solved.solve_seconds)

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from .blocks.capture import capture, uncompiled
 from .blocks.hf import call_kwargs
 from .blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
-from .budget import parse_budget
+from .budget import format_bytes, parse_budget
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .model_plan import ModelPlan
@@ -31,7 +31,9 @@ from .runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_byte
 from .runtime.profile import ChainProfile, profile_chain, storage_bytes
 from .runtime.stage_cost_cache import StageCostCache
 from .ilp.cache import OptionsCache, default_cache
-from .sequential import PlannedChain, check_block_options, plan_from_profile, resolve_compile
+from .sequential import (
+    PlannedChain, check_block_options, check_devices, check_slots, plan_from_profile, resolve_compile,
+)
 from .stage_compile import compile_options, offer_compiled, options_used, plan_compiled
 from .stage_options import StageMenu, build_menus
 
@@ -171,6 +173,7 @@ class PlanSettings:
 
     def __post_init__(self) -> None:
         check_block_options(self.block_options)
+        check_slots(self.slots)
         check_segmentation(self.segmentation)
         resolve_compile(self.compile, torch.device("cpu"))  # checks the value
 
@@ -185,6 +188,77 @@ class PlanSettings:
         return cache.directory / "inductor" if cache.enabled else None
 
 
+def _captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, autocast: AutocastState,
+                    started: float):
+    """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds)."""
+    captured = capture(model, args, kwargs, variants=settings.variants)
+    try:
+        chain = build_chain_graph(captured, model, settings.segmentation, context=autocast.key())
+    except (ValueError, StopIteration) as err:
+        raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
+    capture_seconds = time.perf_counter() - started
+    x0, shared = chain_inputs(chain, args, kwargs)
+    return chain, x0, tuple(shared), capture_seconds
+
+
+@dataclass
+class _ProfiledChain:
+    """A captured chain with its measured costs and block menus: what plans at any budget are solved from."""
+
+    chain: ChainGraph
+    x0: torch.Tensor
+    shared: tuple
+    settings: PlanSettings
+    profile: ChainProfile
+    profile_seconds: float
+    menus: object  # hierremat.stage_options.ChainMenus, or None
+
+    @classmethod
+    def of(cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings) -> "_ProfiledChain":
+        started = time.perf_counter()
+        signatures = [info.signature for info in chain.infos]
+        profile = profile_chain(
+            chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache())
+        )
+        profile_seconds = time.perf_counter() - started
+        menus = None
+        if settings.block_options == "ilp" and settings.strategy == "optimal":
+            menus = build_menus(
+                chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants
+            )
+        return cls(chain, x0, shared, settings, profile, profile_seconds, menus)
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(storage_bytes(v) for v in self.shared if isinstance(v, torch.Tensor))
+
+    def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None
+              ) -> SequentialPlan:
+        """The chain's plan within ``budget_bytes`` for the whole model (the shared values set aside), from
+        ``profile`` (default: the measured one, with the block menus' options). Raises InfeasibleBudgetError
+        with the model's smallest feasible budget."""
+        if profile is None:
+            profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
+        try:
+            return plan_from_profile(
+                self.chain.stages, profile, budget_bytes - self.shared_bytes, self.x0.device,
+                slots=self.settings.slots, profile_seconds=self.profile_seconds,
+                strategy=strategy or self.settings.strategy, output_held=self.settings.output_held,
+            )
+        except InfeasibleBudgetError as err:
+            raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + self.shared_bytes) from None
+
+    def model_plan(self, chain_plan: SequentialPlan, capture_seconds: float, compiled: bool = False) -> ModelPlan:
+        menus = self.menus
+        return ModelPlan(
+            chain_plan, tuple(self.chain.infos), self.shared_bytes, capture_seconds,
+            menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
+            options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
+            segmentation=self.settings.segmentation, variants=self.settings.variants, compiled=compiled,
+            compile_seconds=menus.compile_seconds if menus else 0.0,
+        )
+
+
 def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings
 ) -> _Compiled:
@@ -196,53 +270,26 @@ def _compile(
             "hierremat.remat(model, ...) before fully_shard (as activation checkpointing is applied before it), then "
             "fully_shard each block and the model; the first call re-plans for the shards"
         )
+    check_devices(_device_types(args, kwargs), "the example inputs")
     autocast = AutocastState.capture(_device_types(args, kwargs))
-    captured = capture(model, args, kwargs, variants=settings.variants)
-    try:
-        chain = build_chain_graph(captured, model, settings.segmentation, context=autocast.key())
-    except (ValueError, StopIteration) as err:
-        raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
-    capture_seconds = time.perf_counter() - started
-    x0, shared = chain_inputs(chain, args, kwargs)
-    shared = tuple(shared)
-    shared_bytes = sum(storage_bytes(v) for v in shared if isinstance(v, torch.Tensor))
+    chain, x0, shared, capture_seconds = _captured_chain(model, args, kwargs, settings, autocast, started)
     signatures = [info.signature for info in chain.infos]
     menus = None
     if plan is None:
-        started = time.perf_counter()
-        profile = profile_chain(
-            chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache())
-        )
-        profile_seconds = time.perf_counter() - started
-        if settings.block_options == "ilp" and settings.strategy == "optimal":
-            menus = build_menus(
-                chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants
-            )
-
-        def solve(profile):
-            return plan_from_profile(
-                chain.stages, profile, budget_bytes - shared_bytes, x0.device, slots=settings.slots,
-                profile_seconds=profile_seconds, strategy=settings.strategy, output_held=settings.output_held,
-            )
-
+        profiled = _ProfiledChain.of(chain, x0, shared, settings)
+        menus = profiled.menus
         compiled = menus is not None and resolve_compile(settings.compile, x0.device)
-        try:
-            if compiled:
-                chain_plan = plan_compiled(menus, profile, solve, chain.stages, x0, shared, settings.inductor_cache())
-            else:
-                chain_plan = solve(menus.extend(profile) if menus is not None else profile)
-        except InfeasibleBudgetError as err:
-            raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + shared_bytes) from None
-        plan = ModelPlan(
-            chain_plan, tuple(chain.infos), shared_bytes, capture_seconds,
-            menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
-            options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
-            segmentation=settings.segmentation, variants=settings.variants, compiled=compiled,
-            compile_seconds=menus.compile_seconds if menus else 0.0,
-        )
+        if compiled:
+            chain_plan = plan_compiled(
+                menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p), chain.stages, x0, shared,
+                settings.inductor_cache(),
+            )
+        else:
+            chain_plan = profiled.solve(budget_bytes)
+        plan = profiled.model_plan(chain_plan, capture_seconds, compiled)
         log.info(
-            "planned %s: %d stages, predicted peak %d B, step %.1f ms", type(model).__name__, len(plan.stages),
-            plan.predicted_peak_bytes, plan.predicted_step_time * 1e3,
+            "planned %s: %d stages, predicted peak %s, step %.1f ms", type(model).__name__, len(plan.stages),
+            format_bytes(plan.predicted_peak_bytes), plan.predicted_step_time * 1e3,
         )
         log.debug("%s", plan.summary())
     else:
@@ -405,6 +452,78 @@ def plan(
     settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants, compile)
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
     return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
+
+
+class BudgetExplorer:
+    """What each memory budget costs a model, from one capture and one profile (see hierremat.explore).
+
+    smallest_feasible_bytes: the smallest feasible budget InfeasibleBudgetError reports (a plan
+    exists there; it sets aside the replay reserve of every stage, so the exact minimum may be
+    up to that reserve lower); keep_all_bytes: the predicted peak of keeping everything
+    (plain autograd's schedule). Plans at any budget
+    are solved from the same measured costs, so their predicted times compare exactly.
+    """
+
+    def __init__(self, profiled: _ProfiledChain, capture_seconds: float):
+        self._profiled = profiled
+        self._capture_seconds = capture_seconds
+        self.keep_all_bytes = profiled.solve(2**62, strategy="none").predicted_peak_bytes + profiled.shared_bytes
+        self.smallest_feasible_bytes = self._smallest_feasible()
+
+    def _smallest_feasible(self) -> int:
+        budget = 1
+        for _ in range(4):  # follow the reported minimum until a plan exists there
+            try:
+                self._profiled.solve(budget)
+                return budget
+            except InfeasibleBudgetError as err:
+                if err.min_budget_bytes <= budget:
+                    raise
+                budget = err.min_budget_bytes
+        raise AssertionError(f"no plan at the smallest feasible budget reported ({budget} B)")
+
+    def plan(self, budget) -> ModelPlan:
+        """The plan within ``budget`` (bytes or "512MiB"); InfeasibleBudgetError below the smallest feasible one."""
+        budget_bytes = parse_budget(budget)
+        return self._profiled.model_plan(self._profiled.solve(budget_bytes), self._capture_seconds)
+
+    def menu(self, points: int = 6) -> tuple[ModelPlan, ...]:
+        """Plans at ``points`` budgets spaced evenly from the smallest feasible one to keeping everything."""
+        if points < 2:
+            raise ValueError(f"points must be at least 2, got {points}")
+        low, high = self.smallest_feasible_bytes, max(self.keep_all_bytes, self.smallest_feasible_bytes)
+        budgets = sorted({low + (high - low) * i // (points - 1) for i in range(points)})
+        return tuple(self._profiled.model_plan(self._profiled.solve(b), self._capture_seconds) for b in budgets)
+
+
+def explore(
+    model: nn.Module,
+    example_args,
+    example_kwargs: dict | None = None,
+    *,
+    slots: int = DEFAULT_SLOTS,
+    output_held: bool | None = None,
+    block_options: str = "ilp",
+    cache: bool | str = True,
+    segmentation: str = "blocks",
+    variants: bool = True,
+) -> BudgetExplorer:
+    """Capture, profile and build the block menus of ``model`` once, to see what budgets cost.
+
+    ``explore(model, args).menu()`` gives plans from the smallest feasible budget to keeping
+    everything (``python -m hierremat`` prints them); ``.plan(budget)`` one plan, which
+    ``remat(model, ..., plan=...)`` runs. Options as for hierremat.plan (block options run
+    eagerly here: compiled forms are priced only when compiled, see ``compile=``).
+    """
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    settings = PlanSettings(slots, "optimal", output_held, block_options, cache, segmentation, variants, False)
+    model = uncompiled(model)
+    kwargs = call_kwargs(model, example_kwargs or {})
+    started = time.perf_counter()
+    check_devices(_device_types(args, kwargs), "the example inputs")
+    autocast = AutocastState.capture(_device_types(args, kwargs))
+    chain, x0, shared, capture_seconds = _captured_chain(model, args, kwargs, settings, autocast, started)
+    return BudgetExplorer(_ProfiledChain.of(chain, x0, shared, settings), capture_seconds)
 
 
 def remat(

@@ -11,9 +11,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    run_slow = os.environ.get("HIERREMAT_RUN_SLOW") or "slow" in (config.getoption("markexpr") or "")
+    skip_slow = pytest.mark.skip(reason="slow: run with HIERREMAT_RUN_SLOW=1 or -m slow")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)

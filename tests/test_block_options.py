@@ -266,3 +266,38 @@ def test_frozen_block_has_a_signature_of_its_own_and_nothing_is_solved_again(tmp
     assert "solving again" not in caplog.text
     assert set(trainable.signatures[1:-1]).isdisjoint(frozen.signatures[1:-1])
     assert again.signatures == frozen.signatures and again.options_solves == 0
+
+
+class _Gate(torch.nn.Module):
+    """Equal printed configuration and parameters whatever ``kind`` is: only its attribute differs."""
+
+    def __init__(self, width: int, kind: str):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.kind = kind
+
+    def forward(self, x):
+        y = self.lin(x)
+        return x + (torch.tanh(y) if self.kind == "tanh" else torch.nn.functional.gelu(y) * y)
+
+
+def test_stages_that_differ_only_in_attributes_do_not_share_graphs():
+    """A plain chain's stage signature covers what the forward branches on beyond its repr and
+    parameters: two such stages sharing one traced graph would run each other's computation."""
+    from hierremat.stage_options import module_signature
+
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(_Gate(32, "tanh"), _Gate(32, "gelu"), _Gate(32, "tanh"), _Gate(32, "gelu"))
+    x = torch.randn(64, 32, requires_grad=True)
+    signatures = [module_signature(stage, x) for stage in model]
+    assert repr(model[0]) == repr(model[1]) and signatures[0] != signatures[1]
+    assert signatures[0] == signatures[2] and signatures[1] == signatures[3]
+    reference = copy.deepcopy(model)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    budget = f"{err.value.min_budget_bytes}B"
+    hr.checkpoint_sequential(model, budget, x)  # plans
+    hr.checkpoint_sequential(model, budget, x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)

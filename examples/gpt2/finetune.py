@@ -156,14 +156,17 @@ def resolve_budget(args, model, batch, device, optimizer) -> int | None:
     return int(plain_peak * args.budget_fraction)
 
 
-def median_step_seconds(module, batch, args, device, optimizer, repeats: int = 3) -> float:
+def median_step_seconds(module, batch, args, device, optimizer, repeats: int = 5) -> float:
+    """Median seconds of ``repeats`` training steps, after one untimed warm-up step (which is
+    where hierremat re-plans if the caller uses the output other than the plan assumed)."""
     samples = []
-    for _ in range(repeats):
+    for i in range(repeats + 1):
         t0 = time.perf_counter()
         train_step(module, batch, args.dtype, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - t0)
+        if i:
+            samples.append(time.perf_counter() - t0)
         optimizer.zero_grad(set_to_none=False)
     return statistics.median(samples)
 

@@ -180,5 +180,5 @@ def restore_causal_attention(gm: fx.GraphModule) -> int:
         _erase_if_unused(mask)
     if rewritten:
         gm.recompile()
-        log.info("attention: %d scaled_dot_product_attention calls given back is_causal=True", rewritten)
+        log.debug("attention: %d scaled_dot_product_attention calls given back is_causal=True", rewritten)
     return rewritten

@@ -222,6 +222,7 @@ class OptionsCache:
         self.enabled = bool(enabled)
         self._memory: dict[str, str] = {}  # digest -> canonical JSON of the payload
         self._lock = threading.Lock()
+        self._disk_warned = False  # disk trouble (unwritable, full, unreadable) is warned about once
 
     def __repr__(self) -> str:
         return f"OptionsCache(directory={str(self.directory)!r}, enabled={self.enabled})"
@@ -246,7 +247,11 @@ class OptionsCache:
         if hit is not None:
             return json.loads(hit)
         path = self.directory / f"{digest}.json"
-        if not path.exists():
+        try:
+            if not path.exists():
+                return None
+        except OSError as e:  # the directory cannot be searched (permissions)
+            self._disk_trouble(f"could not look up {path}: {e}; planning goes on without the cache's entries")
             return None
         try:
             _, payload = _check_document(_read_json(path), expect=key)
@@ -284,9 +289,17 @@ class OptionsCache:
         try:
             _atomic_write(path, canonical_json(_document(key, payload)) + "\n")
             return True
-        except OSError as e:
-            logger.warning("hierremat cache: could not write %s: %s", path, e)
+        except OSError as e:  # unwritable, full (ENOSPC), read-only: the plan goes on, unsaved
+            self._disk_trouble(f"could not write {path}: {e}; planning goes on without saving to the cache")
             return False
+
+    def _disk_trouble(self, message: str) -> None:
+        """Log disk trouble once per cache as a WARNING (then at DEBUG): a cache never fails a run."""
+        if self._disk_warned:
+            logger.debug("hierremat cache: %s", message)
+            return
+        self._disk_warned = True
+        logger.warning("hierremat cache: %s (further disk errors of this cache are logged at DEBUG)", message)
 
     def _files(self) -> list[Path]:
         try:

@@ -254,6 +254,14 @@ def recompute_all_decisions(st: Structure) -> Decisions:
     return Decisions(kept, 0 in needed, False, tuple(rec), tuple(carry))
 
 
+def _log_rejected(label: str, budgets: dict, problem: str | None) -> None:
+    log.error(
+        "block %s: the ILP solution at %s was rejected (%s) and discarded; the menu goes on without it. This is "
+        "a bug in hierremat's block ILP: please report it with the block signature.",
+        label or "(unnamed)", {k: v for k, v in budgets.items() if k != "objective"} or budgets, problem,
+    )
+
+
 def _prune(options: list) -> list:
     out = []
     for i, o in enumerate(options):
@@ -282,6 +290,7 @@ def solve_menu(
     backend: str = "auto",
     ilp: BlockIlp | None = None,
     progress=None,
+    label: str = "",
 ) -> BlockOptions:
     """The option menu of ``graph``: a (retained bytes x peak) budget sweep of the ILP,
     plus keep-all and recompute-all, Pareto-pruned.
@@ -294,7 +303,11 @@ def solve_menu(
     earlier 4 x 3 at 15% (about 18 solves) left gaps of up to 2.5%.
     Each solve is limited to ``time_limit`` seconds (a stopped solve keeps its incumbent,
     marked ``optimal=False``). progress: called after every solve with a short text
-    (budgets, status, seconds), e.g. to advance a progress bar.
+    (budgets, status, seconds), e.g. to advance a progress bar. label: names the block in
+    logs (its signature).
+
+    A solution the formulation's evaluation or the op-list simulator rejects is discarded,
+    never offered, and logged as a bug (ERROR, with ``label``); the menu goes on without it.
     """
     t0 = time.perf_counter()
     solves0 = solve_count()
@@ -302,6 +315,8 @@ def solve_menu(
     st = ilp.structure
     def solve(**budgets):
         res = ilp.solve(time_limit=time_limit, backend=backend, **budgets)
+        if res.status == "rejected":
+            _log_rejected(label, budgets, res.problem)
         if progress is not None:
             shown = ", ".join(f"{k}={v}" for k, v in budgets.items() if k != "objective")
             progress(f"{shown or budgets.get('objective', '')}: {res.status} in {res.solve_seconds:.2f}s")
@@ -321,17 +336,16 @@ def solve_menu(
         if not res.has_solution or res.decisions in seen:
             return
         seen.add(res.decisions)
-        cands.append(
-            make_option(
-                st,
-                res.decisions,
-                f"ilp_kept{int(K)}_peak{int(P) if P is not None else 'inf'}",
-                optimal=res.optimal,
-                ev=res.evaluation,
-                kept_budget=int(K),
+        name = f"ilp_kept{int(K)}_peak{int(P) if P is not None else 'inf'}"
+        try:
+            option = make_option(
+                st, res.decisions, name, optimal=res.optimal, ev=res.evaluation, kept_budget=int(K),
                 peak_budget=None if P is None else int(P),
             )
-        )
+        except (ValueError, AssertionError) as err:  # the op lists do not replay: never offer them
+            _log_rejected(label, {"kept": K, "peak": P}, f"option {name}: {err}")
+            return
+        cands.append(option)
 
     kmin = solve(objective="kept")
     if not kmin.has_solution:
@@ -364,7 +378,7 @@ def solve_menu(
                 add(solve(kept=K, peak=P), K, P)
     options = _prune(cands)
     seconds = time.perf_counter() - t0
-    log.info(
+    log.debug(
         "block menu: %d options (of %d candidates), %d solves, %d variables, %d constraints, %.2fs",
         len(options),
         len(cands),

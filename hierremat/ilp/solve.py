@@ -9,7 +9,11 @@ no incumbent its decisions are None.
 
 Gurobi is used when ``gurobipy`` is importable and the model fits the size-limited
 license of the pip wheel (2000 variables and 2000 constraints, counted after splitting
-two-sided rows); any Gurobi error (license, size) falls back to HiGHS and is logged.
+two-sided rows); a Gurobi error (license, size, a broken install) falls back to HiGHS with
+one warning, and Gurobi is not tried again in this process.
+
+A decoded solution that is not a schedule of the formulation's family (a solver or
+formulation bug) is never returned as one: the result has status 'rejected' and says why.
 
 Neither solver writes to the terminal: what their native code prints goes to this
 module's logger at DEBUG (hierremat.ilp.quiet).
@@ -33,6 +37,8 @@ log = logging.getLogger("hierremat.ilp")
 GUROBI_SIZE_LIMIT = 2000
 DEFAULT_TIME_LIMIT = 30.0
 _SOLVES = 0
+#: Why Gurobi failed in this process (it is then not tried again), or None.
+_GUROBI_FAILURE: str | None = None
 
 
 def solve_count() -> int:
@@ -44,7 +50,8 @@ def solve_count() -> int:
 class IlpResult:
     """Outcome of one solve.
 
-    status: 'optimal' | 'time_limit' | 'infeasible'.
+    status: 'optimal' | 'time_limit' | 'infeasible' | 'rejected' (the solver's point is not a
+        schedule of the family: a bug, explained by ``problem``; no decisions).
     objective: value of the chosen objective from the decoded schedule, exactly:
         total time in seconds (forward + recomputation + backward) for 'time', bytes for
         'peak' / 'kept'; None without a solution.
@@ -59,6 +66,7 @@ class IlpResult:
     backend: str
     decisions: Decisions | None = None
     evaluation: Evaluation | None = None
+    problem: str | None = None
 
     @property
     def optimal(self) -> bool:
@@ -175,7 +183,7 @@ def solve_model(
     backend: 'auto' (Gurobi if installed and the model fits its license, else HiGHS),
     'highs' or 'gurobi' (falls back to HiGHS, logged, when Gurobi cannot solve it).
     """
-    global _SOLVES
+    global _SOLVES, _GUROBI_FAILURE
     if backend not in ("auto", "highs", "gurobi"):
         raise ValueError(f"unknown backend {backend!r}")
     c = model.objective(objective)
@@ -187,6 +195,8 @@ def solve_model(
         if not _gurobi_available():
             if backend == "gurobi":
                 log.info("gurobipy is not installed; solving with HiGHS")
+        elif _GUROBI_FAILURE is not None:
+            log.debug("Gurobi failed earlier in this process (%s); solving with HiGHS", _GUROBI_FAILURE)
         elif model.n_vars > GUROBI_SIZE_LIMIT or _gurobi_rows(model) > GUROBI_SIZE_LIMIT:
             if backend == "gurobi":
                 log.info(
@@ -204,7 +214,9 @@ def solve_model(
             with solver_output_to_log(log, "Gurobi"):
                 status, xs, gap = _solve_gurobi(model, c, lb, ub, time_limit, mip_rel_gap)
         except Exception as err:  # license / size errors are GurobiError; anything else too
-            log.warning("Gurobi could not solve the block ILP (%s); falling back to HiGHS", err)
+            _GUROBI_FAILURE = f"{type(err).__name__}: {err}"
+            log.warning("Gurobi could not solve the block ILP (%s); using HiGHS for every block ILP of this "
+                        "process", _GUROBI_FAILURE)
             use = "highs"
             t0 = time.perf_counter()
     if use == "highs":
@@ -219,7 +231,7 @@ def solve_model(
     dec = model.decode(xs)
     ev = evaluate(model.structure, dec)
     if not ev.valid:  # the decoded point must be in the family; anything else is a bug
-        raise RuntimeError(f"block ILP returned a schedule outside its family: {ev.why}")
+        return IlpResult("rejected", None, gap, seconds, use, problem=f"the {use} solution is not a schedule: {ev.why}")
     value = {
         "time": ev.fwd_time + ev.bwd_time,
         "peak": max(ev.fwd_peak, ev.bwd_peak),

@@ -27,6 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
+from ..budget import format_bytes
 from ..errors import UnsupportedModelError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
 from .autocast import AutocastState
@@ -75,6 +76,12 @@ class OutputUse:
 
     held_bytes: int
     grad_mask: tuple[bool, ...]
+
+    def describe(self) -> str:
+        """In words, for logs: "4 B of the output held through the backward, gradients for outputs [1] of 2"."""
+        with_grad = [i for i, g in enumerate(self.grad_mask) if g]
+        return (f"{format_bytes(self.held_bytes)} of the output held through the backward, gradients for "
+                f"outputs {with_grad} of {len(self.grad_mask)}")
 
 
 class OutputWatch:

@@ -52,7 +52,7 @@ class StageCostCache:
             device_type=x.device.type,
             device_name=device_name(x.device),
             dtype=_dtype(x),
-            cost_model_version=STAGE_COST_VERSION,
+            cost_model_version=f"{STAGE_COST_VERSION}/torch-{torch.__version__}",
             formulation_version=what,
         )
 
