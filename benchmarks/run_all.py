@@ -42,9 +42,11 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         Defaults: per-block ILP options and operator variants (hierremat.variants);
   hierremat configurations  (HIERREMAT_CONFIGS) the same budgets without operator variants (variants=False),
                         Rotor on blocks (block_options="autograd", variants=False: autograd's options and the
-                        model's own operators), the whole-graph ILP (segmentation="none", variants=False) and
+                        model's own operators), the whole-graph ILP (segmentation="none", variants=False),
                         block options compiled by Inductor (compile=True; peaks from the CPU allocator's events,
-                        as for torch.compile); reported "not available" where the API does not take their arguments.
+                        as for torch.compile) and outputs="loss" (the logits not returned: the LM head may run
+                        fused with the loss; also at its own smallest feasible budget); reported "not available"
+                        where the API does not take their arguments.
 
 Metrics per row: peak bytes above the parameter baseline and its ratio to no checkpointing; the
 median step time over ``--rounds`` rounds (every method once per round, in a seeded shuffled order)
@@ -113,7 +115,12 @@ HIERREMAT_CONFIGS: list[tuple[str, dict]] = [
     ("hierremat, whole-graph ILP (no operator variants)", {"segmentation": "none", "variants": False}),
     # block options also offered compiled by Inductor, chosen with their measured compiled costs
     ("hierremat, compiled block options", {"compile": True}),
+    # the caller uses the loss only (as every step here does): the logits are not returned, and the LM head
+    # may run fused with the loss, chunk by chunk (an option of the output stage)
+    ("hierremat, outputs='loss' (fused LM head)", {"outputs": "loss"}),
 ]
+#: configurations whose smallest feasible budget differs from the default's: each also runs at its own
+LOWER_MINIMUM_CONFIGS = ("outputs",)
 # the whole-graph ILP grows with the model: run it on the small models only
 WHOLE_GRAPH_MODELS = ("mlp", "resnet", "gpt2-tiny")
 
@@ -607,13 +614,22 @@ class Bench:
                 self.skip(method, ", ".join(f"{k}={v!r}" for k, v in extra.items()), family,
                           f"not yet available: hierremat.{api.__name__} has no {'/'.join(missing)}= argument")
                 continue
-            make, _ = self.hierremat_runner(extra)
+            make, plan_at = self.hierremat_runner(extra)
             queue, retried = list(budgets), False
+            family_min = min_b
+            if any(k in extra for k in LOWER_MINIMUM_CONFIGS):
+                try:
+                    family_min = C.smallest_feasible_budget(plan_at)
+                    self.notes.append(f"{method}: smallest feasible budget {family_min} B = {family_min / MIB:.2f} MiB")
+                    queue.insert(0, (family_min, "smallest feasible with " + ", ".join(f"{k}={v!r}" for k, v in
+                                                                                        extra.items())))
+                except Exception as err:
+                    self.notes.append(f"{method}: smallest feasible budget unknown: {type(err).__name__}: {err}")
             while queue:
                 b, why = queue.pop(0)
                 setting = f"budget {b / MIB:.2f} MiB ({why})"
-                if min_b is not None and b < min_b:
-                    self.skip(method, setting, family, f"below the smallest feasible budget {min_b / MIB:.2f} MiB",
+                if family_min is not None and b < family_min:
+                    self.skip(method, setting, family, f"below the smallest feasible budget {family_min / MIB:.2f} MiB",
                               budget_bytes=b)
                     continue
                 if time.perf_counter() - self.started > self.args.plan_deadline:

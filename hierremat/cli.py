@@ -9,6 +9,8 @@ Face models are built from their config with random weights.
     python -m hierremat --hf path/to/config.json --budget 3GiB
     python -m hierremat --model my_model.py:build --budget 512MiB
 
+``--outputs loss``: the training step uses the loss only (hierremat.plan's ``outputs=``): the
+other outputs are not returned, so a language model's head may run fused with its loss.
 ``--model FILE.py:FUNCTION``: FUNCTION() returns ``(model, args)`` or ``(model, args, kwargs)``,
 the example inputs ``hierremat.plan`` takes. Budgets are bytes with units ("512MiB") or a
 fraction of keeping everything ("0.5x").
@@ -52,6 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="where to measure and plan: cpu (default) or cuda")
     ap.add_argument("--bf16", action="store_true", help="plan under bf16 autocast")
     ap.add_argument("--no-variants", action="store_true", help="the model's own operators (variants=False)")
+    ap.add_argument("--outputs", metavar="NAMES", help="the outputs the training step uses, comma-separated (e.g. "
+                    "'loss': the others are not returned, so a language model's head may run fused with its loss; "
+                    "see hierremat.plan's outputs=); default: all")
     ap.add_argument("--json", action="store_true", help="print the menu (and the plan) as JSON instead")
     ap.add_argument("-v", "--verbose", action="store_true", help="hierremat's INFO logs")
     args = ap.parse_args(argv)
@@ -146,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                                                         (example_args, example_kwargs))
     with torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext():
         held = {"yes": True, "no": False, "auto": None}[args.output_held or ("no" if args.hf else "auto")]
-        explorer = explore(model, example_args, example_kwargs, variants=not args.no_variants, output_held=held)
+        outputs = tuple(n.strip() for n in args.outputs.split(",") if n.strip()) if args.outputs else None
+        explorer = explore(
+            model, example_args, example_kwargs, variants=not args.no_variants, output_held=held, outputs=outputs
+        )
         menu = explorer.menu(args.points)
         chosen = None
         if args.budget:

@@ -51,6 +51,12 @@ class StageCosts:
     weight_cast_bytes: bytes of the low-precision copies of parameters that autocast makes
         in one forward of the stage. They are created in the step, so they are already in
         the overheads and kept bytes above; this says how much of those they are.
+    nograd_form: how F_none / F_ck run the stage: "autograd" (the stage called without
+        grad), "generated" (its joint graph's forward as generated code,
+        hierremat.runtime.block_exec.ForwardExecutor) or "compiled" (that code compiled by
+        Inductor); the nograd figures are that form's.
+    autograd_nograd: (seconds, overhead bytes) of the stage called without grad, when
+        nograd_form is another form: what plans that must call the stage itself use (FSDP2).
     """
 
     nograd_fwd_time: float
@@ -58,6 +64,16 @@ class StageCosts:
     options: tuple[OptionCosts, ...]
     name: str = ""
     weight_cast_bytes: int = 0
+    nograd_form: str = "autograd"
+    autograd_nograd: tuple[float, int] | None = None
+
+    def called_as_module(self) -> "StageCosts":
+        """These costs with the stage itself for every forward: option 0, autograd's no-grad forward."""
+        time, overhead = (
+            self.autograd_nograd if self.autograd_nograd is not None
+            else (self.nograd_fwd_time, self.nograd_fwd_overhead_bytes)
+        )
+        return StageCosts(time, overhead, self.options[:1], self.name, self.weight_cast_bytes)
 
     def to_dict(self) -> dict:
         return {
@@ -66,16 +82,21 @@ class StageCosts:
             "nograd_fwd_overhead_bytes": self.nograd_fwd_overhead_bytes,
             "options": [op.__dict__.copy() for op in self.options],
             "weight_cast_bytes": self.weight_cast_bytes,
+            "nograd_form": self.nograd_form,
+            "autograd_nograd": None if self.autograd_nograd is None else list(self.autograd_nograd),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageCosts":
+        autograd_nograd = d.get("autograd_nograd")
         return cls(
             nograd_fwd_time=float(d["nograd_fwd_time"]),
             nograd_fwd_overhead_bytes=int(d["nograd_fwd_overhead_bytes"]),
             options=tuple(OptionCosts(**op) for op in d["options"]),
             name=d.get("name", ""),
             weight_cast_bytes=int(d.get("weight_cast_bytes", 0)),
+            nograd_form=d.get("nograd_form", "autograd"),
+            autograd_nograd=None if autograd_nograd is None else (float(autograd_nograd[0]), int(autograd_nograd[1])),
         )
 
 

@@ -10,16 +10,42 @@ class InfeasibleBudgetError(ValueError):
 
     Attributes:
         budget_bytes: the budget that was asked for, in bytes.
-        min_budget_bytes: the smallest budget, in bytes, at which a schedule exists.
+        min_budget_bytes: the smallest budget, in bytes, at which a schedule exists (for the
+            use of the outputs planned for: released before backward, when the planner was free
+            to assume it, as ``model(x).loss.backward()`` does).
+        min_budget_bytes_output_held: where that differs, the smallest budget for a caller that
+            keeps the outputs alive through the backward (``out = model(x); out.loss.backward()``
+            with ``out`` still referenced; plan with ``output_held=True`` for it); else None.
     """
 
-    def __init__(self, budget_bytes: int, min_budget_bytes: int, what: str = "budget"):
+    def __init__(
+        self, budget_bytes: int, min_budget_bytes: int, what: str = "budget",
+        min_budget_bytes_output_held: int | None = None,
+    ):
         self.budget_bytes = int(budget_bytes)
         self.min_budget_bytes = int(min_budget_bytes)
-        super().__init__(
+        self.what = what
+        held = None if min_budget_bytes_output_held is None else int(min_budget_bytes_output_held)
+        self.min_budget_bytes_output_held = held if held != self.min_budget_bytes else None
+        text = (
             f"{what}={format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes) is too small: "
-            f"the smallest feasible budget is {format_bytes(self.min_budget_bytes)} "
-            f"({self.min_budget_bytes} bytes). Raise the budget to at least that."
+            f"the smallest feasible budget is {format_bytes(self.min_budget_bytes)} ({self.min_budget_bytes} bytes)"
+        )
+        if self.min_budget_bytes_output_held is not None:
+            text += (
+                f" with the outputs released before backward (`model(x).loss.backward()`), "
+                f"{format_bytes(self.min_budget_bytes_output_held)} ({self.min_budget_bytes_output_held} bytes) "
+                "with them kept alive through it (plan with output_held=True for that)"
+            )
+        super().__init__(text + ". Raise the budget to at least that.")
+
+    def plus(self, budget_bytes: int, extra_bytes: int) -> "InfeasibleBudgetError":
+        """This error for a larger whole: ``budget_bytes`` asked, every minimum ``extra_bytes`` more
+        (the values held beside the chain)."""
+        held = self.min_budget_bytes_output_held
+        return InfeasibleBudgetError(
+            budget_bytes, self.min_budget_bytes + extra_bytes, self.what,
+            None if held is None else held + extra_bytes,
         )
 
 

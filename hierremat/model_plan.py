@@ -31,6 +31,8 @@ class ModelPlan:
     compiled: block options run compiled by Inductor, at costs measured so (hierremat.stage_compile).
     compile_seconds: of planning, the seconds spent compiling block options (or loading them
         from Inductor's cache).
+    outputs: the names of the outputs the module returns (the others are None), as asked with
+        ``outputs=``; None: every output the model returns.
     """
 
     chain: SequentialPlan
@@ -46,6 +48,7 @@ class ModelPlan:
     sharded_reserve_bytes: int = 0
     compiled: bool = False
     compile_seconds: float = 0.0
+    outputs: tuple[str, ...] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -72,7 +75,8 @@ class ModelPlan:
             f"hierremat model plan: {len(self.stages)} stages ({unique} distinct), budget {format_bytes(self.budget_bytes)}"
             + (", segmentation='none' (one ILP over everything before the output stage)" if self.segmentation == "none" else "")
             + ("" if self.variants else ", operator variants off")
-            + (", block options compiled" if self.compiled else ""),
+            + (", block options compiled" if self.compiled else "")
+            + (f", returns {' and '.join(self.outputs)} only (outputs=)" if self.outputs is not None else ""),
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
             f" + shared inputs {format_bytes(self.shared_bytes)})",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
@@ -98,7 +102,7 @@ class ModelPlan:
                 f"{format_bytes(c.costs.activation_bytes[i + 1]):>11} {format_bytes(op.kept_bytes):>11} "
                 f"{op.fwd_time * 1e3:>8.3f} {op.bwd_time * 1e3:>8.3f}  {actions[i]}"
             )
-        lines += ["", f"  schedule: {c.schedule}"]
+        lines += [f"  ({c.ACTIONS_LEGEND})", "", f"  schedule: {c.schedule}"]
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -118,6 +122,7 @@ class ModelPlan:
                 "sharded_reserve_bytes": self.sharded_reserve_bytes,
                 "compiled": self.compiled,
                 "compile_seconds": self.compile_seconds,
+                "outputs": None if self.outputs is None else list(self.outputs),
             }
         )
 
@@ -140,4 +145,5 @@ class ModelPlan:
             sharded_reserve_bytes=int(d.get("sharded_reserve_bytes", 0)),
             compiled=bool(d.get("compiled", False)),
             compile_seconds=float(d.get("compile_seconds", 0.0)),
+            outputs=None if d.get("outputs") is None else tuple(str(n) for n in d["outputs"]),
         )

@@ -151,11 +151,16 @@ def plan_from_profile(
     costs = replace(profile.costs, output_held_bytes=held_bytes(output_held, profile.costs))
     try:
         schedule = solve(costs)
-    except InfeasibleBudgetError:
+    except InfeasibleBudgetError as held:
         if output_held is not None:
             raise
         costs = replace(costs, output_held_bytes=least_held_bytes(profile))
-        schedule = solve(costs)
+        try:
+            schedule = solve(costs)
+        except InfeasibleBudgetError as released:
+            raise InfeasibleBudgetError(
+                budget_bytes, released.min_budget_bytes, released.what, min_budget_bytes_output_held=held.min_budget_bytes,
+            ) from None
         log.info(
             "budget %d B fits only if the caller releases the chain output before backward (e.g. `loss = "
             "model(x).loss`); planned so. Each backward checks it and warns if the output was held.", budget_bytes,
@@ -177,10 +182,12 @@ def held_bytes(output_held: bool | int | None, costs) -> int | None:
 
 
 def least_held_bytes(profile: ChainProfile) -> int:
-    """What a caller that releases the output still holds: the losses among several outputs
-    (``loss = model(x).loss; loss.backward()`` keeps the loss); nothing of a single output."""
+    """What a caller that releases the output still holds: the scalar losses it calls backward on
+    (``loss = model(x).loss; loss.backward()`` keeps the loss), and of several outputs those that
+    get a gradient; nothing else."""
     mask = profile.output_grad_mask
-    return profile.costs.output_grad if len(mask) > 1 and not all(mask) else 0
+    partial = profile.costs.output_grad if len(mask) > 1 and not all(mask) else 0
+    return min(max(partial, profile.loss_bytes), profile.costs.activation_bytes[-1])
 
 
 class PlannedChain:
@@ -210,8 +217,13 @@ class PlannedChain:
 
     def _bind(self, plan: SequentialPlan) -> None:
         self.plan = plan
-        executors = self.menus.executors if self.menus is not None else None
-        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded)
+        executors = forwards = None
+        if self.menus is not None:
+            executors = self.menus.executors
+            forwards = [self.menus.forward_executor(i, st.nograd_form) for i, st in enumerate(plan.costs.stages)]
+        elif any(st.nograd_form != "autograd" for st in plan.costs.stages):
+            raise ValueError("the plan runs generated forwards, but the chain has no block menus: plan it again")
+        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards)
 
     def shard(self, sharded, plan: SequentialPlan, agree: Callable) -> None:
         """Run the stages through their FSDP2 modules (hierremat.runtime.fsdp.ShardedChain) under

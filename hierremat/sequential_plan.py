@@ -11,6 +11,10 @@ from .schedule import Backward, ChainSchedule, FAll, FCk, FNone
 from .simulate import SimulationResult, simulate
 
 
+#: Options a summary names rather than numbers: stages in another form (hierremat.output_stage).
+NAMED_OPTIONS = ("fused_head",)
+
+
 @dataclass(frozen=True)
 class SequentialPlan:
     """A plan for a chain of stages under a budget.
@@ -60,16 +64,26 @@ class SequentialPlan:
         """
         return simulate(self.costs, self.schedule, output_grad_persists=not self.schedule.keeps_everything)
 
+    #: What stage_actions' words mean, for summaries.
+    ACTIONS_LEGEND = (
+        "forwards: none/ck = without grad (ck keeps the input; * as generated code, + compiled), all = with "
+        "grad, keeping what autograd keeps, all[k] = block option k, all[fused_head] = the LM head fused with the loss"
+    )
+
     def stage_actions(self) -> list[str]:
-        """Per stage, what the schedule does with it, e.g. 'ck, all' (forward kinds in order)."""
+        """Per stage, what the schedule does with it, e.g. 'ck, all' (forward kinds in order;
+        'ck*' where the forward without grad runs as generated code, 'ck+' compiled)."""
         kinds: list[list[str]] = [[] for _ in range(self.schedule.length)]
+        marks = [{"generated": "*", "compiled": "+"}.get(st.nograd_form, "") for st in self.costs.stages]
         for op in self.schedule.ops:
             if isinstance(op, FNone):
-                kinds[op.stage].append("none")
+                kinds[op.stage].append("none" + marks[op.stage])
             elif isinstance(op, FCk):
-                kinds[op.stage].append("ck")
+                kinds[op.stage].append("ck" + marks[op.stage])
             elif isinstance(op, FAll):
-                kinds[op.stage].append("all" if op.option == 0 else f"all[{op.option}]")
+                name = self.costs.stages[op.stage].options[op.option].name
+                label = "" if op.option == 0 else name if name in NAMED_OPTIONS else str(op.option)
+                kinds[op.stage].append(f"all[{label}]" if label else "all")
         return [", ".join(k) for k in kinds]
 
     def autocast_line(self) -> str:
@@ -108,6 +122,7 @@ class SequentialPlan:
                 f"{format_bytes(op.kept_bytes):>11} {op.fwd_time * 1e3:>8.3f} {op.bwd_time * 1e3:>8.3f}  {actions[i]}"
             )
         n_back = sum(isinstance(op, Backward) for op in s.ops)
+        lines.append(f"  ({self.ACTIONS_LEGEND})")
         lines.append("")
         lines.append(f"  schedule ({len(s.ops)} ops, {n_back} backward): {s}")
         return "\n".join(lines)

@@ -21,6 +21,10 @@ never used. So (:func:`plan_compiled`):
 The plan is always safe in memory: a compiled option has its measured peaks, and a
 compiled form still unmeasured after the last round runs as generated eager code, whose
 memory the ILP modelled. Only its time was a guess. Option 0 is never compiled.
+
+Each signature's forward without grad (F_none / F_ck) is compiled too (:func:`compile_forwards`)
+and measured; a stage runs it so where it is the fastest form that peaks no higher than the
+stage called without grad (ChainMenus.extend).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .runtime.compiled_option import CompiledOptionExecutor, CompiledProgram
+from .runtime.compiled_option import CompiledForward, CompiledForwardExecutor, CompiledOptionExecutor, CompiledProgram
 from .runtime.profile import ChainProfile, no_side_effects, scratch_grads
 from .schedule import FAll
 from .stage_options import ChainMenus, stage_inputs
@@ -105,6 +109,42 @@ def compile_options(
     return len(todo)
 
 
+def compile_forwards(
+    menus: ChainMenus, stages: Sequence, x0: torch.Tensor, shared: tuple, cache_dir: Path | None,
+    wanted: set[int] | None = None, measure: bool = True,
+) -> None:
+    """Compile (and measure) the no-grad forward of every stage signature with a menu (of the
+    stages ``wanted``, default all) not compiled yet. One that Inductor fails to compile is
+    left out with a warning: those stages run it as generated code or as autograd does."""
+    todo = {}
+    for i, executor in enumerate(menus.forward_executors):
+        signature = menus.signatures[i]
+        if executor is not None and (wanted is None or i in wanted) and signature not in menus.compiled_forwards:
+            todo.setdefault(signature, i)
+    if not todo:
+        return
+    xs = stage_inputs(stages, x0, shared)
+    for signature, i in todo.items():
+        started = time.perf_counter()
+        try:
+            with no_side_effects(stages, x0):
+                compiled = CompiledForward(
+                    menus.forward_executors[i].generated.joint, menus.forwards[signature], xs[i], shared, cache_dir
+                )
+                costs = CompiledForwardExecutor(compiled, menus.forward_executors[i].binding).measure(xs[i], shared) if measure else None
+        except Exception as err:  # noqa: BLE001 - as in compile_options
+            log.warning(
+                "stage signature %s: the forward without grad could not be compiled (%s: %s)", signature,
+                type(err).__name__, str(err).splitlines()[0] if str(err) else "",
+            )
+            menus.compile_seconds += time.perf_counter() - started
+            continue
+        menus.compiled_forwards[signature] = (compiled, costs)
+        menus.compile_seconds += compiled.compile_seconds
+        log.info("stage signature %s: forward without grad compiled in %.1f s", signature, compiled.compile_seconds)
+    del xs
+
+
 def _tried(menus: ChainMenus, key: tuple[str, str]) -> bool:
     """Whether the option was compiled, or failed to compile."""
     return key in menus.compiled or key in menus.compile_failed
@@ -123,6 +163,7 @@ def plan_compiled(
         if n:
             fastest.add((i, n + 1 + min(range(n), key=lambda j: menus.option(i, j + 1).total_time)))
     compile_options(menus, fastest, stages, x0, shared, cache_dir)
+    compile_forwards(menus, stages, x0, shared, cache_dir)
     plan = solve(menus.extend(profile))
     for _ in range(MAX_ROUNDS):
         if not compile_options(menus, options_used(plan.schedule), stages, x0, shared, cache_dir):

@@ -6,16 +6,21 @@ forward+backward ATen graph is traced (hierremat.blocks.joint), its nodes are pr
 (hierremat.ilp.options.solve_menu) yields a Pareto menu of options. The menus are cached
 on disk by signature, device and versions (hierremat.ilp.cache), so a second run solves
 nothing. Each stage then offers the chain DP option 0 (the stage under autograd,
-profiled as a whole) plus the menu's options k = 1.., which the runtime executes with
-hierremat.runtime.block_exec.
+profiled as a whole) plus the menu's options k = 1.., which the runtime executes as
+generated code (hierremat.runtime.block_exec); the menu's first options keep what
+autograd keeps, so option 0's work also runs as generated code wherever that is faster.
+The forward without grad (F_none / F_ck) runs as the generated forward of the stage's
+joint graph (hierremat.ilp.options.forward_only) where that is faster than calling the
+stage and peaks no higher (StageCosts.nograd_form).
 
 Cost model: an option's times are sums of per-node times, measured one op at a time;
 the whole-stage profile of option 0 is measured as one call, under autograd. To put both
 on one scale, menu times are multiplied per signature by the measured time of one of its
-options as the executor really runs it (forward + backward, median of a few runs) over
-that option's node-time sum: the executor's own overhead, and kernels that are slower in
-the decomposed graph than in eager autograd, are then priced in, so the DP prefers
-autograd's option where the ILP's saves too little.
+options as the generated code really runs it (forward + backward, median of a few runs)
+over that option's node-time sum: the code's own overhead, and kernels that are slower
+(or faster) in the decomposed graph than in eager autograd, are then priced in, so the
+DP picks autograd's option 0 or the generated code by what each really costs. The
+generated forward without grad is timed the same way.
 
 Under autocast, joint graphs are traced with the forward under the caller's setting, so
 every cast autocast makes (weights included) is an explicit node of the graph, and options
@@ -43,13 +48,14 @@ from .blocks.joint import JointGraph, to_block_graph, trace_joint
 from .blocks.node_profile import profile_nodes
 from .costs import OptionCosts
 from .ilp.cache import CacheKey, OptionsCache, default_cache
-from .ilp.options import BlockOption, solve_menu
+from .ilp.options import BlockOption, forward_only, solve_menu
 from .ilp.solve import solve_count
+from .output_stage import fused_head_option
 from .runtime.autocast import AutocastState
-from .runtime.block_exec import GeneratedOption, OptionExecutor
+from .runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOption, OptionExecutor
 from .runtime.option_codegen import StageBinding
 from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
-from .runtime.stage_cost_cache import StageCostCache, device_name
+from .runtime.stage_cost_cache import ExecutorSpeeds, StageCostCache, device_name
 from .variants.dropout import pack_dropout_masks
 
 log = logging.getLogger(__name__)
@@ -92,6 +98,14 @@ class ChainMenus:
 
     menus: signature -> StageMenu; executors[i][k]: runs option k of stage i (index 0 is
     None: option 0 is the stage under autograd); solves: ILP solves done (0 on a cache hit).
+    forwards: signature -> the generated no-grad forward (F_none / F_ck) of its stages;
+    forward_executors[i]: runs it on stage i (None for a stage without a menu).
+    output_option: the last stage's other form (hierremat.output_stage: the fused LM head) as
+    (its OptionCosts, the output gradient mask they were measured with), or None; its
+    executor is executors[-1][1].
+    compiled_forwards: signature -> (its no-grad forward compiled,
+    hierremat.runtime.compiled_option.CompiledForward; its measured (seconds, peak bytes) or
+    None when loaded for a saved plan); filled by hierremat.stage_compile.
     compiled: (signature, option name) -> (its hierremat.runtime.compiled_option.CompiledProgram,
     its CompiledCosts or None when loaded for a saved plan); filled by hierremat.stage_compile.
     compile: whether each stage also offers every menu option compiled (hierremat.stage_compile):
@@ -104,8 +118,12 @@ class ChainMenus:
     signatures: tuple[str, ...]
     solves: int = 0
     seconds: float = 0.0
-    #: signature -> measured seconds of executing an option per second of its node-time sum
-    scales: dict = field(default_factory=dict)
+    #: signature -> measured speeds of its generated code (hierremat.runtime.stage_cost_cache.ExecutorSpeeds)
+    speeds: dict = field(default_factory=dict)
+    forwards: dict = field(default_factory=dict)
+    forward_executors: list = field(default_factory=list)
+    compiled_forwards: dict = field(default_factory=dict)
+    output_option: tuple | None = None
     compiled: dict = field(default_factory=dict)
     #: (signature, option name) that Inductor failed to compile: their compiled forms run eagerly
     compile_failed: set = field(default_factory=set)
@@ -115,7 +133,8 @@ class ChainMenus:
     def menu_size(self, stage: int) -> int:
         """n: the number of options of stage ``stage``'s menu (0 without one)."""
         menu = self.menus.get(self.signatures[stage])
-        return len(menu.options) if menu is not None and len(self.executors[stage]) > 1 else 0
+        last = stage == len(self.executors) - 1
+        return len(menu.options) if menu is not None and len(self.executors[stage]) > 1 and not last else 0
 
     def option(self, stage: int, k: int) -> BlockOption:
         """The menu option that option k >= 1 of stage ``stage`` runs (eager or compiled)."""
@@ -139,9 +158,25 @@ class ChainMenus:
         ]
         return max(ratios) if ratios else None
 
+    def forward_executor(self, stage: int, form: str):
+        """What runs F_none / F_ck of ``stage`` in ``form`` (StageCosts.nograd_form): a
+        ForwardExecutor for "generated", None (the stage itself) for "autograd"."""
+        if form == "autograd":
+            return None
+        executor = self.forward_executors[stage] if stage < len(self.forward_executors) else None
+        compiled = self.compiled_forwards.get(self.signatures[stage]) if executor is not None else None
+        if form == "generated" and executor is not None:
+            return executor
+        if form == "compiled" and compiled is not None:
+            from .runtime.compiled_option import CompiledForwardExecutor  # loaded with compiling
+
+            return CompiledForwardExecutor(compiled[0], executor.binding)
+        raise ValueError(f"stage {stage} has no {form!r} forward without grad: plan it again")
+
     def extend(self, profile: ChainProfile) -> ChainProfile:
         """The profile with each stage's menu options appended after option 0, times calibrated;
-        with ``compile``, followed by the same options compiled.
+        with ``compile``, followed by the same options compiled. A stage whose generated
+        no-grad forward is faster than autograd's, and peaks no higher, runs F_none / F_ck so.
 
         A compiled option has the costs measured on its compiled form; one not compiled yet is
         priced at the ILP's memory and the speed its signature's compiled options showed
@@ -149,18 +184,21 @@ class ChainMenus:
         stages = []
         for i, (stage_costs, signature) in enumerate(zip(profile.costs.stages, self.signatures)):
             n = self.menu_size(i)
-            if n == 0:  # no menu, or none runnable here (the last stage)
+            if n == 0:  # no menu, or none runnable here (the last stage: its other form, if any)
+                output = self.output_option if i == len(self.executors) - 1 else None
+                if output is not None and output[1] == profile.output_grad_mask:
+                    stage_costs = replace(stage_costs, options=(stage_costs.options[0], output[0]))
                 stages.append(stage_costs)
                 continue
             menu = self.menus[signature]
             base = stage_costs.options[0]
             node_total = sum(nd.time for nd in menu.graph.nodes)
-            # the executor runs the same kernels as autograd plus its own overhead: never price it
-            # faster than autograd (a measurement of a sub-millisecond stage can say otherwise), and
-            # a hair slower, so that an option that keeps what autograd keeps never wins a tie
-            # against option 0 through rounding (option 0 runs as plain autograd)
+            speeds = self.speeds.get(signature)
+            # measured speeds price the generated code as it runs: faster or slower than autograd
+            # (option 0). Unmeasured, it is priced as autograd and a hair slower, so that an
+            # option that keeps what autograd keeps never wins a tie against option 0.
             as_autograd = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
-            scale = max(self.scales.get(signature, as_autograd), as_autograd * (1 + TIE_MARGIN))
+            scale = speeds.scale if speeds is not None else as_autograd * (1 + TIE_MARGIN)
             extra = [_scaled(o.to_option_costs(), scale) for o in menu.options]
             compiled_scale = self.compiled_scale(signature)
             if self.compile and compiled_scale is not None:
@@ -172,8 +210,35 @@ class ChainMenus:
                         extra.append(_scaled(o.to_option_costs(), scale))
                     else:
                         extra.append(replace(_scaled(o.to_option_costs(), compiled_scale), name=f"{o.name}+compiled?"))
-            stages.append(replace(stage_costs, options=(base, *extra)))
+            stage_costs = replace(stage_costs, options=(base, *extra))
+            out_bytes = profile.costs.activation_bytes[i + 1]
+            forms = {}
+            forward = self.forwards.get(signature)
+            if forward is not None and speeds is not None:
+                forms["generated"] = (speeds.forward_seconds, max(forward.peak_bytes, out_bytes))
+            compiled_forward = self.compiled_forwards.get(signature)
+            if self.compile and compiled_forward is not None and compiled_forward[1] is not None:
+                seconds, peak = compiled_forward[1]
+                forms["compiled"] = (seconds, max(peak, out_bytes))
+            stages.append(_with_fastest_forward(stage_costs, forms))
         return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
+
+
+def _with_fastest_forward(costs, forms: dict):
+    """``costs`` (StageCosts, measured with the stage called without grad) running F_none / F_ck
+    in the fastest of ``forms`` (form -> (seconds, peak bytes)) that peaks no higher than the
+    stage called without grad: the chain DP has one no-grad forward per stage, so a faster
+    form never raises a plan's memory."""
+    if costs.nograd_form != "autograd":
+        return costs
+    autograd = (costs.nograd_fwd_time, costs.nograd_fwd_overhead_bytes)
+    fitting = [(seconds, peak, form) for form, (seconds, peak) in forms.items() if peak <= autograd[1]]
+    if not fitting or min(fitting)[0] >= autograd[0]:
+        return costs
+    seconds, peak, form = min(fitting)
+    return replace(
+        costs, nograd_fwd_time=seconds, nograd_fwd_overhead_bytes=peak, nograd_form=form, autograd_nograd=autograd
+    )
 
 
 def _scaled(option: OptionCosts, scale: float) -> OptionCosts:
@@ -338,7 +403,9 @@ def build_menus(
     joints: dict[str, JointGraph] = {}
     executors: list[list] = [[None] for _ in range(L)]
     generated: dict[str, list[GeneratedOption]] = {}  # one program per (signature, option), made when first run
-    scales: dict[str, float] = {}
+    forwards: dict[str, GeneratedForward] = {}  # one no-grad forward per signature, made when first run
+    forward_executors: list = [None] * L
+    speeds: dict[str, ExecutorSpeeds] = {}
     solves_before = solve_count()
     autocast = AutocastState.capture((x0.device.type,))
     for i, (stage, signature) in enumerate(zip(stages[:-1], signatures)):
@@ -375,17 +442,31 @@ def build_menus(
         bound = rebind(joint, stage)
         if signature not in generated:
             generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
+            mutations = frozenset(node for node, _ in joint.mutations)
+            forwards[signature] = GeneratedForward(joint, forward_only(menu.graph, also=mutations))
         binding = StageBinding(bound)
         executors[i] = [None] + [
             OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])
         ]
-        if signature not in scales:
-            scales[signature] = cost_cache.get_scale(graph_key, xs[i])
-            if scales[signature] is None:
-                scales[signature] = _executor_scale(executors[i][1:], stage, stages, xs[i], x0, shared)
-                cost_cache.put_scale(graph_key, xs[i], scales[signature])
+        forward_executors[i] = ForwardExecutor(forwards[signature], binding)
+        if signature not in speeds:
+            speeds[signature] = cost_cache.get_speeds(graph_key, xs[i])
+            if speeds[signature] is None:
+                speeds[signature] = _executor_speeds(
+                    executors[i][1:], forward_executors[i], stage, stages, xs[i], x0, shared
+                )
+                cost_cache.put_speeds(graph_key, xs[i], speeds[signature])
+    output_option = None
+    if variants:
+        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
+        if fused is not None:
+            output_option, executors[-1] = fused[:2], [None, fused[2]]
     solves = solve_count() - solves_before
-    return ChainMenus(menus, executors, tuple(signatures), solves, time.perf_counter() - started, scales)
+    return ChainMenus(
+        menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,
+        forwards={sig: f.forward for sig, f in forwards.items()}, forward_executors=forward_executors,
+        output_option=output_option,
+    )
 
 
 _SOLVER_FAILURES: list[str] = []
@@ -401,12 +482,11 @@ def _warn_solver_failure(signature: str, err: Exception) -> None:
     _SOLVER_FAILURES.append(what)
 
 
-def _executor_scale(executors, stage, stages, x, x0, shared, repeats: int = 3) -> float:
-    """Measured seconds per node-time second of the menu's fastest option, run by its executor
-    (forward + backward after one warm-up; RNG, buffers and ``.grad`` left as they were)."""
+def _executor_speeds(executors, forward, stage, stages, x, x0, shared, repeats: int = 3) -> ExecutorSpeeds:
+    """Measured speeds of a stage's generated code: the menu's fastest option (forward + backward)
+    per second of its node-time sum, and the no-grad forward's seconds (medians after one
+    warm-up; RNG, buffers and ``.grad`` left as they were)."""
     executor = min(executors, key=lambda e: e.option.total_time)
-    if executor.option.total_time <= 0:
-        return 1.0
     y_meta = None
 
     def run():
@@ -416,9 +496,13 @@ def _executor_scale(executors, stage, stages, x, x0, shared, repeats: int = 3) -
         executor.backward(tape, y_meta, shared)
 
     with no_side_effects(stages, x0), scratch_grads(stage):
+        forward(x, shared)  # warm-up
+        forward_seconds = median_seconds(lambda: forward(x, shared), repeats, x.device)
+        if executor.option.total_time <= 0:
+            return ExecutorSpeeds(1.0, forward_seconds)
         run()  # warm-up
         seconds = median_seconds(run, repeats, x.device)
-    return seconds / executor.option.total_time
+    return ExecutorSpeeds(seconds / executor.option.total_time, forward_seconds)
 
 
 @contextlib.contextmanager

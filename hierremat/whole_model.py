@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .blocks.capture import capture, uncompiled
+from .blocks.capture import capture, check_outputs, uncompiled
 from .blocks.hf import call_kwargs
 from .blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from .budget import format_bytes, parse_budget
@@ -34,7 +34,7 @@ from .ilp.cache import OptionsCache, default_cache
 from .sequential import (
     PlannedChain, check_block_options, check_devices, check_slots, plan_from_profile, resolve_compile,
 )
-from .stage_compile import compile_options, offer_compiled, options_used, plan_compiled
+from .stage_compile import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from .stage_options import StageMenu, build_menus
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class _Compiled:
             outcome = err
         outcome = rank0s(outcome)
         if isinstance(outcome, InfeasibleBudgetError):
-            raise InfeasibleBudgetError(budget_bytes, outcome.min_budget_bytes + plan.shared_bytes + reserve) from None
+            raise outcome.plus(budget_bytes, plan.shared_bytes + reserve) from None
         chain_plan = outcome
         log.info(
             "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B held beside the chain",
@@ -147,7 +147,8 @@ def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return outcome
     if isinstance(outcome, InfeasibleBudgetError):
-        mine = {"infeasible": [outcome.budget_bytes, outcome.min_budget_bytes]}
+        mine = {"infeasible": [outcome.budget_bytes, outcome.min_budget_bytes, outcome.what,
+                               outcome.min_budget_bytes_output_held]}
     else:
         mine = {"plan": outcome.to_json()}
     box = [json.dumps(mine) if dist.get_rank() == 0 else None]
@@ -170,12 +171,14 @@ class PlanSettings:
     segmentation: str = "blocks"
     variants: bool = True
     compile: bool | str = "auto"
+    outputs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_block_options(self.block_options)
         check_slots(self.slots)
         check_segmentation(self.segmentation)
         resolve_compile(self.compile, torch.device("cpu"))  # checks the value
+        object.__setattr__(self, "outputs", check_outputs(self.outputs))
 
     def options_cache(self) -> OptionsCache:
         if isinstance(self.cache, str):
@@ -191,7 +194,7 @@ class PlanSettings:
 def _captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, autocast: AutocastState,
                     started: float):
     """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds)."""
-    captured = capture(model, args, kwargs, variants=settings.variants)
+    captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs)
     try:
         chain = build_chain_graph(captured, model, settings.segmentation, context=autocast.key())
     except (ValueError, StopIteration) as err:
@@ -246,7 +249,7 @@ class _ProfiledChain:
                 strategy=strategy or self.settings.strategy, output_held=self.settings.output_held,
             )
         except InfeasibleBudgetError as err:
-            raise InfeasibleBudgetError(budget_bytes, err.min_budget_bytes + self.shared_bytes) from None
+            raise err.plus(budget_bytes, self.shared_bytes) from None
 
     def model_plan(self, chain_plan: SequentialPlan, capture_seconds: float, compiled: bool = False) -> ModelPlan:
         menus = self.menus
@@ -255,6 +258,7 @@ class _ProfiledChain:
             menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
             options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
             segmentation=self.settings.segmentation, variants=self.settings.variants, compiled=compiled,
+            outputs=self.settings.outputs,
             compile_seconds=menus.compile_seconds if menus else 0.0,
         )
 
@@ -306,12 +310,18 @@ def _compile(
         if plan.menus:
             stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
             menus = build_menus(chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants)
-            if plan.compiled:  # its costs are those of compiled options: run them so
+            if plan.compiled:  # its costs are those of compiled options and forwards: run them so
                 offer_compiled(menus)
                 compile_options(
                     menus, options_used(plan.chain.schedule), chain.stages, x0, shared, settings.inductor_cache(),
                     measure=False,
                 )
+                compiled_forwards = {i for i, st in enumerate(plan.chain.costs.stages) if st.nograd_form == "compiled"}
+                if compiled_forwards:
+                    compile_forwards(
+                        menus, chain.stages, x0, shared, settings.inductor_cache(), wanted=compiled_forwards,
+                        measure=False,
+                    )
     planned = PlannedChain(
         chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus
     )
@@ -418,6 +428,7 @@ def plan(
     segmentation: str = "blocks",
     variants: bool = True,
     compile: bool | str = "auto",
+    outputs: str | tuple[str, ...] | None = None,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -447,9 +458,18 @@ def plan(
     planning (cached on disk by Inductor under ``cache``), and ``summary()`` shows the time
     that took. Gradients then agree with eager ones to within the rounding of fused
     arithmetic, as with ``torch.compile``; dropout stays bitwise.
+    outputs: None (default): the model's outputs, all of them, exactly as it returns them.
+    The names of the outputs the caller uses (e.g. ``"loss"`` for a Hugging Face language
+    model trained with ``model(...).loss.backward()``): the other named outputs are returned
+    as None and never computed for their own sake, so a language model's logits need not
+    exist whole: its head may then run fused with the loss, chunk by chunk (an option the
+    plan picks by budget; hierremat.output_stage). A model that returns only its loss gets
+    that option without ``outputs=``.
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants, compile)
+    settings = PlanSettings(
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs
+    )
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
     return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
 
@@ -507,6 +527,7 @@ def explore(
     cache: bool | str = True,
     segmentation: str = "blocks",
     variants: bool = True,
+    outputs: str | tuple[str, ...] | None = None,
 ) -> BudgetExplorer:
     """Capture, profile and build the block menus of ``model`` once, to see what budgets cost.
 
@@ -516,7 +537,7 @@ def explore(
     eagerly here: compiled forms are priced only when compiled, see ``compile=``).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    settings = PlanSettings(slots, "optimal", output_held, block_options, cache, segmentation, variants, False)
+    settings = PlanSettings(slots, "optimal", output_held, block_options, cache, segmentation, variants, False, outputs)
     model = uncompiled(model)
     kwargs = call_kwargs(model, example_kwargs or {})
     started = time.perf_counter()
@@ -542,12 +563,13 @@ def remat(
     segmentation: str | None = None,
     variants: bool | None = None,
     compile: bool | str | None = None,
+    outputs: str | tuple[str, ...] | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy, output_held, block_options, cache, segmentation, variants, compile: as for
-    hierremat.plan (segmentation, variants and compile default to ``plan``'s, else 'blocks',
-    True and "auto").
+    strategy, output_held, block_options, cache, segmentation, variants, compile, outputs: as
+    for hierremat.plan (segmentation, variants, compile and outputs default to ``plan``'s,
+    else 'blocks', True, "auto" and None).
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -559,7 +581,11 @@ def remat(
         variants = plan.variants if plan is not None else True
     if compile is None:
         compile = plan.compiled if plan is not None else "auto"
-    settings = PlanSettings(slots, strategy, output_held, block_options, cache, segmentation, variants, compile)
+    if outputs is None and plan is not None:
+        outputs = plan.outputs
+    settings = PlanSettings(
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs
+    )
     module = RematModule(model, budget_bytes, on_new_shape, settings)
     module._add(args, example_kwargs or {}, plan)
     return module

@@ -150,6 +150,17 @@ def tiny_vit(n_layer: int = 2):
     return ViTForImageClassification(config).train()
 
 
+class LossOnly(nn.Module):
+    """A causal LM wrapped to return its loss only (what a training loop differentiates)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(ids, labels=labels, use_cache=False).loss
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (integer views: signed zeros and NaN payloads count)."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -21,9 +21,11 @@ import hierremat as hr
 from hierremat.blocks.joint import to_block_graph, trace_joint
 from hierremat.blocks.node_profile import profile_nodes
 from hierremat.ilp.cache import default_cache
-from hierremat.ilp.options import simulate_option, solve_menu
+from hierremat.ilp.options import forward_only, simulate_option, solve_menu
 from hierremat.runtime import LiveTensorTracker
-from hierremat.runtime.block_exec import OptionExecutor
+from hierremat.runtime.block_exec import ForwardExecutor, GeneratedForward, OptionExecutor
+from hierremat.runtime.option_codegen import StageBinding
+from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
 from models import TinyResNet, tiny_gpt2
 from stages import stage_of
@@ -43,10 +45,35 @@ def _reference(stage, x, shared, seed):
     return y.detach(), xi.grad, [p.grad.clone() for p in stage.parameters()]
 
 
+def _check_forward_only(stage, joint, graph, x, shared, buffers):
+    """The generated no-grad forward (F_none / F_ck) gives the stage's output and buffer updates
+    bitwise (dropout active, same RNG state), keeps nothing, and peaks at most as predicted."""
+    forward = forward_only(graph, also=frozenset(node for node, _ in joint.mutations))
+    assert [name for kind, name in forward.ops if kind == "compute"][-1:] and ("free", graph.input_name) not in forward.ops
+    executor = ForwardExecutor(GeneratedForward(joint, forward), StageBinding(joint))
+    for b, saved in zip(stage.buffers(), buffers):
+        b.copy_(saved)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        y_ref = stage(x, *shared)
+    updated = [b.clone() for b in stage.buffers()]
+    for b, saved in zip(stage.buffers(), buffers):
+        b.copy_(saved)
+    torch.manual_seed(11)
+    with LiveTensorTracker() as tracker:
+        y = executor(x.detach().clone(), shared)  # (the input's copy counts from here)
+    assert torch.equal(y, y_ref)
+    for b, expected in zip(stage.buffers(), updated):
+        assert torch.equal(b, expected)
+    assert tracker.peak_bytes <= forward.peak_bytes + x.untyped_storage().nbytes() + KiB
+    assert tracker.live_bytes == y.untyped_storage().nbytes()  # nothing kept (the input's copy freed)
+
+
 def _check_menu(stage, x, shared):
     buffers = [b.clone() for b in stage.buffers()]
     joint = trace_joint(stage, x, shared)
     graph = to_block_graph(joint, profile_nodes(joint, x, shared, method="flops"))
+    _check_forward_only(stage, joint, graph, x, shared, buffers)
     menu = solve_menu(graph)
     assert len(menu.options) >= 2
     y_ref, dx_ref, g_ref = _reference(stage, x, shared, seed=5)
@@ -115,16 +142,33 @@ def _step(model, args, kwargs, seed=1):
     return loss.detach(), [p.grad.clone() for p in model.parameters()], tracker.peak_bytes
 
 
+def _whole_model(which: str):
+    """(model, args, kwargs): a 3-layer GPT-2 (dropout) or a ResNet (BatchNorm)."""
+    if which == "gpt2":
+        ids = torch.randint(0, 256, (2, 64))
+        return tiny_gpt2(n_layer=3), (ids,), {"labels": ids, "use_cache": False}
+    return TinyResNet(), (torch.randn(8, 3, 16, 16),), {"labels": torch.randint(0, 10, (8,))}
+
+
+def _check_steps(module, model, reference, args, kwargs, budget: int):
+    """A warm-up step (it tells the plan that the outputs are released), then a step against plain
+    autograd's: loss and gradients equal, the peak within the budget. Returns (the plan, the peak)."""
+    _step(module, args, kwargs)
+    reference.load_state_dict(model.state_dict())
+    loss_ref, grads_ref, _ = _step(reference, args, kwargs)
+    loss, grads, peak = _step(module, args, kwargs)
+    (plan,) = module.plans
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert peak <= budget, (budget, peak, plan.summary())
+    return plan, peak
+
+
 @pytest.mark.parametrize("which", ["gpt2", "resnet"])
 def test_whole_models_with_ilp_options(which, tmp_path):
     torch.manual_seed(2)
-    if which == "gpt2":
-        model = tiny_gpt2(n_layer=3)
-        ids = torch.randint(0, 256, (2, 64))
-        args, kwargs = (ids,), {"labels": ids, "use_cache": False}
-    else:
-        model = TinyResNet()
-        args, kwargs = (torch.randn(8, 3, 16, 16),), {"labels": torch.randint(0, 10, (8,))}
+    model, args, kwargs = _whole_model(which)
     reference = copy.deepcopy(model)
     loss_ref, grads_ref, plain_peak = _step(reference, args, kwargs)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
@@ -147,17 +191,39 @@ def test_whole_models_with_ilp_options(which, tmp_path):
         assert any("[" in a for a in at_minimum.chain.stage_actions()), at_minimum.summary()
     for budget in (lo, lo + (plain_peak - lo) // 3, lo + 2 * (plain_peak - lo) // 3, plain_peak):
         module = hr.remat(model, args, kwargs, budget=f"{budget}B", cache=str(tmp_path))
-        _step(module, args, kwargs)  # the first step tells the plan that the outputs are released
-        reference.load_state_dict(model.state_dict())
-        loss_ref, grads_ref, _ = _step(reference, args, kwargs)
-        loss, grads, peak = _step(module, args, kwargs)
-        (plan,) = module.plans
-        torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
-        for a, b in zip(grads, grads_ref):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        assert peak <= budget, (budget, peak, plan.summary())
+        plan, peak = _check_steps(module, model, reference, args, kwargs, budget)
         predicted = plan.predicted_peak_bytes
         assert abs(peak - predicted) <= max(0.1 * predicted, MiB), (budget, peak, predicted)
+
+
+@pytest.mark.parametrize("which", ["gpt2", "resnet"])
+def test_generated_forwards_and_options_preferred_train_exactly_within_budget(which, tmp_path, monkeypatch):
+    """Where generated code runs faster than autograd (priced so here), plans run every stage with a
+    menu through it (F_none / F_ck as the generated no-grad forward, F_all as the options): gradients
+    equal plain autograd's, dropout and BatchNorm included, and the peak stays within the budget."""
+    from hierremat import stage_options
+
+    monkeypatch.setattr(stage_options, "_executor_speeds", lambda *a, **k: ExecutorSpeeds(1e-6, 1e-9))
+    torch.manual_seed(4)
+    model, args, kwargs = _whole_model(which)
+    reference = copy.deepcopy(model)
+    _, _, plain_peak = _step(reference, args, kwargs)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, args, kwargs, budget="1KiB", cache=str(tmp_path))
+    lo = err.value.min_budget_bytes
+    for budget in (lo, (lo + plain_peak) // 2):
+        module = hr.remat(model, args, kwargs, budget=f"{budget}B", cache=str(tmp_path))
+        (plan,) = module.plans
+        forms = [st.nograd_form for st in plan.chain.costs.stages]
+        assert forms.count("generated") >= 2, forms
+        assert any(st.called_as_module().nograd_fwd_time > st.nograd_fwd_time for st in plan.chain.costs.stages)
+        if budget == lo:
+            assert any("*" in a for a in plan.chain.stage_actions()), plan.summary()  # F_none/F_ck generated
+        plan, _ = _check_steps(module, model, reference, args, kwargs, budget)
+        for a, b in zip(model.buffers(), reference.buffers()):
+            assert torch.equal(a, b)
+        again = hr.ModelPlan.from_json(plan.to_json())
+        assert [st.nograd_form for st in again.chain.costs.stages] == [st.nograd_form for st in plan.chain.costs.stages]
 
 
 def test_second_plan_solves_nothing_and_a_corrupted_entry_is_solved_again(tmp_path, caplog):

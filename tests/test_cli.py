@@ -96,12 +96,18 @@ def test_cli_text_and_bad_input(tmp_path, capsys, monkeypatch):
 
 def test_python_dash_m_hierremat_on_an_hf_config():
     pytest.importorskip("transformers")
-    out = subprocess.run(
-        [sys.executable, "-m", "hierremat", "--hf", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64",
-         "--set", "n_head=4", "--set", "vocab_size=256", "--batch", "2", "--seq", "32", "--points", "3", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
-    assert len(result["menu"]) == 3
-    assert result["menu"][0]["predicted_step_seconds"] >= result["menu"][-1]["predicted_step_seconds"]
+    results = []
+    for extra in ([], ["--outputs", "loss"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "hierremat", "--hf", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64",
+             "--set", "n_head=4", "--set", "vocab_size=2048", "--batch", "2", "--seq", "32", "--points", "3", "--json",
+             *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert len(result["menu"]) == 3
+        assert result["menu"][0]["predicted_step_seconds"] >= result["menu"][-1]["predicted_step_seconds"]
+        results.append(result)
+    # the logits not returned: the head may run fused with the loss, which lowers the smallest budget
+    assert results[1]["smallest_feasible_bytes"] < results[0]["smallest_feasible_bytes"]

@@ -29,7 +29,12 @@ from hierremat.blocks.joint import to_block_graph, trace_joint
 from hierremat.blocks.node_profile import profile_nodes
 from hierremat.ilp.options import solve_menu
 from hierremat.runtime.block_exec import OptionExecutor
-from hierremat.runtime.compiled_option import CompiledCosts, CompiledOptionExecutor, CompiledProgram
+from hierremat.ilp.options import forward_only
+from hierremat.runtime.block_exec import ForwardExecutor, GeneratedForward
+from hierremat.runtime.compiled_option import (
+    CompiledCosts, CompiledForward, CompiledForwardExecutor, CompiledOptionExecutor, CompiledProgram,
+)
+from hierremat.runtime.option_codegen import StageBinding
 from hierremat.runtime.memory import CpuAllocatorMeter, CudaPeakMeter
 from hierremat.sequential import plan_cache, resolve_compile
 from hierremat import stage_compile
@@ -53,13 +58,19 @@ def _run(executor, x, shared, dy, params, seed):
     return y, dx, [p.grad.clone() for p in params]
 
 
-def test_compiled_option_matches_the_eager_option_with_the_same_dropout(tmp_path):
+def _decoder_block():
+    """(stage, x, shared, joint graph, block graph) of a tiny GPT-2's first decoder block."""
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 64))
     stage, x, shared = stage_of(model, (ids,), {"labels": ids, "use_cache": False}, "transformer.h.0")
     joint = trace_joint(stage, x, shared)
-    menu = solve_menu(to_block_graph(joint, profile_nodes(joint, x, shared, method="flops")))
+    return stage, x, shared, joint, to_block_graph(joint, profile_nodes(joint, x, shared, method="flops"))
+
+
+def test_compiled_option_matches_the_eager_option_with_the_same_dropout(tmp_path):
+    stage, x, shared, joint, graph = _decoder_block()
+    menu = solve_menu(graph)
     option = min(menu.options, key=lambda o: o.kept_bytes)  # recomputes in its backward
     params = list(stage.parameters())
     dy = torch.randn(x.shape)
@@ -78,6 +89,20 @@ def test_compiled_option_matches_the_eager_option_with_the_same_dropout(tmp_path
     assert costs.fwd_peak_bytes >= costs.kept_bytes + y_bytes
     assert costs.fwd_time > 0 and costs.bwd_time > 0
     assert any((tmp_path / "inductor").rglob("*")), "Inductor's caches go under hierremat's cache directory"
+
+
+def test_compiled_forward_without_grad_matches_the_generated_one(tmp_path):
+    _, x, shared, joint, graph = _decoder_block()
+    forward = forward_only(graph)
+    binding = StageBinding(joint)
+    torch.manual_seed(7)
+    y_ref = ForwardExecutor(GeneratedForward(joint, forward), binding)(x, shared)
+    executor = CompiledForwardExecutor(CompiledForward(joint, forward, x, shared, tmp_path / "inductor"), binding)
+    torch.manual_seed(7)
+    y = executor(x, shared)
+    torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)  # the same dropout mask (fallback_random)
+    seconds, peak = executor.measure(x, shared)
+    assert seconds > 0 and peak >= y.untyped_storage().nbytes()
 
 
 def _step(model, ids, meter):
@@ -100,6 +125,13 @@ def _prefer_compiled(monkeypatch):
         return dataclasses.replace(costs, fwd_time=costs.fwd_time / 100, bwd_time=costs.bwd_time / 100)
 
     monkeypatch.setattr(CompiledCosts, "to_option_costs", faster)
+    measure = CompiledForwardExecutor.measure
+
+    def faster_forward(self, x, shared):
+        seconds, peak = measure(self, x, shared)
+        return seconds / 100, peak
+
+    monkeypatch.setattr(CompiledForwardExecutor, "measure", faster_forward)
 
 
 def _check_whole_model(device, tmp_path, monkeypatch, meter):
@@ -117,20 +149,25 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan(model, (ids,), kwargs, budget="1KiB", cache=cache, output_held=False, compile=False)
     assert lo <= err.value.min_budget_bytes  # the eager forms stay on offer
-    budget = lo + (plain_peak - lo) // 3
-    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=cache, output_held=False, compile=True)
-    (plan,) = module.plans
-    assert plan.compiled and "compiling block options" in plan.summary()
-    used = options_used(plan.chain.schedule)
-    assert any(k > len(plan.menus[plan.signatures[i]]["options"]) for i, k in used), plan.summary()
-    _step(module, ids, meter())  # warm-up
-    reference.load_state_dict(model.state_dict())
-    grads_ref, _ = _step(reference, ids, meter())
-    grads, peak = _step(module, ids, meter())
-    for a, b in zip(grads, grads_ref):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-    assert peak <= budget, (budget, peak, plan.summary())
-    assert abs(peak - plan.predicted_peak_bytes) <= max(0.05 * plan.predicted_peak_bytes, 64 * 1024)
+    # at the minimum stages are recomputed (compiled forwards without grad run); a third of the way
+    # to plain's peak, compiled block options fit
+    for budget in (lo, lo + (plain_peak - lo) // 3):
+        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=cache, output_held=False, compile=True)
+        (plan,) = module.plans
+        assert plan.compiled and "compiling block options" in plan.summary()
+        if budget == lo:
+            assert any("+" in action for action in plan.chain.stage_actions()), plan.summary()
+        else:
+            used = options_used(plan.chain.schedule)
+            assert any(plan.chain.costs.stages[i].options[k].name.endswith("+compiled") for i, k in used), plan.summary()
+        _step(module, ids, meter())  # warm-up
+        reference.load_state_dict(model.state_dict())
+        grads_ref, _ = _step(reference, ids, meter())
+        grads, peak = _step(module, ids, meter())
+        for a, b in zip(grads, grads_ref):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        assert peak <= budget, (budget, peak, plan.summary())
+        assert abs(peak - plan.predicted_peak_bytes) <= max(0.05 * plan.predicted_peak_bytes, 64 * 1024)
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.compiled and again.compile_seconds == plan.compile_seconds
     saved = hr.remat(model, (ids,), kwargs, plan=again, cache=cache, output_held=False)

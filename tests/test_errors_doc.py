@@ -99,6 +99,12 @@ def _gpt2_too_small():
     return hr.remat(model, (ids,), {"labels": ids}, budget="1KiB")
 
 
+def _gpt2_outputs_misspelt():
+    model = tiny_gpt2(n_layer=1)
+    ids = torch.randint(0, 256, (2, 16))
+    return hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget="64MiB", outputs="los")
+
+
 CASES = [
     # budgets
     Case("budget", "`budget=4` (a segment count, as torch's `checkpoint_sequential` takes)",
@@ -156,6 +162,11 @@ CASES = [
          "on_new_shape"),
     Case("mode", "a plan made without autocast, used under bf16 autocast", _plan_under_other_autocast, ValueError,
          "autocast"),
+    Case("mode", "`outputs=3`", lambda: _remat_mlp(budget="64MiB", outputs=3), ValueError, "outputs must be None"),
+    Case("mode", "`outputs=\"los\"` (a name the model does not return)", _gpt2_outputs_misspelt, ValueError,
+         "returns no ['los']"),
+    Case("mode", "`outputs=\"loss\"` on a model that returns a plain tensor",
+         lambda: _remat_mlp(budget="64MiB", outputs="loss"), ValueError, "not named outputs"),
     # shapes
     Case("shape", "a new input shape with `on_new_shape=\"error\"`", _new_shape_with_error_mode, ValueError,
          "shape"),

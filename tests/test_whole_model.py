@@ -134,9 +134,9 @@ def test_a_second_plan_measures_nothing_again_unless_the_cache_is_off(monkeypatc
     from hierremat import stage_options
 
     profiled, timed = [], []
-    real_profile, real_scale = profile_module._profile_stage, stage_options._executor_scale
+    real_profile, real_speeds = profile_module._profile_stage, stage_options._executor_speeds
     monkeypatch.setattr(profile_module, "_profile_stage", lambda *a, **k: profiled.append(a[0]) or real_profile(*a, **k))
-    monkeypatch.setattr(stage_options, "_executor_scale", lambda *a, **k: timed.append(1) or real_scale(*a, **k))
+    monkeypatch.setattr(stage_options, "_executor_speeds", lambda *a, **k: timed.append(1) or real_speeds(*a, **k))
     torch.manual_seed(5)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from ..errors import UnsupportedModelError
 from ..variants.cross_entropy import use_row_blocked_cross_entropy
@@ -115,11 +117,53 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, variants: bool = True) -> CapturedModel:
+def check_outputs(outputs) -> tuple[str, ...] | None:
+    """The ``outputs=`` argument as a tuple of output names (None: every output, as the model returns them)."""
+    if outputs is None:
+        return None
+    names = (outputs,) if isinstance(outputs, str) else outputs
+    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(
+            f"outputs must be None (every output the model returns) or the names of the outputs to return, e.g. "
+            f"'loss' or ('loss', 'aux_loss'); got {outputs!r}"
+        )
+    return tuple(names)
+
+
+def keep_outputs(gm: fx.GraphModule, names: tuple[str, ...], model_name: str) -> None:
+    """Make ``gm`` return None for every named output of its result but ``names`` (the caller asked
+    for them only, with ``outputs=``): what only those outputs read is then all that must exist,
+    so a language model's logits need not be materialized (hierremat.output_stage)."""
+    spec = gm._out_spec
+    example = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    if not isinstance(example, Mapping):
+        returns = "one tensor" if spec.is_leaf() else f"a {type(example).__name__}"
+        raise ValueError(
+            f"outputs={names!r}: {model_name} returns {returns}, not named outputs (a dict or a Hugging Face "
+            "ModelOutput): outputs= selects by name; leave it None"
+        )
+    missing = [n for n in names if n not in example]
+    if missing:
+        raise ValueError(f"outputs={names!r}: {model_name} returns no {missing} (it returns {list(example)})")
+    kept = {leaf for n in names for leaf in pytree.tree_leaves(example[n])}
+    (output,) = gm.graph.find_nodes(op="output")
+    (leaves,) = output.args
+    output.args = (type(leaves)(value if i in kept else None for i, value in enumerate(leaves)),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    dropped = [n for n in example if n not in names]
+    log.info("%s returns %s only (outputs=%r): %s are None", model_name, ", ".join(names), names, ", ".join(dropped))
+
+
+def capture(
+    model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, variants: bool = True,
+    outputs: tuple[str, ...] | None = None,
+) -> CapturedModel:
     """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem.
 
     variants: also route operators to hierremat's exact, memory-lean variants where one
     applies (hierremat.variants: the row-blocked cross-entropy).
+    outputs: the names of the outputs to return (hierremat.plan's ``outputs=``); None: all.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -134,6 +178,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
             "Wrap the part that trains as a chain (hierremat.checkpoint_sequential) or make the forward traceable."
         ) from err
     module = exported.module()
+    if outputs is not None:
+        keep_outputs(module, outputs, type(model).__name__)
     restore_causal_attention(module)
     if variants:
         use_row_blocked_cross_entropy(module)

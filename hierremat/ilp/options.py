@@ -406,32 +406,37 @@ class OptionSimulation:
     kept_bytes: int  # retained storage at the end of the forward, x and y not counted
 
 
-def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
-    """Replay ``option``'s op lists on ``graph``; independent of the ILP.
+class _Replay:
+    """Replays op lists on a graph's storages (the simulator's memory model, shared by
+    :func:`simulate_option` and :func:`forward_only`).
 
     Memory is counted per storage (a view, with no bytes of its own, shares its base's
     storage, found by following ``alias_of``); a storage is allocated while any of its
-    names is live. A compute's
-    peak is the memory before it, plus its storage if new, plus its workspace. Raises
-    ValueError on an op that reads a value not in memory, frees a dead name, runs a
-    backward node twice or out of order, or leaves a forward node or dx missing.
+    names is live. A compute's peak is the memory before it, plus its storage if new, plus
+    its workspace.
     """
-    x, dy = graph.input_name, graph.output_grad_name
-    nodes = {n.name: n for n in graph.nodes}
-    size = {x: graph.input_bytes, dy: graph.output_grad_bytes}
-    root = {x: x, dy: dy}
-    for n in graph.nodes:
-        # a result that owns bytes is a storage of its own even when attached to another node
-        # (the elements of a multi-output op, see hierremat.blocks.joint); a view owns none
-        owns = n.out_bytes > 0 or not n.alias_of
-        root[n.name] = n.name if owns else root.get(n.alias_of, n.alias_of)
-        size.setdefault(n.name, n.out_bytes)
 
-    def storage_bytes(live: set) -> int:
-        return sum(size[r] for r in {root[nm] for nm in live})
+    def __init__(self, graph: BlockGraph):
+        x, dy = graph.input_name, graph.output_grad_name
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.size = {x: graph.input_bytes, dy: graph.output_grad_bytes}
+        self.root = {x: x, dy: dy}
+        for n in graph.nodes:
+            # a result that owns bytes is a storage of its own even when attached to another node
+            # (the elements of a multi-output op, see hierremat.blocks.joint); a view owns none
+            owns = n.out_bytes > 0 or not n.alias_of
+            self.root[n.name] = n.name if owns else self.root.get(n.alias_of, n.alias_of)
+            self.size.setdefault(n.name, n.out_bytes)
 
-    def run(ops, live: set, phase: str):
-        mem = storage_bytes(live)
+    def storage_bytes(self, live: set) -> int:
+        return sum(self.size[r] for r in {self.root[nm] for nm in live})
+
+    def run(self, ops, live: set, phase: str) -> tuple[int, int, float]:
+        """Replay ``ops`` from the names in ``live`` (updated in place): (entry bytes, peak
+        bytes, seconds). Raises ValueError on an op that reads a value not in memory, computes
+        a live name again or frees a dead one."""
+        root, size, nodes = self.root, self.size, self.nodes
+        mem = self.storage_bytes(live)
         names_of: dict[str, int] = {}  # storage -> how many live names hold it
         for nm in live:
             names_of[root[nm]] = names_of.get(root[nm], 0) + 1
@@ -463,8 +468,19 @@ def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
                 raise ValueError(f"{phase} op {i}: unknown kind {kind!r}")
         return entry, peak, clock
 
+
+def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
+    """Replay ``option``'s op lists on ``graph``; independent of the ILP.
+
+    Memory as :class:`_Replay` counts it. Raises ValueError on an op that reads a value not
+    in memory, frees a dead name, runs a backward node twice or out of order, or leaves a
+    forward node or dx missing.
+    """
+    x, dy = graph.input_name, graph.output_grad_name
+    replay = _Replay(graph)
+    nodes, root = replay.nodes, replay.root
     live = {x}
-    entry_f, peak_f, t_f = run(option.fwd_ops, live, "forward")
+    entry_f, peak_f, t_f = replay.run(option.fwd_ops, live, "forward")
     computed = [nm for k, nm in option.fwd_ops if k == "compute"]
     if sorted(computed) != sorted(n.name for n in graph.forward_nodes):
         raise ValueError("the forward phase does not compute every forward node exactly once")
@@ -473,16 +489,65 @@ def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
     x_names = {nm for nm in live if root[nm] == x}
     y_names = {nm for nm in live if root[nm] == root[graph.output_name]}
     kept_names = live - x_names - y_names
-    kept = storage_bytes(kept_names)
+    kept = replay.storage_bytes(kept_names)
     blive = {dy} | kept_names
     if option.pins_input:
         blive |= x_names
     if option.pins_output:
         blive |= y_names
-    entry_b, peak_b, t_b = run(option.bwd_ops, blive, "backward")
+    entry_b, peak_b, t_b = replay.run(option.bwd_ops, blive, "backward")
     order = [nm for k, nm in option.bwd_ops if k == "compute" and nodes[nm].phase == "backward"]
     if order != [n.name for n in graph.backward_nodes]:
         raise ValueError("the backward phase does not run every backward node once, in order")
     if graph.input_grad_name and graph.input_grad_name not in blive:
         raise ValueError("dx is not in memory at the end of the backward")
     return OptionSimulation(t_f, t_b, peak_f - entry_f, peak_b - entry_b, kept)
+
+
+@dataclass(frozen=True)
+class ForwardOnly:
+    """A block's forward without grad (the chain's F_none / F_ck): compute what the output
+    needs, keep nothing.
+
+    ops: ("compute" | "free", node name) in execution order; every value but the output is
+        freed at its last use, the input x never (its holder, the chain runner, decides).
+    time: seconds, the sum of the computed nodes' profiled times.
+    peak_bytes: peak above the entry (x), the output included.
+    """
+
+    ops: tuple
+    time: float
+    peak_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"ops": [list(op) for op in self.ops], "time": self.time, "peak_bytes": self.peak_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ForwardOnly":
+        return cls(tuple((str(a), str(b)) for a, b in d["ops"]), float(d["time"]), int(d["peak_bytes"]))
+
+
+def forward_only(graph: BlockGraph, also: frozenset = frozenset()) -> ForwardOnly:
+    """The no-grad forward of ``graph``: its forward nodes that the output, a random node or a
+    node of ``also`` (buffer updates) depends on, in graph order, each value freed at its last
+    use. Random nodes always run, so the forward draws what every other forward of the block
+    draws from the same RNG state."""
+    forward = graph.forward_nodes
+    by_name = {n.name: n for n in forward}
+    needed: set[str] = set()
+    todo = [graph.output_name, *also, *(n.name for n in forward if n.random)]
+    while todo:
+        name = todo.pop()
+        if name in needed or name not in by_name:
+            continue
+        needed.add(name)
+        todo += by_name[name].inputs
+    computes = tuple((COMPUTE, n.name) for n in forward if n.name in needed)
+    frees = tuple(("free", n.name) for n in forward if n.name in needed and n.name != graph.output_name)
+    ops = free_at_last_use(graph, computes + frees)
+    replay = _Replay(graph)
+    live = {graph.input_name}
+    entry, peak, seconds = replay.run(ops, live, "forward")
+    if graph.output_name not in live:  # pragma: no cover - the output is computed and never freed
+        raise AssertionError("the forward-only ops lose the block output")
+    return ForwardOnly(ops, seconds, peak - entry)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks.joint import JointGraph
-from ..ilp.options import BlockOption
+from ..ilp.options import BlockOption, ForwardOnly
 from .autocast import AutocastState
-from .option_codegen import OptionProgram, StageBinding, generate_option
+from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
 
 
 @dataclass
@@ -97,6 +97,39 @@ class OptionExecutor:
         tape.kept, tape.x, tape.y = [], None, None  # the generated code frees each at its last use
         with torch.no_grad(), AutocastState.off((dy.device.type,)).applied():
             return self.program.backward(args)
+
+
+class GeneratedForward:
+    """A stage signature's generated no-grad forward (hierremat.runtime.option_codegen), made on
+    first use and shared by the stages of the signature."""
+
+    def __init__(self, joint: JointGraph, forward: ForwardOnly):
+        self.joint = joint
+        self.forward = forward
+        self._program: ForwardProgram | None = None
+
+    @property
+    def program(self) -> ForwardProgram:
+        if self._program is None:
+            self._program = generate_forward_only(self.joint, self.forward.ops)
+        return self._program
+
+
+class ForwardExecutor:
+    """Runs a stage's forward without grad (F_none / F_ck) as generated code: the output, nothing
+    kept; buffer updates copied into the stage's buffers, random ops drawn in graph order (what
+    every form of the stage's forward draws from the same RNG state)."""
+
+    def __init__(self, generated: GeneratedForward, binding: StageBinding):
+        self.generated = generated
+        self.binding = binding
+
+    def __call__(self, x: torch.Tensor, shared: tuple) -> torch.Tensor:
+        program = self.generated.program
+        args = self.binding.args(program.inputs, x.detach(), shared)
+        with torch.no_grad(), AutocastState.off((x.device.type,)).applied():
+            (y,) = program.forward(args)
+        return y
 
 
 def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:

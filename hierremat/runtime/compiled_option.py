@@ -38,11 +38,11 @@ import torch
 
 from ..blocks.joint import JointGraph
 from ..costs import OptionCosts
-from ..ilp.options import BlockOption
+from ..ilp.options import BlockOption, ForwardOnly
 from .autocast import AutocastState
 from .block_exec import OptionTape
 from .memory import CpuAllocatorMeter, CudaPeakMeter
-from .option_codegen import OptionProgram, StageBinding, generate_option
+from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
 from .profile import median_seconds, storage_bytes
 
 log = logging.getLogger(__name__)
@@ -164,12 +164,11 @@ class CompiledOptionExecutor:
         """Seconds and peak bytes of the forward and of the backward, as the chain DP counts them
         (call under hierremat.runtime.profile's no_side_effects and scratch_grads)."""
         device = x.device
-        meter = (lambda: CudaPeakMeter(device)) if device.type == "cuda" else CpuAllocatorMeter
         y, tape = self.forward(x, shared)  # warm-up
         dy = torch.ones_like(y)
         del y
         self.backward(tape, dy, shared)
-        with meter() as fwd_meter:
+        with _peak_meter(device) as fwd_meter:
             y, tape = self.forward(x, shared)
         # kept values that are views of the stage's inputs, parameters or buffers own no new memory
         inputs = self.binding.args(self.program.forward_inputs, x, shared)
@@ -178,7 +177,7 @@ class CompiledOptionExecutor:
         kept = [v for v in tape.kept if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in excluded]
         kept_bytes = storage_bytes(tuple(kept)) if kept else 0
         del kept, y
-        with meter() as bwd_meter:
+        with _peak_meter(device) as bwd_meter:
             self.backward(tape, dy, shared)
         fwd_time = median_seconds(lambda: self.forward(x, shared), repeats, device)
 
@@ -189,3 +188,51 @@ class CompiledOptionExecutor:
 
         bwd_time = max(median_seconds(both, repeats, device) - fwd_time, 0.0)
         return CompiledCosts(fwd_time, bwd_time, kept_bytes, int(fwd_meter.peak_bytes), int(bwd_meter.peak_bytes))
+
+
+def _peak_meter(device: torch.device):
+    """The allocator's meter on ``device``: it sees inside compiled code, the live-tensor tracker does not."""
+    return CudaPeakMeter(device) if device.type == "cuda" else CpuAllocatorMeter()
+
+
+class CompiledForward:
+    """A stage signature's no-grad forward (F_none / F_ck) compiled by Inductor, shared by its stages.
+
+    compile_seconds: wall seconds spent compiling (cold) or loading from Inductor's cache.
+    """
+
+    def __init__(self, joint: JointGraph, forward: ForwardOnly, x: torch.Tensor, shared: tuple, cache_dir=None):
+        self.forward = forward
+        self.program: ForwardProgram = generate_forward_only(joint, forward.ops, pure=True)
+        started = time.perf_counter()
+        args = StageBinding(joint).args(self.program.inputs, x.detach(), shared)
+        with torch.no_grad(), AutocastState.off((x.device.type,)).applied(), inductor_cache_dir(cache_dir):
+            self.compiled = _Compiled(self.program.module, args)
+        self.compile_seconds = time.perf_counter() - started
+
+
+class CompiledForwardExecutor:
+    """Runs a CompiledForward on one stage; hierremat.runtime.block_exec.ForwardExecutor's interface."""
+
+    def __init__(self, compiled: CompiledForward, binding: StageBinding):
+        self.compiled = compiled
+        self.binding = binding
+
+    def __call__(self, x: torch.Tensor, shared: tuple) -> torch.Tensor:
+        program = self.compiled.program
+        args = self.binding.args(program.inputs, x.detach(), shared)
+        with torch.no_grad(), AutocastState.off((x.device.type,)).applied():
+            y, *updates = self.compiled.compiled(args)
+            for target, value in zip(program.buffer_updates, updates):
+                self.binding.buffers[target].copy_(value)
+        return y
+
+    def measure(self, x: torch.Tensor, shared: tuple, repeats: int = 3) -> tuple[float, int]:
+        """(seconds, peak bytes above the memory before, the output included), as the chain DP
+        counts a forward without grad (call under hierremat.runtime.profile's no_side_effects)."""
+        self(x, shared)  # warm-up
+        with _peak_meter(x.device) as meter:
+            y = self(x, shared)
+        del y
+        return median_seconds(lambda: self(x, shared), repeats, x.device), int(meter.peak_bytes)
+

@@ -179,9 +179,12 @@ class ChainRunner:
     def __init__(
         self, stages: Sequence[Callable], schedule: ChainSchedule, mutated_buffers: Sequence[Sequence[str]],
         option_executors: Sequence[Sequence] | None = None, sharded=None,
+        forward_executors: Sequence | None = None,
     ):
         """option_executors[i][k]: runs option k >= 1 of stage i (hierremat.runtime.block_exec);
-        option 0 is always the stage itself under autograd. sharded: a
+        option 0 is always the stage itself under autograd. forward_executors[i]: runs stage i's
+        forward without grad (F_none / F_ck) as generated code (block_exec.ForwardExecutor); None
+        there, or no list: the stage itself is called. sharded: a
         hierremat.runtime.fsdp.ShardedChain through which stages are called (FSDP2)."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
@@ -196,6 +199,7 @@ class ChainRunner:
                     )
         self.stages = list(stages)
         self.sharded = sharded
+        self.forward_executors = list(forward_executors or [None] * len(stages))
         self.schedule = schedule
         #: How the caller used the output in the latest backward this runner executed (None before).
         self.observed_output_use: OutputUse | None = None
@@ -297,8 +301,12 @@ class _Step:
                 y = detach_output(out)
                 del out
             else:
+                forward = self.runner.forward_executors[i]
                 with torch.no_grad():
-                    y = self._forward(i, lambda: self._call(i, x))
+                    if forward is not None:
+                        y = self._forward(i, lambda: forward(x, self.shared))
+                    else:
+                        y = self._forward(i, lambda: self._call(i, x))
                 del x
             if (i + 1) not in self.grad:
                 self.x[i + 1] = y

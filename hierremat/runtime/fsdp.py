@@ -187,6 +187,7 @@ def with_gathered(costs: ChainCosts, gathered: GatheredBytes) -> ChainCosts:
 
     stages = []
     for stage, g in zip(costs.stages, gathered.per_stage):
+        stage = stage.called_as_module()
         option = stage.options[0]
         option = replace(
             option, fwd_overhead_bytes=forward(option.fwd_overhead_bytes, g),

@@ -210,24 +210,26 @@ def _plain_sources(joint: JointGraph, with_input: bool) -> dict[str, InputSource
     return sources
 
 
-def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable | None = None) -> OptionProgram:
-    """Generate ``option``'s forward and backward functions on ``joint``.
+@dataclass(frozen=True)
+class _Forward:
+    """A forward phase built by :func:`_build_forward`."""
 
-    accumulate(param, grad): called by the backward with each parameter and its gradient,
-    as soon as it is computed. None: pure graphs (see the module docstring).
-    """
-    if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
-        raise ValueError("block options run only on stages with one output and one output gradient")
-    pure = accumulate is None
+    builder: _PhaseBuilder
+    module: fx.GraphModule
+    kept_slots: tuple[tuple[str, int | None], ...]
+    buffer_updates: tuple[str, ...]
+
+
+def _build_forward(joint: JointGraph, fwd_ops: tuple, pure: bool) -> _Forward:
+    """The forward phase of ``fwd_ops``: returns ``(y, *kept)``, and the buffer updates after
+    them when ``pure`` (else the code copies them into the buffers)."""
     output_name = joint.output_names[0]
-    (tangent_name,) = joint.tangent_names.values()
-
     fwd = _PhaseBuilder(joint, _plain_sources(joint, with_input=True), boxed=not pure)
     placeholder_of_buffer = {target: name for name, target in joint.buffer_inputs.items()}
     mutated = {node: placeholder_of_buffer[target] for node, target in joint.mutations}
     buffers: dict[str, fx.Node] = {}
     updates: dict[str, fx.Node] = {}
-    for kind, name in option.fwd_ops:
+    for kind, name in fwd_ops:
         if kind != COMPUTE:
             fwd.free(name)
             continue
@@ -243,7 +245,7 @@ def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable
         fwd.call(_copy_into, buffers[buffer], value)
     y = fwd.env.get(output_name)
     if not isinstance(y, fx.Node):
-        raise ValueError(f"option {option.name!r}'s forward does not leave the stage output {output_name} computed")
+        raise ValueError(f"the forward does not leave the stage output {output_name} computed")
     computed = [n for n in fwd.env if n not in fwd.nodes or fwd.nodes[n].op != "placeholder"]
     kept_slots: list[tuple[str, int | None]] = []
     kept_values: list[fx.Node] = []
@@ -258,7 +260,51 @@ def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable
         else:
             kept_slots.append((name, None))
             kept_values.append(value)
-    forward = fwd.module(joint.module, (y, *kept_values, *updates.values()))
+    module = fwd.module(joint.module, (y, *kept_values, *updates.values()))
+    return _Forward(fwd, module, tuple(kept_slots), tuple(updates))
+
+
+def _check_one_output(joint: JointGraph) -> None:
+    if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
+        raise ValueError("block options run only on stages with one output and one output gradient")
+
+
+@dataclass(frozen=True)
+class ForwardProgram:
+    """A stage's generated forward without grad (F_none / F_ck): ``forward(args)`` returns the
+    output (buffer updates copied into the buffers); pure, ``forward(*args)`` returns
+    ``(y, *updates)``, the new value of each buffer of ``buffer_updates``."""
+
+    forward: Callable
+    inputs: tuple[InputSource, ...]
+    module: fx.GraphModule
+    buffer_updates: tuple[str, ...] = ()
+
+
+def generate_forward_only(joint: JointGraph, ops: tuple, pure: bool = False) -> ForwardProgram:
+    """Generate the no-grad forward whose op list (hierremat.ilp.options.forward_only) keeps nothing."""
+    _check_one_output(joint)
+    built = _build_forward(joint, ops, pure)
+    if built.kept_slots:
+        raise ValueError(f"a forward without grad keeps nothing, this one keeps {[n for n, _ in built.kept_slots]}")
+    return ForwardProgram(built.module.forward, tuple(built.builder.inputs), built.module, built.buffer_updates)
+
+
+def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable | None = None) -> OptionProgram:
+    """Generate ``option``'s forward and backward functions on ``joint``.
+
+    accumulate(param, grad): called by the backward with each parameter and its gradient,
+    as soon as it is computed. None: pure graphs (see the module docstring).
+    """
+    _check_one_output(joint)
+    pure = accumulate is None
+    output_name = joint.output_names[0]
+    (tangent_name,) = joint.tangent_names.values()
+    try:
+        built = _build_forward(joint, option.fwd_ops, pure)
+    except ValueError as err:
+        raise ValueError(f"option {option.name!r}: {err}") from None
+    fwd, forward, kept_slots = built.builder, built.module, built.kept_slots
 
     bwd_sources = _plain_sources(joint, with_input=option.pins_input)
     bwd_sources[tangent_name] = ("dy", "")
@@ -302,10 +348,10 @@ def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable
         backward=backward.forward,
         forward_inputs=tuple(fwd.inputs),
         backward_inputs=tuple(bwd.inputs),
-        kept_slots=tuple(kept_slots),
+        kept_slots=kept_slots,
         forward_module=forward,
         backward_module=backward,
-        buffer_updates=tuple(updates),
+        buffer_updates=built.buffer_updates,
         param_grads=tuple(grads),
     )
 

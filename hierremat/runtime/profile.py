@@ -40,11 +40,14 @@ class ChainProfile:
     mutated_buffers[i]: names of stage i's buffers that its forward updates in place.
     output_grad_mask: per output of the last stage, whether it was profiled as receiving
         a gradient (costs.output_grad_bytes counts those).
+    loss_bytes: bytes of the outputs that are scalar losses receiving a gradient: a caller
+        holds each while it calls ``backward()`` on it, whatever else it releases.
     """
 
     costs: ChainCosts
     mutated_buffers: tuple[tuple[str, ...], ...]
     output_grad_mask: tuple[bool, ...]
+    loss_bytes: int = 0
 
 
 def storage_bytes(value) -> int:
@@ -214,12 +217,27 @@ def profile_chain(
             x = y
     if output_grad_mask is None:  # the last stage shared a signature with an earlier one: one output
         output_grad_mask = (True,)
-    output_grad_bytes = storage_bytes(tuple(o for o, m in zip(as_tuple(y), output_grad_mask) if m))
+    with_grad = [o for o, m in zip(as_tuple(y), output_grad_mask) if m]
+    losses = tuple(o for o in with_grad if o.numel() == 1)
     costs = ChainCosts(
         tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad,
-        output_grad_bytes=output_grad_bytes,
+        output_grad_bytes=storage_bytes(tuple(with_grad)),
     )
-    return ChainProfile(costs, tuple(mutated), output_grad_mask)
+    return ChainProfile(costs, tuple(mutated), output_grad_mask, storage_bytes(losses) if losses else 0)
+
+
+def profile_stage(
+    index: int, stage: Callable, x: torch.Tensor, shared: tuple, *, last: bool, requires_grad: bool,
+    grad_mask: tuple[bool, ...] | None = None, repeats: int = 3,
+) -> tuple[StageCosts, tuple[bool, ...]]:
+    """The costs of one stage on its input ``x``, measured as profile_chain measures a stage
+    (the stage called as the runtime calls it; RNG, buffers and ``.grad`` left as they were),
+    and the output gradient mask used. For a stage in another form (hierremat.output_stage)."""
+    autocast = AutocastState.capture((x.device.type,))
+    call = functools.partial(_call_stage, stage, shared, last, index, autocast)
+    with no_side_effects([stage], x), scratch_grads(stage):
+        cost, _, _, mask = _profile_stage(index, stage, call, x.detach(), requires_grad, repeats, x.device, grad_mask)
+    return cost, mask
 
 
 def _call_stage(stage: Callable, shared: tuple, last: bool, index: int, autocast: AutocastState, x: torch.Tensor):

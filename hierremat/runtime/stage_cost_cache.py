@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,19 @@ log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
 STAGE_COST_VERSION = "stage-2"
+
+
+@dataclass(frozen=True)
+class ExecutorSpeeds:
+    """How fast a stage signature's generated code runs, as measured.
+
+    scale: seconds an option's generated forward + backward takes per second of its
+        node-time sum (the ILP's cost model).
+    forward_seconds: seconds of the signature's generated forward without grad.
+    """
+
+    scale: float
+    forward_seconds: float
 
 
 def device_name(device: torch.device) -> str:
@@ -86,16 +100,19 @@ class StageCostCache:
         payload = {"costs": costs.to_dict(), "grad_mask": None if measured_mask is None else list(measured_mask)}
         self.cache.put(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)), payload)
 
-    def get_scale(self, signature: str, x: torch.Tensor) -> float | None:
-        """Seconds the executor takes per second of an option's node-time sum, if measured before."""
+    def get_speeds(self, signature: str, x: torch.Tensor) -> ExecutorSpeeds | None:
+        """The generated code's measured speeds for a signature, if measured before."""
         if self.cache is None:
             return None
-        payload = self.cache.get(self._key("executor-speed", signature, x, "-"))
+        payload = self.cache.get(self._key("executor-speeds", signature, x, "-"))
         try:
-            return None if payload is None else float(payload["scale"])
+            return None if payload is None else ExecutorSpeeds(float(payload["scale"]), float(payload["forward_seconds"]))
         except (KeyError, TypeError, ValueError):
             return None
 
-    def put_scale(self, signature: str, x: torch.Tensor, scale: float) -> None:
+    def put_speeds(self, signature: str, x: torch.Tensor, speeds: ExecutorSpeeds) -> None:
         if self.cache is not None:
-            self.cache.put(self._key("executor-speed", signature, x, "-"), {"scale": float(scale)})
+            self.cache.put(
+                self._key("executor-speeds", signature, x, "-"),
+                {"scale": float(speeds.scale), "forward_seconds": float(speeds.forward_seconds)},
+            )

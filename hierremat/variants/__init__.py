@@ -7,6 +7,12 @@ Each variant computes bitwise what the operator it replaces computes, in less me
   as a deterministic op of its input and the packed mask, so a block option may
   recompute it instead of keeping it (the random draw itself is never repeated).
 
+``linear_cross_entropy`` is a variant of another kind: a language model's head fused with
+its loss, chunk by chunk, which never materializes the logits but computes the head's
+matmul once more and sums the weight gradient in another order (equal to fp32 rounding). It
+trades time for memory, so it is an option the plan picks by budget (hierremat.output_stage),
+never a rewrite applied unconditionally.
+
 The packing kernels are in ``csrc/`` (a C++ extension built on first use) with a
 pure-torch fallback (``hierremat.variants.packed_bits``).
 """

@@ -1,0 +1,277 @@
+"""A language-model head fused with its cross-entropy, chunked over tokens: the logits never exist whole.
+
+A head computes logits = h @ W^T (+ b), ``[tokens, vocabulary]``, and the cross-entropy of
+them against the next tokens. Materialized, the logits, their log-probabilities and their
+gradient are the largest tensors of a whole training step (GPT-2, batch 2, seq 512,
+vocabulary 50257, fp32: 196 MiB each). As in Liger Kernel's fused linear cross-entropy (Hsu
+et al. 2024) and Cut Cross-Entropy (Wijmans et al. 2024), :func:`linear_cross_entropy`
+never materializes them:
+
+* forward: per chunk of rows, the chunk's logits (in h's dtype, upcast to fp32 when the
+  model upcasts them), their log-sum-exp and the target's logit; it keeps the per-row
+  log-sum-exp (``[tokens]``, fp32) and returns the loss;
+* backward: per chunk, the chunk's logits again, the softmax minus the one-hot target
+  (in place), scaled by the loss gradient, then the chunk's rows of dh and its share of dW
+  (and db), accumulated chunk by chunk.
+
+It is a time-for-memory trade-off: the head's matmul runs once more (a third more of the
+head's FLOPs). So it is not applied unconditionally: the model's last stage offers it as
+an option beside the materialized head (hierremat.output_stage), and the chain DP picks
+by budget. Only the summation order differs from plain autograd (dW over row chunks, the
+mean over rows): equal to fp32 rounding, tested at rtol 1e-4, atol 1e-5 (fp32).
+
+:func:`fuse_linear_cross_entropy` rewrites a stage graph where a ``linear`` feeds a
+cross-entropy through ops on its leading dimensions only (views, slices, contiguous, an
+upcast to fp32), with class-index targets, no class weights and no label smoothing, and
+where nothing else reads the logits; elsewhere it is not applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+#: One chunk of logits is at most this many bytes (fp32) ...
+CHUNK_BYTES = 8 << 20
+#: ... and at least this many rows (a matmul of fewer rows wastes the weight's reads).
+MIN_CHUNK_ROWS = 16
+
+
+def chunk_rows(rows: int, vocabulary: int) -> int:
+    """Rows per chunk for ``rows`` tokens and a ``vocabulary``-wide head."""
+    return max(1, min(rows, max(MIN_CHUNK_ROWS, CHUNK_BYTES // max(1, 4 * vocabulary))))
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    return logits.float()
+
+
+def _valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return target != ignore_index
+
+
+@torch.library.custom_op("hierremat::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, reduction: int,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-row log-sum-exp in fp32): cross_entropy(h @ weight.T + bias, target) with
+    ``reduction`` 0 (none), 1 (mean over non-ignored rows) or 2 (sum)."""
+    rows, vocabulary = h.shape[0], weight.shape[0]
+    step = chunk_rows(rows, vocabulary)
+    lse = torch.empty(rows, dtype=torch.float32, device=h.device)
+    per_row = torch.empty(rows, dtype=torch.float32, device=h.device)
+    with torch.autocast(h.device.type, enabled=False):
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            logits = _chunk_logits(h[start:stop], weight, bias)
+            torch.logsumexp(logits, 1, out=lse[start:stop])
+            t = target[start:stop]
+            valid = _valid(t, ignore_index)
+            picked = logits.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+            per_row[start:stop] = torch.where(valid, lse[start:stop] - picked, 0.0)
+            del logits
+    if reduction == 0:
+        return per_row, lse
+    total = per_row.sum()
+    if reduction == 1:
+        total = total / _valid(target, ignore_index).sum()
+    return total, lse
+
+
+@_linear_cross_entropy.register_fake
+def _(h, weight, bias, target, reduction, ignore_index):
+    rows = h.shape[0]
+    loss = h.new_empty((rows,) if reduction == 0 else (), dtype=torch.float32)
+    return loss, h.new_empty((rows,), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    h, weight, bias, target, reduction, ignore_index = inputs
+    _, lse = output
+    ctx.save_for_backward(h, weight, bias, target, lse)
+    ctx.reduction, ctx.ignore_index = reduction, ignore_index
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, _grad_lse):
+    h, weight, bias, target, lse = ctx.saved_tensors
+    if grad_loss is None:
+        return None, None, None, None, None, None
+    rows, vocabulary = h.shape[0], weight.shape[0]
+    step = chunk_rows(rows, vocabulary)
+    valid = _valid(target, ctx.ignore_index)
+    if ctx.reduction == 0:
+        scale = grad_loss.float()
+    else:
+        scale = grad_loss.float().expand(rows)
+        if ctx.reduction == 1:
+            scale = scale / valid.sum()
+    scale = torch.where(valid, scale, 0.0)
+    need_h, need_weight, need_bias = ctx.needs_input_grad[:3]
+    grad_h = torch.empty_like(h) if need_h else None
+    # dW and db accumulate in fp32 over the chunks and are rounded once, as one matmul would
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_weight else None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if need_bias and bias is not None else None
+    with torch.autocast(h.device.type, enabled=False):
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            h_chunk = h[start:stop]
+            grad = _chunk_logits(h_chunk, weight, bias)  # the chunk's logits, then their gradient in place
+            grad.sub_(lse[start:stop].unsqueeze(1)).exp_()
+            t = target[start:stop]
+            grad[torch.arange(stop - start, device=h.device), torch.where(valid[start:stop], t, 0)] -= 1.0
+            grad.mul_(scale[start:stop].unsqueeze(1))
+            grad = grad.to(h.dtype)
+            if grad_h is not None:
+                torch.mm(grad, weight, out=grad_h[start:stop])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t().float(), h_chunk.float())  # (no-op casts in fp32)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0, dtype=torch.float32)
+            del grad
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_h, grad_weight, grad_bias, None, None, None
+
+
+_linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, reduction: int = 1,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``cross_entropy((h @ weight.T + bias).float(), target, reduction=..., ignore_index=...)`` on
+    ``[N, D]`` hidden states, chunked over rows (see the module docstring)."""
+    return torch.ops.hierremat.linear_cross_entropy(h, weight, bias, target, reduction, ignore_index)[0]
+
+
+# --------------------------------------------------------------------------------- the rewrite
+
+_LINEAR = torch.ops.aten.linear.default
+_CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+_COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default}
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default}
+_SLICE = torch.ops.aten.slice.Tensor
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _val(node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _cross_entropy_call(node: fx.Node, gm: fx.GraphModule) -> dict | None:
+    """(logits, target, reduction, ignore_index) of a cross-entropy node the fused head computes
+    exactly (class-index targets on ``[N, C]`` logits, no weights, no label smoothing), else None."""
+    from .cross_entropy import row_blocked_cross_entropy
+
+    if node.op != "call_function":
+        return None
+    if node.target is row_blocked_cross_entropy:
+        logits, target, reduction, ignore_index = node.args
+    elif node.target is _CROSS_ENTROPY:
+        call = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+        if call is None:
+            return None
+        call = call.kwargs
+        if call.get("weight") is not None or call.get("label_smoothing", 0.0) != 0.0:
+            return None
+        logits, target = call["input"], call["target"]
+        reduction, ignore_index = call.get("reduction", 1), call.get("ignore_index", -100)
+    else:
+        return None
+    lv, tv = _val(logits), _val(target)
+    if lv is None or tv is None or lv.dim() != 2 or tv.dim() != 1 or tv.is_floating_point():
+        return None
+    if lv.dtype != torch.float32 or reduction not in (0, 1, 2):
+        return None  # (the fused head computes the loss in fp32)
+    return {"logits": logits, "target": target, "reduction": reduction, "ignore_index": ignore_index}
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = [u for u in node.users if u.target is not _ASSERT_METADATA]
+    return users[0] if len(users) == 1 else None
+
+
+def _path_from_linear(logits: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(the linear node, the ops from it to ``logits`` in order) when every op between acts on
+    the leading dimensions only (or upcasts to fp32) and has one reader, else None."""
+    path = []
+    node = logits
+    while node.target is not _LINEAR:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        value, source = _val(node), _val(node.args[0])
+        if value is None or source is None:
+            return None
+        if node.target in _VIEWS or node.target is _SLICE:
+            if value.shape[-1] != source.shape[-1] or (node.target is _SLICE and node.args[1] % source.dim() == source.dim() - 1):
+                return None
+        elif node.target in _CASTS:
+            if value.dtype != torch.float32 or source.dtype not in _FLOATS:
+                return None
+        elif node.target not in _COPIES:
+            return None
+        path.append(node)
+        node = node.args[0]
+    for op in (node, *reversed(path[1:])):
+        if _only_user(op) is None:
+            return None
+    return node, list(reversed(path))
+
+
+def fuse_linear_cross_entropy(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, every ``linear`` + cross-entropy of ``gm`` the fused head computes
+    exactly (see the module docstring) into :func:`linear_cross_entropy`; returns how many."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        call = _cross_entropy_call(node, gm)
+        if call is None or _only_user(call["logits"]) is not node:
+            continue
+        found = _path_from_linear(call["logits"])
+        if found is None:
+            continue
+        linear, path = found
+        h, weight, *rest = linear.args
+        bias = rest[0] if rest else None
+        hv, wv = _val(h), _val(weight)
+        if hv is None or wv is None or hv.dtype != wv.dtype or hv.dtype not in _FLOATS:
+            continue
+        width = hv.shape[-1]
+        with gm.graph.inserting_before(node):
+            rows = h
+            for op in path:  # the same leading-dimension ops on the hidden states
+                if op.target in _VIEWS:
+                    shape = list(op.args[1])
+                    rows = gm.graph.call_function(torch.ops.aten.reshape.default, (rows, [*shape[:-1], width]))
+                elif op.target is _SLICE:
+                    rows = gm.graph.call_function(_SLICE, (rows, *op.args[1:]), dict(op.kwargs))
+            fused = gm.graph.call_function(
+                linear_cross_entropy, (rows, weight, bias, call["target"], call["reduction"], call["ignore_index"])
+            )
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+        for op in [*reversed(path), linear]:
+            for user in list(op.users):
+                if user.target is _ASSERT_METADATA:
+                    gm.graph.erase_node(user)
+            gm.graph.erase_node(op)
+        rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("linear + cross-entropy: %d head(s) fused", rewritten)
+    return rewritten

@@ -1,0 +1,231 @@
+"""The LM head fused with its cross-entropy, as an option of the output stage; ``outputs=``.
+
+- The fused op (hierremat.variants.linear_cross_entropy) equals ``linear`` then
+  ``cross_entropy`` to fp32 rounding (rtol 1e-5: only the summation order of the weight
+  gradient over row chunks and of the mean differs), for every reduction, with and
+  without bias, ignored rows and several chunks; with bf16 hidden states upcast to fp32
+  as Hugging Face upcasts logits, to bf16 rounding; and it passes torch.library's opcheck.
+- The rewrite applies where nothing else reads the logits, and nowhere else.
+- A model that returns only its loss, and a Hugging Face model with ``outputs="loss"``,
+  get the fused head as the output stage's option 1: their smallest feasible budget
+  drops, and at it they train with plain autograd's gradients (tied and untied heads,
+  HF's ``num_items_in_batch``) within the budget. Without ``outputs=``, a model's outputs
+  are exactly its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hierremat as hr
+from hierremat.blocks.capture import capture
+from hierremat.blocks.segment import build_chain_graph
+from hierremat.output_stage import FUSED_HEAD, fused_head_stage
+from hierremat.runtime import LiveTensorTracker
+from hierremat.variants import linear_cross_entropy as lce
+
+from models import LossOnly, tiny_gpt2, tiny_llama
+
+pytest.importorskip("transformers")
+
+RTOL, ATOL = 1e-4, 1e-5  # fp32 rounding of sums over row chunks (the weight gradient, the mean)
+
+
+def _reference(h, weight, bias, target, reduction):
+    logits = torch.nn.functional.linear(h, weight, bias).float()
+    return torch.nn.functional.cross_entropy(logits, target, reduction=["none", "mean", "sum"][reduction])
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_op_equals_linear_then_cross_entropy(reduction, with_bias, monkeypatch):
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 4096 * 64)  # several chunks of 64 rows
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    torch.manual_seed(reduction)
+    h = torch.randn(300, 48, requires_grad=True)
+    weight = (0.2 * torch.randn(4096, 48)).requires_grad_()
+    bias = torch.randn(4096, requires_grad=True) if with_bias else None
+    target = torch.randint(0, 4096, (300,))
+    target[::7] = -100
+    inputs = [t for t in (h, weight, bias) if t is not None]
+    loss = lce.linear_cross_entropy(h, weight, bias, target, reduction)
+    ref = _reference(h, weight, bias, target, reduction)
+    torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
+    g = torch.randn(loss.shape)
+    for a, b in zip(torch.autograd.grad(loss, inputs, g), torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_fused_op_with_bf16_hidden_states_upcasts_like_the_model():
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.2 * torch.randn(500, 32)).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 500, (64,))
+    loss = lce.linear_cross_entropy(h, weight, None, target)
+    ref = _reference(h, weight, None, target, 1)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)  # the same bf16 logits, upcast
+    for a, b in zip(torch.autograd.grad(loss, (h, weight)), torch.autograd.grad(ref, (h, weight))):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)  # bf16 rounding of the gradients
+
+
+def test_fused_op_passes_opcheck():
+    torch.manual_seed(0)
+    h = torch.randn(40, 16, requires_grad=True)
+    weight = torch.randn(100, 16, requires_grad=True)
+    bias = torch.randn(100, requires_grad=True)
+    target = torch.randint(0, 100, (40,))
+    for args in ((h, weight, bias, target, 1, -100), (h, weight, None, target, 0, -100)):
+        torch.library.opcheck(torch.ops.hierremat.linear_cross_entropy.default, args)
+
+
+def _last_stage(model, args, kwargs, **capture_kwargs):
+    return build_chain_graph(capture(model, args, kwargs, **capture_kwargs), model).stages[-1]
+
+
+def test_the_rewrite_applies_only_where_nothing_else_reads_the_logits():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+    assert fused_head_stage(_last_stage(model, (ids,), kwargs)) is None  # the logits are returned
+    assert fused_head_stage(_last_stage(model, (ids,), kwargs, outputs=("loss",))) is not None
+    assert fused_head_stage(_last_stage(LossOnly(model), (ids, ids), {})) is not None
+
+    class Smoothed(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            logits = self.model(ids, use_cache=False).logits
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), label_smoothing=0.1)
+
+    assert fused_head_stage(_last_stage(Smoothed(model), (ids,), {})) is None
+
+
+def _zero_grads(model):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+
+def _train_at_minimum(model, args, kwargs, call, **settings):
+    """The minimum from InfeasibleBudgetError, a module planned at it, and two steps of it against
+    plain autograd: the fused head is used, gradients agree, the peak is within the budget."""
+    reference = copy.deepcopy(model)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, args, kwargs, budget="1KiB", **settings)
+    budget = err.value.min_budget_bytes
+    module = hr.remat(model, args, kwargs, budget=f"{budget}B", **settings)
+    for step in range(2):
+        _zero_grads(model)
+        _zero_grads(reference)
+        torch.manual_seed(step)
+        with LiveTensorTracker() as tracker:
+            call(module).backward()
+        torch.manual_seed(step)
+        call(reference).backward()
+        assert tracker.peak_bytes <= budget, module.plans[-1].summary()
+        for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=ATOL, msg=name)
+    (plan,) = module.plans
+    assert plan.chain.stage_actions()[-1] == f"all[{FUSED_HEAD}]", plan.summary()
+    return budget, plan
+
+
+def test_a_model_returning_its_loss_trains_with_the_fused_head_at_its_minimum():
+    torch.manual_seed(1)
+    model = LossOnly(tiny_gpt2(n_layer=2, vocab_size=4096))  # tied embeddings
+    ids = torch.randint(0, 4096, (2, 96))
+    budget, _ = _train_at_minimum(model, (ids, ids), {}, lambda m: m(ids, ids))
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids, ids), {}, budget="1KiB", variants=False)
+    assert budget < 0.5 * err.value.min_budget_bytes  # the logits and their gradient were the floor
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama-untied", "num_items_in_batch"])
+def test_outputs_loss_lets_a_hugging_face_model_use_the_fused_head(which):
+    torch.manual_seed(2)
+    if which == "llama-untied":
+        model = tiny_llama()
+        model.config.tie_word_embeddings = False
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+        vocab = model.config.vocab_size
+    else:
+        model = tiny_gpt2(n_layer=2, vocab_size=2048)
+        vocab = 2048
+    ids = torch.randint(0, vocab, (2, 64))
+    kwargs = {"labels": ids, "use_cache": False}
+    if which == "num_items_in_batch":  # the loss summed, then divided by the tokens of the whole batch
+        kwargs["num_items_in_batch"] = torch.tensor(3 * 63)
+
+    original = copy.deepcopy(model)
+    budget, plan = _train_at_minimum(model, (ids,), kwargs, lambda m: _loss(m, ids, kwargs), outputs="loss")
+    assert plan.outputs == ("loss",) and "returns loss only" in plan.summary()
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(original, (ids,), kwargs, budget="1KiB")
+    assert budget < err.value.min_budget_bytes
+
+
+def _loss(module, ids, kwargs):
+    out = module(ids, **kwargs)
+    if isinstance(module, hr.RematModule):
+        assert out.logits is None  # asked for with outputs="loss"
+    return out.loss
+
+
+def test_without_outputs_the_model_returns_its_own_logits():
+    torch.manual_seed(3)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+    module = hr.remat(model, (ids,), kwargs, budget="64MiB")
+    with torch.no_grad():
+        torch.manual_seed(0)
+        mine = module(ids, **kwargs)
+        torch.manual_seed(0)
+        theirs = model(ids, **kwargs)
+    assert torch.equal(mine.logits, theirs.logits) and torch.equal(mine.loss, theirs.loss)
+
+
+def test_outputs_argument_is_checked():
+    model = tiny_gpt2(n_layer=1)
+    ids = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match="outputs must be None"):
+        hr.plan(model, (ids,), {"labels": ids}, budget="1GiB", outputs=3)
+    with pytest.raises(ValueError, match=r"returns no \['los'\]"):
+        hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB", outputs="los")
+    with pytest.raises(ValueError, match="not named outputs"):
+        hr.plan(LossOnly(model), (ids, ids), {}, budget="1GiB", outputs="loss")
+
+
+@pytest.mark.cuda
+def test_outputs_loss_fused_head_cuda():
+    torch.manual_seed(4)
+    model = tiny_gpt2(n_layer=2, vocab_size=2048).cuda()
+    ids = torch.randint(0, 2048, (2, 64), device="cuda")
+    kwargs = {"labels": ids, "use_cache": False}
+    reference = copy.deepcopy(model)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), kwargs, budget="1KiB", outputs="loss")
+    budget = err.value.min_budget_bytes
+    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", outputs="loss")
+    for step in range(2):
+        _zero_grads(model)
+        _zero_grads(reference)
+        torch.manual_seed(step)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        module(ids, **kwargs).loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        torch.manual_seed(step)
+        reference(ids, **kwargs).loss.backward()
+        assert peak <= budget
+        for a, b in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    assert module.plans[0].chain.stage_actions()[-1] == f"all[{FUSED_HEAD}]"
