@@ -18,7 +18,9 @@ memory helps. Measured there, with the model and inputs built beforehand:
     several-fold when other processes compete for the cores, so compare runs on an idle machine.
 If the budget is infeasible, the plan is retried at the reported ``min_budget_bytes``.
 Targets (2-core CPU): gpt2-4l-256 (b2, s128) under 10 s; gpt2-12l-768 (b2, s512) under
-30 s; resnet-8b-32 (a ResNet-style CNN, b16, 64x64) under 10 s.
+30 s; resnet-8b-32 (a ResNet-style CNN, b16, 64x64) under 10 s; t5-3+3l-128 (T5, 3+3 layers,
+128 wide, b2, source 64, target 32) under 30 s; unet-3lv-32 (tests/models.py's UNet, 3
+levels, 32 wide, b8, 64x64) under 60 s.
 Usage: python benchmarks/bench_plan.py [--quick] [--threads N]   (--quick: gpt2-4l-256 only)
 """
 
@@ -42,6 +44,10 @@ CONFIGS = {
     "gpt2-4l-256": ("gpt2", {"n_layer": 4, "n_embd": 256, "n_head": 4}, 2, 128, "1GiB", 10.0),
     "gpt2-12l-768": ("gpt2", {"n_layer": 12, "n_embd": 768, "n_head": 12}, 2, 512, "4GiB", 30.0),
     "resnet-8b-32": ("resnet", {"width": 32}, 16, 64, "1GiB", 10.0),
+    # an encoder-decoder (each layer a stage, the encoder output and position biases carried as residents)
+    "t5-3+3l-128": ("t5", {"layers": 3, "d_model": 128}, 2, 64, "1GiB", 30.0),
+    # a UNet with long skip connections (tests/models.py), each level a stage
+    "unet-3lv-32": ("unet", {"width": 32, "levels": 3}, 8, 64, "1GiB", 60.0),
 }
 
 
@@ -52,6 +58,13 @@ def build(name: str):
 
     kind, kw, batch, size, _, _ = CONFIGS[name]
     torch.manual_seed(0)
+    if kind in ("t5", "unet"):
+        sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+        from models import TinyUNet, seq2seq_call, tiny_t5
+
+        if kind == "t5":
+            return tiny_t5(**kw), (), {**seq2seq_call(batch, size, size // 2), "use_cache": False}
+        return TinyUNet(**kw).train(), (torch.randn(batch, 3, size, size), torch.randn(batch, 3, size, size)), {}
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
         from transformers.utils import logging as hf_logging

@@ -599,6 +599,8 @@ class Bench:
         wl = self.wl
         families = [("hierremat", {}, "hierremat")] + [(label, extra, "hierremat-config")
                                                          for label, extra in HIERREMAT_CONFIGS]
+        if self.args.configs is not None:  # the default row and the configurations named
+            families = [f for f in families if f[2] == "hierremat" or any(c in f[0] for c in self.args.configs)]
         api = hierremat.remat if wl.kind == "gpt2" else hierremat.checkpoint_sequential
         api_params = inspect.signature(api).parameters
         for method, extra, family in families:
@@ -621,8 +623,12 @@ class Bench:
                 try:
                     family_min = C.smallest_feasible_budget(plan_at)
                     self.notes.append(f"{method}: smallest feasible budget {family_min} B = {family_min / MIB:.2f} MiB")
-                    queue.insert(0, (family_min, "smallest feasible with " + ", ".join(f"{k}={v!r}" for k, v in
-                                                                                        extra.items())))
+                    lower = [(family_min, "smallest feasible with " + ", ".join(f"{k}={v!r}" for k, v in extra.items()))]
+                    if min_b is not None and min_b > family_min:  # and between it and the default's minimum
+                        n = self.args.between
+                        lower += [(int(family_min * (min_b / family_min) ** (i / (n + 1))), "between the minimums")
+                                  for i in range(1, n + 1)]
+                    queue[:0] = lower
                 except Exception as err:
                     self.notes.append(f"{method}: smallest feasible budget unknown: {type(err).__name__}: {err}")
             while queue:
@@ -871,6 +877,8 @@ def parse_args(argv):
                     "--quick: mlp; with --quick every model is built at a smaller size)")
     ap.add_argument("--methods", default="hf,segments,sac,compile,hierremat",
                     help="comma list of hf, segments, sac, compile, hierremat (plain always runs)")
+    ap.add_argument("--configs", default=None, help="comma list of words: only the hierremat configurations whose "
+                    "label contains one (e.g. 'outputs,compiled'; default: all), beside the default row")
     ap.add_argument("--quick", action="store_true", help="smoke test: one small model, 2 hierremat budgets, 2 rounds, "
                     "no torch.compile (unless --compile-budgets is given)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds (default 5, 3 for gpt2-12; 2 with --quick)")
@@ -905,6 +913,7 @@ def parse_args(argv):
                     "JSON files (with --readme, into docs/results.md)")
     ap.add_argument("-v", "--verbose", action="store_true", help="hierremat INFO logs and tracebacks")
     args = ap.parse_args(argv)
+    args.configs = None if args.configs is None else [c.strip() for c in args.configs.split(",") if c.strip()]
     args.models = [m.strip() for m in (args.models or ("mlp" if args.quick else ",".join(ALL_MODELS))).split(",")
                    if m.strip()]
     for m in args.models:

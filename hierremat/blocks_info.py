@@ -12,3 +12,35 @@ class StageInfo:
     name: str
     signature: str
     node_count: int
+
+
+@dataclass(frozen=True)
+class ResidentLayout:
+    """Values carried along a chain beside its activation (residents): the encoder output every
+    decoder layer of an encoder-decoder reads, T5's position bias, a UNet's skip tensors.
+
+    Resident r is produced by stage ``producers[r]`` (one of that stage's outputs after its
+    activation x_{i+1}) and read by the later stages ``readers[r]``; its gradient is the sum of
+    their contributions, handed to the producer's backward. ``exported``: residents the model
+    also returns (the chain returns them after the last stage's outputs). A stage is called as
+    ``stage(x, *shared, *residents)`` with ``shared_count`` grad-free shared values first and
+    every resident at its index after them (None where not produced yet).
+    """
+
+    producers: tuple[int, ...]
+    readers: tuple[tuple[int, ...], ...]
+    exported: tuple[int, ...] = ()
+    shared_count: int = 0
+
+    def produced_by(self, stage: int) -> tuple[int, ...]:
+        return tuple(r for r, p in enumerate(self.producers) if p == stage)
+
+    def read_by(self, stage: int) -> tuple[int, ...]:
+        return tuple(r for r, readers in enumerate(self.readers) if stage in readers)
+
+    def touches(self, stage: int) -> bool:
+        """Whether stage ``stage`` produces or reads a resident (it then runs as option 0 only)."""
+        return bool(self.produced_by(stage) or self.read_by(stage))
+
+    def __len__(self) -> int:
+        return len(self.producers)

@@ -30,6 +30,9 @@ class OptionCosts:
         result), so x_{i+1} stays allocated until B(i).
     pins_input: True when the kept tensors share x_i's storage (e.g. Linear saves its
         input), so x_i stays allocated until B(i); otherwise F_all frees x_i.
+    name, mip_gap: what the option is, for summaries (not used by the DP): an ILP option
+        whose solve stopped at its time limit has the solver's relative MIP gap there
+        (None: not reported), every other option 0.0.
     """
 
     fwd_time: float
@@ -40,6 +43,7 @@ class OptionCosts:
     pins_output: bool = False
     pins_input: bool = True
     name: str = "autograd"
+    mip_gap: float | None = 0.0  # a block option's MIP gap where its solve stopped at a time limit
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,10 @@ class ModelPlan:
         from Inductor's cache).
     outputs: the names of the outputs the module returns (the others are None), as asked with
         ``outputs=``; None: every output the model returns.
+    resident_bytes: set aside beside the chain for its residents, the values carried along it
+        beside the activation (an encoder's output, a position bias, skip tensors) and their
+        gradients (hierremat.runtime.profile.ChainProfile.resident_bytes); predicted_peak_bytes
+        includes it.
     """
 
     chain: SequentialPlan
@@ -49,15 +53,21 @@ class ModelPlan:
     compiled: bool = False
     compile_seconds: float = 0.0
     outputs: tuple[str, ...] | None = None
+    resident_bytes: int = 0
+
+    @property
+    def beside_chain_bytes(self) -> int:
+        """What is held beside the chain's schedule: shared values, residents, FSDP2's root group."""
+        return self.shared_bytes + self.resident_bytes + self.sharded_reserve_bytes
 
     @property
     def budget_bytes(self) -> int:
-        """The model's budget: the chain's plus the shared values (and FSDP2's root group) held beside it."""
-        return self.chain.budget_bytes + self.shared_bytes + self.sharded_reserve_bytes
+        """The model's budget: the chain's plus what is held beside it."""
+        return self.chain.budget_bytes + self.beside_chain_bytes
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.chain.predicted_peak_bytes + self.shared_bytes + self.sharded_reserve_bytes
+        return self.chain.predicted_peak_bytes + self.beside_chain_bytes
 
     @property
     def predicted_step_time(self) -> float:
@@ -78,7 +88,8 @@ class ModelPlan:
             + (", block options compiled" if self.compiled else "")
             + (f", returns {' and '.join(self.outputs)} only (outputs=)" if self.outputs is not None else ""),
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
-            f" + shared inputs {format_bytes(self.shared_bytes)})",
+            f" + shared inputs {format_bytes(self.shared_bytes)}"
+            + (f" + residents {format_bytes(self.resident_bytes)}" if self.resident_bytes else "") + ")",
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
             f"  {c.autocast_line()}",
             *(
@@ -102,7 +113,10 @@ class ModelPlan:
                 f"{format_bytes(c.costs.activation_bytes[i + 1]):>11} {format_bytes(op.kept_bytes):>11} "
                 f"{op.fwd_time * 1e3:>8.3f} {op.bwd_time * 1e3:>8.3f}  {actions[i]}"
             )
-        lines += [f"  ({c.ACTIONS_LEGEND})", "", f"  schedule: {c.schedule}"]
+        lines += [f"  ({c.ACTIONS_LEGEND})", *c.unproven_lines()]
+        coarse = {sig: m.get("coarse", "") for sig, m in self.menus.items() if m.get("coarse")}
+        lines += [f"  heuristic block options for {sig}: {why}" for sig, why in coarse.items()]
+        lines += ["", f"  schedule: {c.schedule}"]
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -123,6 +137,7 @@ class ModelPlan:
                 "compiled": self.compiled,
                 "compile_seconds": self.compile_seconds,
                 "outputs": None if self.outputs is None else list(self.outputs),
+                "resident_bytes": self.resident_bytes,
             }
         )
 
@@ -146,4 +161,5 @@ class ModelPlan:
             compiled=bool(d.get("compiled", False)),
             compile_seconds=float(d.get("compile_seconds", 0.0)),
             outputs=None if d.get("outputs") is None else tuple(str(n) for n in d["outputs"]),
+            resident_bytes=int(d.get("resident_bytes", 0)),
         )

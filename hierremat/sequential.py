@@ -51,6 +51,9 @@ def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: t
     ]
 
 
+#: Default bound on planning, seconds (capture, profiling, block ILPs, compiling).
+PLAN_TIME_LIMIT = 300.0
+
 STRATEGIES = "'optimal' (the DP), 'none' (no checkpointing) or 'segments=K' (torch's uniform segments)"
 
 #: 'ilp': each distinct block also offers the optimal options of its ILP menu beside autograd's;
@@ -203,14 +206,16 @@ class PlannedChain:
 
     def __init__(
         self, stages: Sequence[Callable], plan: SequentialPlan, *, slots: int, strategy: str = "optimal",
-        signatures: Sequence[str] | None = None, menus=None,
+        signatures: Sequence[str] | None = None, menus=None, residents=None,
     ):
-        """menus: the stages' block-option menus (hierremat.stage_options.ChainMenus), if any."""
+        """menus: the stages' block-option menus (hierremat.stage_options.ChainMenus), if any;
+        residents: the values carried beside the activation (hierremat.blocks_info.ResidentLayout)."""
         self.stages = list(stages)
         self.slots = slots
         self.strategy = strategy
         self.signatures = signatures
         self.menus = menus
+        self.residents = residents
         self.sharded = None
         self.agree = None
         self._bind(plan)
@@ -223,7 +228,9 @@ class PlannedChain:
             forwards = [self.menus.forward_executor(i, st.nograd_form) for i, st in enumerate(plan.costs.stages)]
         elif any(st.nograd_form != "autograd" for st in plan.costs.stages):
             raise ValueError("the plan runs generated forwards, but the chain has no block menus: plan it again")
-        self.runner = ChainRunner(self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards)
+        self.runner = ChainRunner(
+            self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards, self.residents
+        )
 
     def shard(self, sharded, plan: SequentialPlan, agree: Callable) -> None:
         """Run the stages through their FSDP2 modules (hierremat.runtime.fsdp.ShardedChain) under
@@ -273,7 +280,8 @@ class PlannedChain:
         elif seen.grad_mask != assumed.grad_mask:
             started = time.perf_counter()
             profile = profile_chain(
-                self.stages, x, shared=shared, signatures=self.signatures, output_grad_mask=seen.grad_mask
+                self.stages, x, shared=shared, signatures=self.signatures, output_grad_mask=seen.grad_mask,
+                residents=self.residents,
             )
             if self.menus is not None:
                 profile = self.menus.extend(profile)
@@ -295,6 +303,7 @@ class PlannedChain:
 def plan_sequential(
     functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal",
     output_held: bool | None = True, block_options: str = "ilp", variants: bool = True, compile: bool | str = "auto",
+    time_limit: float | None = PLAN_TIME_LIMIT,
 ) -> SequentialPlan:
     """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
 
@@ -312,31 +321,34 @@ def plan_sequential(
     bitwise what the operators compute.
     compile: whether block options run compiled by Inductor: True, False or "auto" (True
     on CUDA); see hierremat.plan.
+    time_limit: seconds planning may take (see hierremat.plan); None: no bound.
     """
     stages = as_stages(functions)
     _check_input(input)
     return _plan(
         stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held,
-        block_options=block_options, variants=variants, compile=compile,
+        block_options=block_options, variants=variants, compile=compile, time_limit=time_limit,
     ).plan
 
 
 def _plan(
     stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3,
     strategy: str = "optimal", output_held: bool | None = True, block_options: str = "ilp", variants: bool = True,
-    compile: bool | str = "auto",
+    compile: bool | str = "auto", time_limit: float | None = PLAN_TIME_LIMIT,
 ) -> PlannedChain:
     check_block_options(block_options)
     check_slots(slots)
+    check_time_limit(time_limit)
     compiled = resolve_compile(compile, input.device)
     started = time.perf_counter()
+    deadline = None if time_limit is None else started + time_limit
     profile = profile_chain(stages, input, repeats=repeats)
     profile_seconds = time.perf_counter() - started
     menus = None
     if block_options == "ilp" and strategy == "optimal" and torch.is_grad_enabled():
         from .stage_options import build_menus  # torch-side planning, loaded when used
 
-        menus = build_menus(stages, input, (), None, variants=variants)
+        menus = build_menus(stages, input, (), None, variants=variants, deadline=deadline)
 
     def solve(profile):
         return plan_from_profile(
@@ -348,7 +360,9 @@ def _plan(
         from .stage_compile import plan_compiled  # loaded when used: it compiles with Inductor
 
         cache = default_cache()
-        plan = plan_compiled(menus, profile, solve, stages, input, (), cache.directory / "inductor" if cache.enabled else None)
+        plan = plan_compiled(
+            menus, profile, solve, stages, input, (), cache.directory / "inductor" if cache.enabled else None, deadline,
+        )
     else:
         plan = solve(menus.extend(profile) if menus is not None else profile)
     return PlannedChain(stages, plan, slots=slots, strategy=strategy, menus=menus)
@@ -372,6 +386,14 @@ def check_devices(device_types: Sequence[str], what: str) -> None:
             f"{what} on device {bad[0]!r}: hierremat plans on {' and '.join(SUPPORTED_DEVICES)} only (it measures "
             "each stage's time and memory); move the model and inputs there"
         )
+
+
+def check_time_limit(time_limit) -> None:
+    if time_limit is None:
+        return
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds (planning's bound; default "
+                         f"{PLAN_TIME_LIMIT:g}) or None (no bound), got {time_limit!r}")
 
 
 def check_slots(slots) -> None:
@@ -436,6 +458,7 @@ def checkpoint_sequential(
     block_options: str = "ilp",
     variants: bool = True,
     compile: bool | str = "auto",
+    time_limit: float | None = PLAN_TIME_LIMIT,
     **kwargs,
 ) -> torch.Tensor:
     """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with a budget instead of segments.
@@ -450,7 +473,7 @@ def checkpoint_sequential(
     (as in ``y = checkpoint_sequential(...); loss_fn(y).backward()``); see plan_sequential.
     Every backward checks how the output was used, and a different use re-plans the
     next call (releasing it early gives a faster plan; holding it when the plan assumed
-    otherwise logs a warning). block_options, variants, compile: see plan_sequential.
+    otherwise logs a warning). block_options, variants, compile, time_limit: see plan_sequential.
 
     ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
     RNG state is always preserved. Inside a ``torch.compile``'d function the call is a
@@ -472,7 +495,7 @@ def checkpoint_sequential(
     if entry is None:
         entry = _plan(
             stages, budget_bytes, input, slots=slots, output_held=output_held, block_options=block_options,
-            variants=variants, compile=compile,
+            variants=variants, compile=compile, time_limit=time_limit,
         )
         log.debug("%s", entry.plan.summary())
         plan_cache.put(key, entry)

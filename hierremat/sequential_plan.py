@@ -86,6 +86,22 @@ class SequentialPlan:
                 kinds[op.stage].append(f"all[{label}]" if label else "all")
         return [", ".join(k) for k in kinds]
 
+    def unproven_lines(self) -> list[str]:
+        """Summary lines for the block options the schedule runs that their ILP solve did not prove
+        optimal (it stopped at its time limit): which, and the solver's MIP gap."""
+        shown = []
+        for op in self.schedule.ops:
+            if isinstance(op, FAll) and op.option > 0:
+                option = self.costs.stages[op.stage].options[op.option]
+                gap = option.mip_gap
+                if gap is None or gap > 0:
+                    entry = f"stage {op.stage} all[{op.option}] ({'gap unknown' if gap is None else f'MIP gap {gap:.1%}'})"
+                    if entry not in shown:
+                        shown.append(entry)
+        if not shown:
+            return []
+        return [f"  not proven optimal (solves stopped at their time limit): {', '.join(shown)}"]
+
     def autocast_line(self) -> str:
         """What autocast adds to a step, for summaries."""
         if self.autocast == "off":
@@ -123,6 +139,7 @@ class SequentialPlan:
             )
         n_back = sum(isinstance(op, Backward) for op in s.ops)
         lines.append(f"  ({self.ACTIONS_LEGEND})")
+        lines += self.unproven_lines()
         lines.append("")
         lines.append(f"  schedule ({len(s.ops)} ops, {n_back} backward): {s}")
         return "\n".join(lines)

@@ -61,23 +61,35 @@ def offer_compiled(menus: ChainMenus) -> None:
             row += row[1:]
 
 
+def _past(deadline: float | None, what: str) -> bool:
+    """Whether planning's deadline has passed (then nothing more is compiled; logged)."""
+    if deadline is None or time.perf_counter() < deadline:
+        return False
+    log.info("planning time limit reached: %s not compiled (it runs as generated eager code)", what)
+    return True
+
+
 def compile_options(
     menus: ChainMenus, wanted: set[tuple[int, int]], stages: Sequence, x0: torch.Tensor, shared: tuple,
-    cache_dir: Path | None, measure: bool = True,
+    cache_dir: Path | None, measure: bool = True, deadline: float | None = None,
 ) -> int:
     """Compile (and measure) the compiled forms ``wanted`` as (stage, option) that are not compiled
-    yet, once per (signature, option); bind every stage's executor of a compiled form to it.
-    Returns the number of options compiled."""
+    yet, once per (signature, option), none after ``deadline``; bind every stage's executor of a
+    compiled form to it. Returns the number of options tried (compiled, or failing to)."""
     todo: dict[tuple[str, str], tuple[int, int]] = {}
+    tried = 0
     for i, k in sorted(wanted):
         key = menus.option_key(i, k)
         if menus.is_compiled_index(i, k) and not _tried(menus, key) and key not in todo:
             todo[key] = (i, k)
     if todo:
-        xs = stage_inputs(stages, x0, shared)
+        xs = stage_inputs(stages, x0, shared, menus.residents)
         for key, (i, k) in todo.items():
+            if _past(deadline, f"option {key[1]} of {key[0]}"):
+                break
             joint = menus.executors[i][k].joint
             started = time.perf_counter()
+            tried += 1
             try:
                 with no_side_effects(stages, x0):
                     program = CompiledProgram(joint, menus.option(i, k), xs[i], shared, cache_dir)
@@ -106,12 +118,12 @@ def compile_options(
             entry = menus.compiled.get(menus.option_key(i, k))
             if entry is not None and not isinstance(row[k], CompiledOptionExecutor):
                 row[k] = CompiledOptionExecutor(row[k].joint, entry[0], row[k].binding)
-    return len(todo)
+    return tried
 
 
 def compile_forwards(
     menus: ChainMenus, stages: Sequence, x0: torch.Tensor, shared: tuple, cache_dir: Path | None,
-    wanted: set[int] | None = None, measure: bool = True,
+    wanted: set[int] | None = None, measure: bool = True, deadline: float | None = None,
 ) -> None:
     """Compile (and measure) the no-grad forward of every stage signature with a menu (of the
     stages ``wanted``, default all) not compiled yet. One that Inductor fails to compile is
@@ -123,8 +135,10 @@ def compile_forwards(
             todo.setdefault(signature, i)
     if not todo:
         return
-    xs = stage_inputs(stages, x0, shared)
+    xs = stage_inputs(stages, x0, shared, menus.residents)
     for signature, i in todo.items():
+        if _past(deadline, f"the forward without grad of {signature}"):
+            break
         started = time.perf_counter()
         try:
             with no_side_effects(stages, x0):
@@ -152,9 +166,10 @@ def _tried(menus: ChainMenus, key: tuple[str, str]) -> bool:
 
 def plan_compiled(
     menus: ChainMenus, profile: ChainProfile, solve: Callable[[ChainProfile], object], stages: Sequence,
-    x0: torch.Tensor, shared: tuple, cache_dir: Path | None,
+    x0: torch.Tensor, shared: tuple, cache_dir: Path | None, deadline: float | None = None,
 ):
-    """The plan (``solve(profile)``'s result, with ``.schedule``) with compiled block options on offer."""
+    """The plan (``solve(profile)``'s result, with ``.schedule``) with compiled block options on
+    offer; nothing is compiled after ``deadline`` (a ``time.perf_counter()`` value)."""
     started = time.perf_counter()
     offer_compiled(menus)
     fastest = set()
@@ -162,11 +177,11 @@ def plan_compiled(
         n = menus.menu_size(i)
         if n:
             fastest.add((i, n + 1 + min(range(n), key=lambda j: menus.option(i, j + 1).total_time)))
-    compile_options(menus, fastest, stages, x0, shared, cache_dir)
-    compile_forwards(menus, stages, x0, shared, cache_dir)
+    compile_options(menus, fastest, stages, x0, shared, cache_dir, deadline=deadline)
+    compile_forwards(menus, stages, x0, shared, cache_dir, deadline=deadline)
     plan = solve(menus.extend(profile))
     for _ in range(MAX_ROUNDS):
-        if not compile_options(menus, options_used(plan.schedule), stages, x0, shared, cache_dir):
+        if not compile_options(menus, options_used(plan.schedule), stages, x0, shared, cache_dir, deadline=deadline):
             break
         plan = solve(menus.extend(profile))
     unmeasured = [

@@ -48,13 +48,14 @@ from .blocks.joint import JointGraph, to_block_graph, trace_joint
 from .blocks.node_profile import profile_nodes
 from .costs import OptionCosts
 from .ilp.cache import CacheKey, OptionsCache, default_cache
-from .ilp.options import BlockOption, forward_only, solve_menu
+from .ilp.options import MENU_TIME_LIMIT, BlockOption, forward_only, solve_menu
 from .ilp.solve import solve_count
 from .output_stage import fused_head_option
 from .runtime.autocast import AutocastState
 from .runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOption, OptionExecutor
 from .runtime.option_codegen import StageBinding
 from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
+from .runtime.residents import keep_made, split_output, stage_shared
 from .runtime.stage_cost_cache import ExecutorSpeeds, StageCostCache, device_name
 from .variants.dropout import pack_dropout_masks
 
@@ -65,22 +66,27 @@ COST_MODEL_VERSION = "nodes-2"
 #: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
 TIE_MARGIN = 1e-6
 #: Bump when the ILP formulation changes (invalidates cached menus).
-FORMULATION_VERSION = "staged-4"
+FORMULATION_VERSION = "staged-5"
 
 
 @dataclass(frozen=True)
 class StageMenu:
-    """The solved menu of one stage signature: its block graph and options (node-time units)."""
+    """The solved menu of one stage signature: its block graph and options (node-time units).
+
+    coarse: why the options are heuristic rather than the ILP sweep's ("" when they are the
+    sweep's; see hierremat.ilp.options.BlockOptions)."""
 
     graph: BlockGraph
     options: tuple[BlockOption, ...]
     solve_seconds: float
+    coarse: str = ""
 
     def to_dict(self) -> dict:
         return {
             "graph": self.graph.to_dict(),
             "options": [o.to_dict() for o in self.options],
             "solve_seconds": self.solve_seconds,
+            "coarse": self.coarse,
         }
 
     @classmethod
@@ -89,6 +95,7 @@ class StageMenu:
             graph=BlockGraph.from_dict(d["graph"]),
             options=tuple(BlockOption.from_dict(o) for o in d["options"]),
             solve_seconds=float(d.get("solve_seconds", 0.0)),
+            coarse=str(d.get("coarse", "")),
         )
 
 
@@ -129,6 +136,8 @@ class ChainMenus:
     compile_failed: set = field(default_factory=set)
     compile_seconds: float = 0.0
     compile: bool = False
+    #: the chain's ResidentLayout (hierremat.blocks_info), or None
+    residents: object = None
 
     def menu_size(self, stage: int) -> int:
         """n: the number of options of stage ``stage``'s menu (0 without one)."""
@@ -305,14 +314,19 @@ def params_cast_more_than_once(joint: JointGraph) -> list[str]:
     return sorted(name for name, count in casts.items() if count > 1)
 
 
-def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple) -> list[torch.Tensor]:
-    """x_0 .. x_{L-1}: each stage's input, by running the chain without grad (RNG and buffers restored)."""
+def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=None) -> list[torch.Tensor]:
+    """x_0 .. x_{L-1}: each stage's input, by running the chain without grad (RNG and buffers restored).
+    residents: the chain's ResidentLayout (hierremat.blocks_info), or None."""
     xs = [x0.detach()]
+    values: dict[int, torch.Tensor] = {}
     autocast = AutocastState.capture((x0.device.type,))
     with no_side_effects(stages, x0), torch.no_grad():
-        for stage in stages[:-1]:
+        for i, stage in enumerate(stages[:-1]):
             with autocast.stage_scope():
-                xs.append(stage(xs[-1], *shared))
+                out = stage(xs[-1], *stage_shared(shared, values, residents))
+            y, made = split_output(out, residents, i)
+            keep_made(values, residents, i, made)
+            xs.append(y)
     return xs
 
 
@@ -379,22 +393,28 @@ def build_menus(
     *,
     cache: OptionsCache | None = None,
     stored: dict[str, StageMenu] | None = None,
-    time_limit: float = 10.0,
+    time_limit: float = MENU_TIME_LIMIT,
+    deadline: float | None = None,
     variants: bool = True,
+    residents=None,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
     signatures: one structural key per stage (None: :func:`module_signature` of each).
     stored: menus to use as they are (from a saved plan), by signature.
     cache: where solved menus are looked up and stored (default: hierremat's default cache).
+    time_limit: seconds per ILP solve; deadline: a ``time.perf_counter()`` value no solve
+    runs past (menus then hold what was found in time: hierremat.ilp.options.solve_menu).
     variants: rewrite the traced graphs with hierremat's operator variants
     (hierremat.variants.dropout: packed dropout masks, recomputable dropout outputs).
+    residents: the chain's ResidentLayout (hierremat.blocks_info), or None: a stage that makes
+    or reads residents gets no menu (option 0 only), nor does the output stage its fused head.
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
     cost_cache = StageCostCache(cache)
     L = len(stages)
-    xs = stage_inputs(stages, x0, shared)
+    xs = stage_inputs(stages, x0, shared, residents)
     if signatures is None:
         signatures = [module_signature(stage, x) for stage, x in zip(stages, xs)]
     if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own
@@ -410,6 +430,9 @@ def build_menus(
     autocast = AutocastState.capture((x0.device.type,))
     for i, (stage, signature) in enumerate(zip(stages[:-1], signatures)):
         # (the last stage returns the model's outputs, often several: option 0 only)
+        if residents is not None and residents.touches(i):
+            log.info("stage %d (%s): no block options: it makes or reads values carried beside the chain", i, signature)
+            continue
         graph_key = _graph_key(signature, variants)  # menus and executor speeds of the traced graph
         if signature not in joints and signature not in menus:
             try:
@@ -433,7 +456,8 @@ def build_menus(
                 joints[signature] = None
                 continue
             joints[signature] = joint
-            menu = _menu(joint, xs[i], shared, signature, graph_key, cache, stored, time_limit)
+            name = getattr(stage, "stage_name", type(stage).__name__)
+            menu = _menu(joint, xs[i], shared, signature, graph_key, cache, stored, time_limit, deadline, name)
             if menu is not None:
                 menus[signature] = menu
         joint, menu = joints.get(signature), menus.get(signature)
@@ -457,7 +481,7 @@ def build_menus(
                 )
                 cost_cache.put_speeds(graph_key, xs[i], speeds[signature])
     output_option = None
-    if variants:
+    if variants and not (residents is not None and residents.touches(L - 1)):
         fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
         if fused is not None:
             output_option, executors[-1] = fused[:2], [None, fused[2]]
@@ -465,7 +489,7 @@ def build_menus(
     return ChainMenus(
         menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,
         forwards={sig: f.forward for sig, f in forwards.items()}, forward_executors=forward_executors,
-        output_option=output_option,
+        output_option=output_option, residents=residents,
     )
 
 
@@ -534,9 +558,10 @@ def _graph_key(signature: str, variants: bool) -> str:
     return signature if not variants else f"{signature}+variants"
 
 
-def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit) -> StageMenu | None:
-    """The stage's menu: from a saved plan, else from the cache, else solved (and cached);
-    None when solving fails (the stage then offers autograd's option only, with a warning).
+def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit, deadline, name) -> StageMenu | None:
+    """The stage's menu: from a saved plan, else from the cache, else solved (and cached,
+    unless the planning deadline cut it short); None when solving fails (the stage then
+    offers autograd's option only, with a warning). name: the stage's, for the progress bar.
 
     A saved or cached menu is used only if its block graph has the structure of the one
     traced now (op lists name nodes of that graph)."""
@@ -565,12 +590,13 @@ def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit)
             log.warning("cached options for %s are unreadable (%s); solving again", signature, err)
     graph = to_block_graph(joint, profile_nodes(joint, x, shared))
     try:
-        with _progress_bar(f"hierremat: block {signature}") as advance:
-            solved = solve_menu(graph, time_limit=time_limit, progress=advance, label=signature)
+        with _progress_bar(f"hierremat: block {name} ({signature})") as advance:
+            solved = solve_menu(graph, time_limit=time_limit, progress=advance, label=signature, deadline=deadline)
     except Exception as err:  # a solver that errors (HiGHS failing, a broken install): plan without the menu
         _warn_solver_failure(signature, err)
         return None
-    menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds)
-    cache.put(key, menu.to_dict())
+    menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds, solved.coarse)
+    if not solved.cut_by_deadline:
+        cache.put(key, menu.to_dict())
     log.info("stage signature %s: %d options from %d ILP solves in %.2f s", signature, len(menu.options), solved.n_solves, solved.solve_seconds)
     return menu

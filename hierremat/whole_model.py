@@ -32,7 +32,8 @@ from .runtime.profile import ChainProfile, profile_chain, storage_bytes
 from .runtime.stage_cost_cache import StageCostCache
 from .ilp.cache import OptionsCache, default_cache
 from .sequential import (
-    PlannedChain, check_block_options, check_devices, check_slots, plan_from_profile, resolve_compile,
+    PLAN_TIME_LIMIT, PlannedChain, check_block_options, check_devices, check_slots, check_time_limit,
+    plan_from_profile, resolve_compile,
 )
 from .stage_compile import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from .stage_options import StageMenu, build_menus
@@ -115,18 +116,21 @@ class _Compiled:
         plan = self.plan
         costs = with_gathered(plan.chain.costs, gathered)
         reserve = reserve_bytes(gathered)
-        profile = ChainProfile(costs, plan.chain.mutated_buffers, plan.chain.output_grad_mask)
+        profile = ChainProfile(
+            costs, plan.chain.mutated_buffers, plan.chain.output_grad_mask, resident_bytes=plan.resident_bytes
+        )
         device = next(iter(model.parameters())).device
         try:
             outcome = plan_from_profile(
-                planned.stages, profile, budget_bytes - plan.shared_bytes - reserve, device, slots=planned.slots,
+                planned.stages, profile, budget_bytes - plan.shared_bytes - plan.resident_bytes - reserve, device,
+                slots=planned.slots,
                 strategy=planned.strategy, output_held=costs.output_held_bytes,
             )
         except InfeasibleBudgetError as err:
             outcome = err
         outcome = rank0s(outcome)
         if isinstance(outcome, InfeasibleBudgetError):
-            raise outcome.plus(budget_bytes, plan.shared_bytes + reserve) from None
+            raise outcome.plus(budget_bytes, plan.shared_bytes + plan.resident_bytes + reserve) from None
         chain_plan = outcome
         log.info(
             "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B held beside the chain",
@@ -172,10 +176,12 @@ class PlanSettings:
     variants: bool = True
     compile: bool | str = "auto"
     outputs: tuple[str, ...] | None = None
+    time_limit: float | None = PLAN_TIME_LIMIT
 
     def __post_init__(self) -> None:
         check_block_options(self.block_options)
         check_slots(self.slots)
+        check_time_limit(self.time_limit)
         check_segmentation(self.segmentation)
         resolve_compile(self.compile, torch.device("cpu"))  # checks the value
         object.__setattr__(self, "outputs", check_outputs(self.outputs))
@@ -184,6 +190,10 @@ class PlanSettings:
         if isinstance(self.cache, str):
             return default_cache(self.cache)
         return default_cache(enabled=bool(self.cache))
+
+    def deadline(self, started: float) -> float | None:
+        """When planning that began at ``started`` (``time.perf_counter()``) must be done."""
+        return None if self.time_limit is None else started + self.time_limit
 
     def inductor_cache(self) -> Path | None:
         """Where compiled block options are cached (Inductor's caches): under the options cache."""
@@ -217,23 +227,33 @@ class _ProfiledChain:
     menus: object  # hierremat.stage_options.ChainMenus, or None
 
     @classmethod
-    def of(cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings) -> "_ProfiledChain":
+    def of(
+        cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
+    ) -> "_ProfiledChain":
+        """deadline: when building the block menus must be done (``time.perf_counter()``)."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
         profile = profile_chain(
-            chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache())
+            chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache()),
+            residents=chain.residents,
         )
         profile_seconds = time.perf_counter() - started
         menus = None
         if settings.block_options == "ilp" and settings.strategy == "optimal":
             menus = build_menus(
-                chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants
+                chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants,
+                deadline=deadline, residents=chain.residents,
             )
         return cls(chain, x0, shared, settings, profile, profile_seconds, menus)
 
     @property
     def shared_bytes(self) -> int:
         return sum(storage_bytes(v) for v in self.shared if isinstance(v, torch.Tensor))
+
+    @property
+    def beside_chain_bytes(self) -> int:
+        """Held beside the chain's schedule: the shared values and the residents (ModelPlan.resident_bytes)."""
+        return self.shared_bytes + self.profile.resident_bytes
 
     def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None
               ) -> SequentialPlan:
@@ -244,12 +264,12 @@ class _ProfiledChain:
             profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
         try:
             return plan_from_profile(
-                self.chain.stages, profile, budget_bytes - self.shared_bytes, self.x0.device,
+                self.chain.stages, profile, budget_bytes - self.beside_chain_bytes, self.x0.device,
                 slots=self.settings.slots, profile_seconds=self.profile_seconds,
                 strategy=strategy or self.settings.strategy, output_held=self.settings.output_held,
             )
         except InfeasibleBudgetError as err:
-            raise err.plus(budget_bytes, self.shared_bytes) from None
+            raise err.plus(budget_bytes, self.beside_chain_bytes) from None
 
     def model_plan(self, chain_plan: SequentialPlan, capture_seconds: float, compiled: bool = False) -> ModelPlan:
         menus = self.menus
@@ -259,7 +279,7 @@ class _ProfiledChain:
             options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
             segmentation=self.settings.segmentation, variants=self.settings.variants, compiled=compiled,
             outputs=self.settings.outputs,
-            compile_seconds=menus.compile_seconds if menus else 0.0,
+            compile_seconds=menus.compile_seconds if menus else 0.0, resident_bytes=self.profile.resident_bytes,
         )
 
 
@@ -280,13 +300,13 @@ def _compile(
     signatures = [info.signature for info in chain.infos]
     menus = None
     if plan is None:
-        profiled = _ProfiledChain.of(chain, x0, shared, settings)
+        profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started))
         menus = profiled.menus
         compiled = menus is not None and resolve_compile(settings.compile, x0.device)
         if compiled:
             chain_plan = plan_compiled(
                 menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p), chain.stages, x0, shared,
-                settings.inductor_cache(),
+                settings.inductor_cache(), settings.deadline(started),
             )
         else:
             chain_plan = profiled.solve(budget_bytes)
@@ -309,7 +329,9 @@ def _compile(
             )
         if plan.menus:
             stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
-            menus = build_menus(chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants)
+            menus = build_menus(
+                chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents
+            )
             if plan.compiled:  # its costs are those of compiled options and forwards: run them so
                 offer_compiled(menus)
                 compile_options(
@@ -323,7 +345,8 @@ def _compile(
                         measure=False,
                     )
     planned = PlannedChain(
-        chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus
+        chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus,
+        residents=chain.residents,
     )
     chain_module = ChainModule(chain.stages, planned)
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
@@ -429,6 +452,7 @@ def plan(
     variants: bool = True,
     compile: bool | str = "auto",
     outputs: str | tuple[str, ...] | None = None,
+    time_limit: float | None = PLAN_TIME_LIMIT,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -465,10 +489,15 @@ def plan(
     exist whole: its head may then run fused with the loss, chunk by chunk (an option the
     plan picks by budget; hierremat.output_stage). A model that returns only its loss gets
     that option without ``outputs=``.
+    time_limit: seconds planning may take (default 300; None: no bound). No block ILP solve
+    and no compile runs past it: a block left without time gets the coarser heuristic menu
+    (keep everything, recompute everything, keep what is costliest to recompute), as does a
+    block whose ILP would be too large; the summary says which. Every solve also has a
+    limit of its own; an option its limit stopped shows its MIP gap in the summary.
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(
-        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit
     )
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
     return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
@@ -487,7 +516,7 @@ class BudgetExplorer:
     def __init__(self, profiled: _ProfiledChain, capture_seconds: float):
         self._profiled = profiled
         self._capture_seconds = capture_seconds
-        self.keep_all_bytes = profiled.solve(2**62, strategy="none").predicted_peak_bytes + profiled.shared_bytes
+        self.keep_all_bytes = profiled.solve(2**62, strategy="none").predicted_peak_bytes + profiled.beside_chain_bytes
         self.smallest_feasible_bytes = self._smallest_feasible()
 
     def _smallest_feasible(self) -> int:
@@ -528,6 +557,7 @@ def explore(
     segmentation: str = "blocks",
     variants: bool = True,
     outputs: str | tuple[str, ...] | None = None,
+    time_limit: float | None = PLAN_TIME_LIMIT,
 ) -> BudgetExplorer:
     """Capture, profile and build the block menus of ``model`` once, to see what budgets cost.
 
@@ -537,14 +567,16 @@ def explore(
     eagerly here: compiled forms are priced only when compiled, see ``compile=``).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    settings = PlanSettings(slots, "optimal", output_held, block_options, cache, segmentation, variants, False, outputs)
+    settings = PlanSettings(
+        slots, "optimal", output_held, block_options, cache, segmentation, variants, False, outputs, time_limit
+    )
     model = uncompiled(model)
     kwargs = call_kwargs(model, example_kwargs or {})
     started = time.perf_counter()
     check_devices(_device_types(args, kwargs), "the example inputs")
     autocast = AutocastState.capture(_device_types(args, kwargs))
     chain, x0, shared, capture_seconds = _captured_chain(model, args, kwargs, settings, autocast, started)
-    return BudgetExplorer(_ProfiledChain.of(chain, x0, shared, settings), capture_seconds)
+    return BudgetExplorer(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started)), capture_seconds)
 
 
 def remat(
@@ -564,11 +596,12 @@ def remat(
     variants: bool | None = None,
     compile: bool | str | None = None,
     outputs: str | tuple[str, ...] | None = None,
+    time_limit: float | None = PLAN_TIME_LIMIT,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy, output_held, block_options, cache, segmentation, variants, compile, outputs: as
-    for hierremat.plan (segmentation, variants, compile and outputs default to ``plan``'s,
+    strategy, output_held, block_options, cache, segmentation, variants, compile, outputs,
+    time_limit (each plan's, re-plans for new shapes included): as for hierremat.plan (segmentation, variants, compile and outputs default to ``plan``'s,
     else 'blocks', True, "auto" and None).
     """
     if budget is None and plan is None:
@@ -584,7 +617,7 @@ def remat(
     if outputs is None and plan is not None:
         outputs = plan.outputs
     settings = PlanSettings(
-        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit
     )
     module = RematModule(model, budget_bytes, on_new_shape, settings)
     module._add(args, example_kwargs or {}, plan)

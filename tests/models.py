@@ -167,3 +167,115 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def tiny_t5(layers: int = 3, d_model: int = 128):
+    """A randomly initialised T5 (``layers`` encoder and decoder layers, dropout 0.1): every decoder
+    layer reads the encoder's output, and the first layer of each stack makes the position bias
+    the later ones read."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    _quiet_transformers()
+    config = T5Config(
+        vocab_size=256, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=layers,
+        num_decoder_layers=layers, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+    )
+    return T5ForConditionalGeneration(config).train()
+
+
+def tiny_bart(layers: int = 2, d_model: int = 64):
+    """A randomly initialised BART (``layers`` encoder and decoder layers, dropout 0.1)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    _quiet_transformers()
+    config = BartConfig(
+        vocab_size=256, d_model=d_model, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model,
+        max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )
+    return BartForConditionalGeneration(config).train()
+
+
+def seq2seq_call(batch: int = 2, source: int = 64, target: int = 32, seed: int = 0) -> dict:
+    """What a seq2seq data collator gives: input ids, an attention mask with padding, labels."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (batch, source), generator=generator)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[-1, source * 3 // 4:] = 0
+    labels = torch.randint(3, 256, (batch, target), generator=generator)
+    return {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class UNetResBlock(nn.Module):
+    """A diffusers-style residual block: GroupNorm, SiLU, 3x3 convolutions, a 1x1 shortcut where widths differ."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(4, c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.norm2 = nn.GroupNorm(4, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.shortcut = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+
+    def forward(self, x):
+        h = self.conv1(nn.functional.silu(self.norm1(x)))
+        h = self.conv2(nn.functional.silu(self.norm2(h)))
+        return self.shortcut(x) + h
+
+
+class UNetDown(nn.Module):
+    """A residual block, then a strided convolution: returns (the downsampled map, the skip tensor)."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.res = UNetResBlock(c_in, c_out)
+        self.down = nn.Conv2d(c_out, c_out, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        skip = self.res(x)
+        return self.down(skip), skip
+
+
+class UNetUp(nn.Module):
+    """Upsample, concatenate the skip tensor of the same level, a residual block."""
+
+    def __init__(self, c_in: int, c_skip: int, c_out: int):
+        super().__init__()
+        self.res = UNetResBlock(c_in + c_skip, c_out)
+
+    def forward(self, x, skip):
+        x = nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+        return self.res(torch.cat([x, skip], dim=1))
+
+
+class TinyUNet(nn.Module):
+    """A small UNet with long skip connections (diffusers-style, without time embedding), trained to
+    denoise: ``model(noisy, target)`` returns the mean squared error."""
+
+    def __init__(self, width: int = 16, levels: int = 3):
+        super().__init__()
+        widths = [width * 2 ** k for k in range(levels)]
+        self.conv_in = nn.Conv2d(3, width, 3, padding=1)
+        self.down_blocks = nn.ModuleList(UNetDown(c_in, c_out) for c_in, c_out in zip([width, *widths[:-1]], widths))
+        self.mid = nn.ModuleList([UNetResBlock(widths[-1], widths[-1]), UNetResBlock(widths[-1], widths[-1])])
+        ups = []
+        c = widths[-1]
+        for c_skip in reversed(widths):
+            ups.append(UNetUp(c, c_skip, c_skip))
+            c = c_skip
+        self.up_blocks = nn.ModuleList(ups)
+        self.norm_out = nn.GroupNorm(4, width)
+        self.conv_out = nn.Conv2d(width, 3, 3, padding=1)
+
+    def forward(self, noisy, target):
+        h = self.conv_in(noisy)
+        skips = []
+        for down in self.down_blocks:
+            h, skip = down(h)
+            skips.append(skip)
+        for block in self.mid:
+            h = block(h)
+        for up in self.up_blocks:
+            h = up(h, skips.pop())
+        out = self.conv_out(nn.functional.silu(self.norm_out(h)))
+        return nn.functional.mse_loss(out, target)

@@ -15,7 +15,10 @@ from hierremat.block_graph import BlockGraph, GraphNode
 from hierremat.costs import ChainCosts, StageCosts
 from hierremat.ilp import BlockIlp, simulate_option, solve_count, solve_menu
 from hierremat.ilp.formulation import evaluate, structure, compact, Decisions
-from hierremat.ilp.options import BlockOption, BlockOptions, keep_all_decisions, make_option, recompute_all_decisions
+from hierremat.ilp import options as options_module
+from hierremat.ilp.options import (
+    BlockOption, BlockOptions, heuristic_options, keep_all_decisions, make_option, recompute_all_decisions,
+)
 
 log = logging.getLogger("hierremat.ilp.test")
 
@@ -391,6 +394,60 @@ def test_trivial_options_are_in_the_family():
             opt = make_option(st, d, "t", optimal=False)
             sim = simulate_option(graph, opt)
             assert (sim.fwd_peak_bytes, sim.bwd_peak_bytes) == (opt.fwd_peak_bytes, opt.bwd_peak_bytes)
+
+
+def test_selective_options_are_schedules_between_keep_all_and_recompute_all():
+    """The heuristic options (the coarser formulation) keep more than recompute-all and less than
+    keep-all, are schedules of the family, and replay as predicted; the ILP's menu is never worse."""
+    count = 0
+    for graph in small_graphs(310, 8) + [transformer_block(seq=32, d=16)]:
+        st = structure(compact(graph))
+        keep_all = make_option(st, keep_all_decisions(st), "keep_all", optimal=False)
+        recompute_all = make_option(st, recompute_all_decisions(st), "recompute_all", optimal=False)
+        heuristic = heuristic_options(st)
+        for opt in heuristic:
+            count += 1
+            assert recompute_all.kept_bytes <= opt.kept_bytes <= keep_all.kept_bytes
+            assert keep_all.total_time <= opt.total_time <= recompute_all.total_time + 1e-12
+            sim = simulate_option(graph, opt)
+            assert (sim.fwd_peak_bytes, sim.bwd_peak_bytes, sim.kept_bytes) == (
+                opt.fwd_peak_bytes, opt.bwd_peak_bytes, opt.kept_bytes)
+        if len(graph.nodes) < 60:  # (the transformer block's full sweep takes a minute)
+            ilp_menu = solve_menu(graph, backend="highs")
+            for opt in heuristic:  # in the menu, or dominated by an option of it
+                assert any(o.dominates(opt) for o in ilp_menu), opt.name
+    assert count >= 5
+
+
+def test_a_block_too_large_or_out_of_time_gets_the_coarse_menu(monkeypatch):
+    graph = max(small_graphs(320, 6), key=lambda g: len(g.nodes))
+    full = solve_menu(graph, backend="highs", deadline=time.perf_counter() + 600)
+    assert full.coarse == ""
+    solves = solve_count()
+    late = solve_menu(graph, backend="highs", deadline=time.perf_counter() - 1.0)
+    assert solve_count() == solves and "deadline" in late.coarse
+    monkeypatch.setattr(options_module, "MAX_ILP_VARIABLES", 1)
+    large = solve_menu(graph, backend="highs")
+    assert solve_count() == solves and "variables" in large.coarse
+    for menu in (late, large):
+        assert "keep_all" in {o.name for o in menu}
+        for opt in menu:
+            sim = simulate_option(graph, opt)
+            assert (sim.fwd_peak_bytes, sim.bwd_peak_bytes) == (opt.fwd_peak_bytes, opt.bwd_peak_bytes)
+        # the ILP's menu reaches the same peaks or lower, never higher
+        assert min(max(o.fwd_peak_bytes, o.bwd_peak_bytes) for o in full) <= min(
+            max(o.fwd_peak_bytes, o.bwd_peak_bytes) for o in menu)
+
+
+def test_a_sweep_stopped_by_the_deadline_keeps_what_it_found():
+    graph = transformer_block(seq=32, d=16)
+    ilp = BlockIlp(graph)
+    started = time.perf_counter()
+    menu = solve_menu(graph, backend="highs", ilp=ilp, deadline=started + 4.0, time_limit=1.5)
+    assert time.perf_counter() - started < 4.0 + 2.0  # the last solve runs to its own limit at most
+    assert "deadline" in menu.coarse and any(o.name.startswith("ilp_") for o in menu)
+    for opt in menu:
+        assert opt.optimal or opt.mip_gap is None or opt.mip_gap >= 0.0
 
 
 def test_highs_and_gurobi_agree():

@@ -375,7 +375,7 @@ def write_outputs(args, model, plan, report: dict, timeline) -> None:
     predicted_timeline = []
     if plan:
         events = plan.chain.simulate().timeline
-        offset = plan.shared_bytes + plan.chain.reserved_bytes
+        offset = plan.beside_chain_bytes + plan.chain.reserved_bytes
         predicted_timeline = [(i / len(events), e.peak_bytes + offset) for i, e in enumerate(events)]
     measured_timeline = [(i / max(1, len(timeline)), b) for i, (_, b) in enumerate(timeline)]
     plot(args.out / "report.png", report["train_losses"], predicted_timeline, measured_timeline, budget)

@@ -9,9 +9,15 @@
    grad, are not random and do not mutate (attention masks, position ids, rotary tables,
    shifted labels) and are used by a later stage are *precomputed* once before the chain
    and passed to every stage as shared inputs.
-3. Between two stages exactly one value may flow (the carried activation); where more
-   flow, the two stages are merged. The last stage produces what the model returns.
-4. Each stage becomes a GraphModule ``stage(x, *shared)``; an orchestrator GraphModule
+3. Between two stages one value flows forward as the carried activation. Other values may
+   cross a cut as *residents* (segmentation 'blocks'): tensors made by one stage and read by
+   later ones (an encoder's output read by every decoder layer, T5's position bias, a UNet's
+   skip tensors), when exactly one value made by the stage before the cut is last read by
+   the stage after it (that is the carry). Where no such value exists, the two stages are
+   merged. The last stage produces what the model returns. A stage of more than
+   MAX_STAGE_NODES nodes is split where one value alone crosses inside it (bounded block
+   ILPs).
+4. Each stage becomes a GraphModule ``stage(x, *shared, *residents)``; an orchestrator GraphModule
    with the model's calling convention runs the precompute nodes, then the chain
    (one ``call_module``), then assembles the outputs.
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from ..blocks_info import StageInfo
+from ..blocks_info import ResidentLayout, StageInfo
 from .capture import CapturedModel, is_random, module_stack
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -40,16 +46,20 @@ CHAIN_ATTRIBUTE = "hierremat_chain"
 class ChainGraph:
     """A model cut into a chain.
 
-    stages: GraphModules called as ``stage(x, *shared)`` (the selected shared values).
+    stages: GraphModules called as ``stage(x, *shared)`` (the selected shared values, then residents).
     infos: one StageInfo per stage.
     orchestrator: GraphModule with the model's calling convention; it calls the chain
         through its submodule ``hierremat_chain`` as ``chain(x0, *shared)`` and expects
-        a tuple of the last stage's outputs back.
+        a tuple of the last stage's outputs back, then the exported residents.
+    residents: the values carried beside the activation (None: there are none). A stage
+        producing residents returns ``(x_{i+1}, *its residents)``; a stage is called with
+        ``shared`` followed by every resident (ResidentLayout).
     """
 
     stages: list[nn.Module]
     infos: list[StageInfo]
     orchestrator: fx.GraphModule
+    residents: ResidentLayout | None = None
 
 
 class GraphStage(nn.Module):
@@ -193,30 +203,113 @@ def _precompute(compute: list[fx.Node], stage_of: dict, dependent: set[fx.Node])
     return [n for n in compute if n in chosen]
 
 
-def _merge_until_single_carry(stages: list[list[fx.Node]], output: fx.Node) -> list[list[fx.Node]]:
-    """Merge neighbours until one value, used by the next stage, crosses each cut."""
+def _crossing(stages: list[list[fx.Node]], output: fx.Node):
+    """(stage of each node, the values crossing each cut, each value's last reading stage: ``len(stages)``
+    for the model's output)."""
+    stage_of = {n: k for k, nodes in enumerate(stages) for n in nodes}
+    end = len(stages)
+    crossing: list[list[fx.Node]] = [[] for _ in range(end - 1)]
+    last_reader: dict[fx.Node, int] = {}
+    for k, nodes in enumerate(stages):
+        for n in nodes:
+            last = max((end if u is output else stage_of.get(u, k) for u in n.users), default=k)
+            last_reader[n] = last
+            for b in range(k, min(last, end - 1)):
+                crossing[b].append(n)
+    return stage_of, crossing, last_reader
+
+
+def _carry(b: int, crossing: list[fx.Node], stage_of: dict, last_reader: dict, residents: bool) -> fx.Node | None:
+    """The activation carried across cut ``b`` (after stage b), or None where the cut is not valid.
+
+    Without ``residents``: the one value crossing, a tensor read by stage b + 1. With them,
+    several tensors may cross: the carry is the one made by stage b whose last reader is stage
+    b + 1, and every other crossing tensor is a resident (hierremat.blocks_info.ResidentLayout)."""
+
+    def tensor(n: fx.Node) -> bool:
+        return isinstance(n.meta.get("val"), torch.Tensor)
+
+    if len(crossing) == 1 and not residents:
+        (only,) = crossing
+        return only if tensor(only) and any(stage_of.get(u) == b + 1 for u in only.users) else None
+    if not all(tensor(n) for n in crossing):
+        return None
+    candidates = [n for n in crossing if stage_of[n] == b and last_reader[n] == b + 1]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _merge_until_single_carry(stages: list[list[fx.Node]], output: fx.Node, residents: bool) -> list[list[fx.Node]]:
+    """Merge neighbours until each cut has a carried activation (see :func:`_carry`)."""
     while True:
-        stage_of = {n: k for k, nodes in enumerate(stages) for n in nodes}
-        end = len(stages)
-        crossing: list[list[fx.Node]] = [[] for _ in range(end - 1)]
-        for k, nodes in enumerate(stages):
-            for n in nodes:
-                last = max((end if u is output else stage_of.get(u, k) for u in n.users), default=k)
-                for b in range(k, min(last, end - 1)):
-                    crossing[b].append(n)
-
-        def valid(b: int) -> bool:
-            if len(crossing[b]) != 1:
-                return False
-            carried = crossing[b][0]
-            return isinstance(carried.meta.get("val"), torch.Tensor) and any(
-                stage_of.get(u) == b + 1 for u in carried.users
-            )
-
-        bad = next((b for b in range(end - 1) if not valid(b)), None)
+        stage_of, crossing, last_reader = _crossing(stages, output)
+        bad = next(
+            (b for b in range(len(stages) - 1) if _carry(b, crossing[b], stage_of, last_reader, residents) is None),
+            None,
+        )
         if bad is None:
             return stages
         stages = stages[:bad] + [stages[bad] + stages[bad + 1]] + stages[bad + 2 :]
+
+
+def _carries_and_residents(stages: list[list[fx.Node]], output: fx.Node, residents: bool):
+    """(the carry into each stage after the first, the residents in graph order, the stage of each node)."""
+    stage_of, crossing, last_reader = _crossing(stages, output)
+    carries = []
+    for b in range(len(stages) - 1):
+        carry = _carry(b, crossing[b], stage_of, last_reader, residents)
+        if carry is None:
+            raise ValueError(f"no single activation crosses the cut after stage {b}")
+        carries.append(carry)
+    chosen = set(carries)
+    residents = list(dict.fromkeys(n for cut in crossing for n in cut if n not in chosen))
+    return carries, residents, stage_of
+
+
+#: A stage of more compute nodes than this is split where one value alone crosses (its block
+#: ILP would otherwise be slow to build and to solve); planning stays bounded in block size.
+MAX_STAGE_NODES = 400
+
+
+def _split_large(nodes: list[fx.Node], later: set, routed: set, max_nodes: int | None = None) -> list[list[fx.Node]]:
+    """A stage's nodes cut into pieces of at most ``max_nodes`` (default MAX_STAGE_NODES) where
+    such points exist: points where exactly one tensor computed in the stage crosses (the
+    chain's single-carry condition). ``later``: the nodes after the stage (the output node
+    included); ``routed``: the shared inputs, which reach every stage anyway. A stage without
+    such points stays whole (its menu is then the coarser one if its ILP is too large)."""
+    max_nodes = MAX_STAGE_NODES if max_nodes is None else max_nodes
+    if len(nodes) <= max_nodes:
+        return [nodes]
+    own = set(nodes)
+    last_use: dict[fx.Node, int] = {}  # position of the last reader (len(nodes): a later stage)
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            if a.op != "get_attr" and a not in routed:
+                last_use[a] = i
+        if any(u in later for u in n.users):
+            last_use[n] = len(nodes)
+    expire: dict[int, list[fx.Node]] = {}
+    live = set()
+    for a, last in last_use.items():
+        if a not in own:  # the stage's carried input
+            live.add(a)
+            expire.setdefault(last + 1, []).append(a)
+    cuts, start, candidate = [], 0, None
+    for p in range(1, len(nodes)):  # live: the values crossing the point before nodes[p]
+        n = nodes[p - 1]
+        if last_use.get(n, -1) >= p:
+            live.add(n)
+            expire.setdefault(last_use[n] + 1, []).append(n)
+        for a in expire.pop(p, ()):
+            live.discard(a)
+        if len(live) == 1:
+            (only,) = live
+            if only in own and isinstance(only.meta.get("val"), torch.Tensor):
+                candidate = p
+        if p - start >= max_nodes and candidate is not None and candidate > start:
+            cuts.append(candidate)
+            start = candidate
+    bounds = [0, *cuts, len(nodes)]
+    return [nodes[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 SEGMENTATIONS = ("blocks", "none")
@@ -256,14 +349,28 @@ def build_chain_graph(
     pre_set = set(pre)
     named = [(unit, [n for n in run if n not in pre_set]) for unit, run in runs]
     named = [(unit, run) for unit, run in named if run]
-    stages = _merge_until_single_carry([run for _, run in named], output)
+    with_residents = segmentation == "blocks"
+    stages = _merge_until_single_carry([run for _, run in named], output, with_residents)
     if segmentation == "none" and len(stages) > 2:
         stages = [[n for run in stages[:-1] for n in run], stages[-1]]
     unit_of = {run[0]: unit for unit, run in named}
-    names = []
-    for nodes_k in stages:
-        units = list(dict.fromkeys(unit_of[n] or "(top)" for n in nodes_k if n in unit_of))
-        names.append("+".join(units) if len(units) <= 2 else f"{units[0]}..{units[-1]}")
+    named_stages = []
+    routed = pre_set | {n for n in nodes if n.op == "placeholder"}
+    routed |= set(_carries_and_residents(stages, output, with_residents)[1])
+    for k, (nodes_k, name) in enumerate(zip(stages, _stage_names(stages, unit_of))):
+        later = {n for s in stages[k + 1:] for n in s} | {output}
+        pieces = [nodes_k] if segmentation == "none" else _split_large(nodes_k, later, routed)
+        named_stages += [(piece, name if len(pieces) == 1 else f"{name}[{j + 1}/{len(pieces)}]")
+                         for j, piece in enumerate(pieces)]
+    try:
+        inner_carries, residents, stage_of = _carries_and_residents(
+            [piece for piece, _ in named_stages], output, with_residents
+        )
+    except ValueError:  # a split point's value is read past the next piece: keep the stages whole
+        named_stages = list(zip(stages, _stage_names(stages, unit_of)))
+        inner_carries, residents, stage_of = _carries_and_residents(stages, output, with_residents)
+    stages = [piece for piece, _ in named_stages]
+    names = [name for _, name in named_stages]
 
     stage_set = [set(s) for s in stages]
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -275,25 +382,48 @@ def build_chain_graph(
                 if a not in stage_set[k] and a.op != "get_attr" and a not in ins:
                     ins.append(a)
         external.append(ins)
-    carries = [None] + [next(a for a in external[k] if a not in pre_set and a.op != "placeholder") for k in range(1, len(stages))]
     first_inputs = [a for a in external[0] if isinstance(a.meta.get("val"), torch.Tensor)]
     if not first_inputs:
         raise ValueError("the first stage has no tensor input")
-    carries[0] = first_inputs[0]
+    carries = [first_inputs[0], *inner_carries]
     shared_nodes = [n for n in placeholders + pre if any(n in external[k] and n is not carries[k] for k in range(len(stages)))]
     final_outputs = [n for n in stages[-1] if output in n.users]
+    exported = [r for r in residents if output in r.users]
+    routed_values = shared_nodes + residents  # what a stage's ``shared`` tuple holds, in this order
 
     stage_modules, infos = [], []
     for k, nodes_k in enumerate(stages):
-        outs = final_outputs if k == len(stages) - 1 else [next(n for n in nodes_k if any(u not in stage_set[k] for u in n.users))]
-        shared_here = [s for s in shared_nodes if s in external[k] and s is not carries[k]]
-        sub = _extract(gm, nodes_k, carries[k], shared_here, outs, tuple_output=k == len(stages) - 1 and len(outs) > 1)
-        indices = tuple(shared_nodes.index(s) for s in shared_here)
+        made = [r for r in residents if stage_of[r] == k]
+        if k == len(stages) - 1:
+            outs = final_outputs
+        else:
+            outs = [inner_carries[k], *made]
+        routed_here = [s for s in routed_values if s in external[k] and s is not carries[k]]
+        sub = _extract(gm, nodes_k, carries[k], routed_here, outs, tuple_output=len(outs) > 1)
+        indices = tuple(routed_values.index(s) for s in routed_here)
         stage_modules.append(GraphStage(sub, indices, names[k]))
         infos.append(StageInfo(names[k], signature_of(sub, context), len(nodes_k)))
 
-    orchestrator = _orchestrator(gm, placeholders, pre, carries[0], shared_nodes, final_outputs, output)
-    return ChainGraph(stage_modules, infos, orchestrator)
+    layout = None
+    if residents:
+        layout = ResidentLayout(
+            producers=tuple(stage_of[r] for r in residents),
+            readers=tuple(tuple(sorted({stage_of[u] for u in r.users if u in stage_of and stage_of[u] != stage_of[r]}))
+                          for r in residents),
+            exported=tuple(residents.index(r) for r in exported),
+            shared_count=len(shared_nodes),
+        )
+    orchestrator = _orchestrator(gm, placeholders, pre, carries[0], shared_nodes, final_outputs + exported, output)
+    return ChainGraph(stage_modules, infos, orchestrator, layout)
+
+
+def _stage_names(stages: list[list[fx.Node]], unit_of: dict) -> list[str]:
+    """Each stage's name: its units (``transformer.h.3``, ``(top)`` for nodes in none), or the first..last."""
+    names = []
+    for nodes_k in stages:
+        units = list(dict.fromkeys(unit_of[n] or "(top)" for n in nodes_k if n in unit_of))
+        names.append("+".join(units) if len(units) <= 2 else f"{units[0]}..{units[-1]}")
+    return names
 
 
 def _copy_meta(src: fx.Node, dst: fx.Node) -> fx.Node:

@@ -442,6 +442,11 @@ class Structure:
     x_needed: bool
     y_needed: bool
     forced: list  # per stage: groups that must be present at its start (backward-view holds)
+    useful_sets: list = None  # useful as frozensets (membership tests)
+
+    def __post_init__(self) -> None:
+        if self.useful_sets is None:
+            self.useful_sets = [frozenset(u) for u in self.useful]
 
     @property
     def K(self) -> int:
@@ -520,19 +525,24 @@ def evaluate(st: Structure, d: Decisions) -> Evaluation:
     y = cg.out_group
     bx = b[0]
     why = ""
-    # forward
+    # forward (running byte sums and expiry buckets: linear in the graph)
     fwd_time = sum(g.time for g in G)
-    live = {}  # group -> bytes
+    live: set = set()
+    live_bytes = 0
+    expire: dict[int, list[int]] = {}
+    for g in range(1, len(G)):
+        expire.setdefault(cg.fwd_last_use[g], []).append(g)
     fwd_peak = bx + (G[0].peak_extra if G[0].steps else 0)
     for j in range(1, len(G)):
-        before = bx + sum(live.values())
-        fwd_peak = max(fwd_peak, before + G[j].peak_extra)
-        live[j] = b[j]
-        for g in list(live):
-            if cg.fwd_last_use[g] <= j and g != y and g not in d.kept:
-                del live[g]
+        fwd_peak = max(fwd_peak, bx + live_bytes + G[j].peak_extra)
+        live.add(j)
+        live_bytes += b[j]
+        for g in expire.pop(j, ()):
+            if g in live and g != y and g not in d.kept:
+                live.discard(g)
+                live_bytes -= b[g]
     kept_bytes = sum(b[g] for g in d.kept)
-    fwd_peak = max(fwd_peak, bx + sum(live.values()))
+    fwd_peak = max(fwd_peak, bx + live_bytes)
     # backward
     pin = (bx if d.pin_input else 0) + (b[y] if d.pin_output else 0)
     entry = pin + kept_bytes + cg.dy_bytes
@@ -540,6 +550,7 @@ def evaluate(st: Structure, d: Decisions) -> Evaluation:
     rec_time = 0.0
     K = st.K
     present = set(d.kept)
+    present_bytes = kept_bytes
     nxt = 0
     for t, node in enumerate(cg.bwd):
         base = cg.dy_bytes + st.bwd_live_before[t] + pin
@@ -553,27 +564,30 @@ def evaluate(st: Structure, d: Decisions) -> Evaluation:
                 why = why or f"stage {k}: recomputes outside its cone"
             if not all(g in A or (g == y and d.pin_output) for g in st.forced[k]):
                 why = why or f"stage {k}: a value held by a backward view is missing"
-            for j in sorted(R):
-                avail = A | {g for g in R if g < j}
+            avail, avail_bytes = set(A), sum(b[g] for g in A)
+            for j in sorted(R):  # recomputed in topological order; each counts from its computation on
                 for h in G[j].inputs:
                     ok = (h == 0 and d.pin_input) or (h == y and d.pin_output) or h in avail
                     if not ok:
                         why = why or f"stage {k}: recomputing {G[j].name} needs {G[h].name}"
-                mem = base + sum(b[g] for g in avail) + G[j].peak_extra
-                bwd_peak = max(bwd_peak, mem)
+                bwd_peak = max(bwd_peak, base + avail_bytes + G[j].peak_extra)
                 rec_time += G[j].time
-            P = A | R
+                if j not in avail:
+                    avail.add(j)
+                    avail_bytes += b[j]
+            P = avail  # A | R
             for h in node.fwd_reads:
                 ok = (h == 0 and d.pin_input) or (h == y and d.pin_output) or h in P
                 if not ok:
                     why = why or f"stage {k}: {node.name} needs {G[h].name}"
-            bwd_peak = max(bwd_peak, base + sum(b[g] for g in P) + node.out_bytes + node.workspace_bytes)
+            bwd_peak = max(bwd_peak, base + avail_bytes + node.out_bytes + node.workspace_bytes)
             present = set(d.carry[k + 1]) if k + 1 < K else set()
+            present_bytes = sum(b[g] for g in present)
             if not present <= P:
                 why = why or f"stage {k + 1}: carries a value that is not present"
             nxt += 1
         else:
-            bwd_peak = max(bwd_peak, base + sum(b[g] for g in present) + node.out_bytes + node.workspace_bytes)
+            bwd_peak = max(bwd_peak, base + present_bytes + node.out_bytes + node.workspace_bytes)
     bwd_time = sum(n.time for n in cg.bwd) + rec_time
     if d.pin_output and y in d.kept:
         why = why or "y both kept and pinned"

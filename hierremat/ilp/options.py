@@ -18,7 +18,7 @@ import numpy as np
 
 from ..block_graph import BlockGraph
 from ..costs import OptionCosts
-from .formulation import COMPUTE, Decisions, Evaluation, Structure, evaluate, op_lists
+from .formulation import COMPUTE, Decisions, Evaluation, Structure, compact, evaluate, op_lists, structure
 from .solve import BlockIlp, solve_count
 
 log = logging.getLogger("hierremat.ilp")
@@ -26,6 +26,15 @@ log = logging.getLogger("hierremat.ilp")
 # Per-solve limit of a menu sweep: solves near the least feasible peak are the slow ones
 # (seconds to tens of seconds on a GPT-2-sized block); a stopped one keeps its incumbent.
 MENU_TIME_LIMIT = 10.0
+#: A block whose ILP would have more recomputation variables than this is not solved: its
+#: menu is the coarser heuristic one (see heuristic_options). A GPT-2 block has ~3,700.
+MAX_ILP_VARIABLES = 20_000
+#: A solve with less time than this left before the planning deadline is not started.
+MIN_SOLVE_SECONDS = 0.5
+#: An option whose op lists are longer than this many ops per node of the graph is not offered:
+#: it recomputes long prefixes again and again (quadratic in a deep block; recompute-all of a
+#: GPT-2 block has 19 per node), and the chain DP's stage-level recomputation does that better.
+MAX_OPS_PER_NODE = 32
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,9 @@ class BlockOption:
     input_grad_bytes: bytes of dx as the chain DP counts it (0 without dx).
     optimal: proven optimal by the ILP for (kept_budget, peak_budget); False for the
         trivial options and for solves stopped by the time limit.
+    mip_gap: for an ILP option a solve's time limit stopped, the solver's relative MIP gap
+        (how far from proven optimal its time may be; None where the solver did not say);
+        0.0 for proven and trivial options.
     """
 
     name: str
@@ -58,6 +70,7 @@ class BlockOption:
     input_grad_bytes: int = 0
     kept_budget: int | None = None
     peak_budget: int | None = None
+    mip_gap: float | None = 0.0
 
     @property
     def total_time(self) -> float:
@@ -73,6 +86,7 @@ class BlockOption:
             pins_output=self.pins_output,
             pins_input=self.pins_input,
             name=self.name,
+            mip_gap=self.mip_gap,
         )
 
     def dominates(self, other: "BlockOption") -> bool:
@@ -103,6 +117,7 @@ class BlockOption:
             "input_grad_bytes": self.input_grad_bytes,
             "kept_budget": self.kept_budget,
             "peak_budget": self.peak_budget,
+            "mip_gap": self.mip_gap,
         }
 
     @classmethod
@@ -122,18 +137,28 @@ class BlockOption:
             input_grad_bytes=int(d.get("input_grad_bytes", 0)),
             kept_budget=None if d.get("kept_budget") is None else int(d["kept_budget"]),
             peak_budget=None if d.get("peak_budget") is None else int(d["peak_budget"]),
+            mip_gap=None if d.get("mip_gap", 0.0) is None else float(d.get("mip_gap", 0.0)),
         )
 
 
 @dataclass(frozen=True)
 class BlockOptions:
-    """The Pareto-pruned menu of one block graph."""
+    """The Pareto-pruned menu of one block graph.
+
+    coarse: why the menu is not the ILP sweep's ("" when it is): the ILP was too large, or
+        the planning deadline came before (part of) the sweep. Its options are then the
+        trivial and heuristic ones, with whatever the ILP found in time.
+    cut_by_deadline: the planning deadline stopped it (a later plan with more time would
+        find more: such a menu is not cached).
+    """
 
     options: tuple
     solve_seconds: float = 0.0
     n_solves: int = 0
     n_variables: int = 0
     n_constraints: int = 0
+    coarse: str = ""
+    cut_by_deadline: bool = False
 
     def __len__(self) -> int:
         return len(self.options)
@@ -235,7 +260,7 @@ def keep_all_decisions(st: Structure) -> Decisions:
     for t in cg.stages:
         reads |= set(cg.bwd[t].fwd_reads)
     kept = frozenset(g for g in reads if g not in (0, y))
-    carry = [kept] + [frozenset(g for g in kept if g in st.useful[k]) for k in range(1, st.K)]
+    carry = [kept] + [kept & st.useful_sets[k] for k in range(1, st.K)]
     return Decisions(kept, 0 in reads, y in reads, tuple(frozenset() for _ in range(st.K)), tuple(carry))
 
 
@@ -249,9 +274,67 @@ def recompute_all_decisions(st: Structure) -> Decisions:
     rec, carry = [], [kept]
     for k in range(st.K):
         if k >= 1:
-            carry.append(frozenset({g for g in kept if g in st.useful[k]} | st.forced[k]))
+            carry.append((kept & st.useful_sets[k]) | frozenset(st.forced[k]))
         rec.append(frozenset(g for g in st.cone[k] if g not in carry[k]))
     return Decisions(kept, 0 in needed, False, tuple(rec), tuple(carry))
+
+
+def selective_decisions(st: Structure, keep) -> Decisions:
+    """Keep the groups of ``keep`` (and the random ones the backward reads, which may not be
+    recomputed); every stage recomputes, from what is present, what its reads need. The
+    schedules between keep-all and recompute-all that a selective policy gives (torch's
+    selective activation checkpointing keeps matmul outputs)."""
+    cg = st.cg
+    G = cg.groups
+    needed = set().union(*st.need) if st.K else set()
+    kept = frozenset(g for g in needed if g != 0 and (g in keep or G[g].random))
+    carry, rec = [kept], []
+    for k in range(st.K):
+        if k >= 1:
+            carry.append((kept & st.useful_sets[k]) | frozenset(st.forced[k]))
+        present, todo, chosen = carry[k], list(cg.bwd[cg.stages[k]].fwd_reads), set()
+        if k + 1 < st.K:
+            todo += [g for g in st.forced[k + 1] if g not in kept]
+        while todo:
+            g = todo.pop()
+            if g == 0 or g in present or g in chosen:
+                continue
+            chosen.add(g)
+            todo.extend(G[g].inputs)
+        rec.append(frozenset(chosen))
+    return Decisions(kept, 0 in needed, False, tuple(rec), tuple(carry))
+
+
+def heuristic_options(st: Structure) -> list[BlockOption]:
+    """Options without the ILP (the coarser formulation of blocks too large for it, or left
+    without time): keep the forward groups that are costliest to recompute per byte kept,
+    at a few fractions of the recomputable bytes, each validated by the schedule evaluator."""
+    G = st.cg.groups
+    recomputable = [g for g in set().union(*st.cone) if not G[g].random] if st.K else []
+    recomputable.sort(key=lambda g: (-G[g].time / max(1, G[g].out_bytes), g))
+    total = sum(G[g].out_bytes for g in recomputable)
+    out, seen = [], set()
+    for fraction in (0.125, 0.25, 0.5, 0.75):
+        keep, acc = set(), 0
+        for g in recomputable:
+            if acc + G[g].out_bytes > fraction * total:
+                break
+            keep.add(g)
+            acc += G[g].out_bytes
+        keep = frozenset(keep)
+        if not keep or keep in seen:
+            continue
+        seen.add(keep)
+        try:
+            out.append(make_option(st, selective_decisions(st, keep), f"selective{int(fraction * 1000)}", optimal=False))
+        except ValueError as err:  # not a schedule of the family (a forced carry it cannot meet)
+            log.debug("selective option at %.3f skipped: %s", fraction, err)
+    return out
+
+
+def _ilp_variables(st: Structure) -> int:
+    """About how many variables the block's ILP has (its recomputation variables)."""
+    return sum(len(c) for c in st.cone)
 
 
 def _log_rejected(label: str, budgets: dict, problem: str | None) -> None:
@@ -282,7 +365,6 @@ def _prune(options: list) -> list:
 
 def solve_menu(
     graph: BlockGraph,
-    *,
     n_kept: int = 8,
     n_peak: int = 6,
     peak_step: float = 0.08,
@@ -291,9 +373,10 @@ def solve_menu(
     ilp: BlockIlp | None = None,
     progress=None,
     label: str = "",
+    deadline: float | None = None,
 ) -> BlockOptions:
     """The option menu of ``graph``: a (retained bytes x peak) budget sweep of the ILP,
-    plus keep-all and recompute-all, Pareto-pruned.
+    plus keep-all, recompute-all and the heuristic options, Pareto-pruned.
 
     n_kept budgets of retained bytes from the least feasible to keep-all; for each, the
     fastest schedule, then up to n_peak peak budgets at (1 - peak_step * i) times its peak,
@@ -301,27 +384,22 @@ def solve_menu(
     defaults (8 x 6 at 8% steps, about 50 solves per distinct block) keep the chain DP's
     plans within 1% of the whole-graph ILP's on GPT-2 (benchmarks/bench_quality.py); the
     earlier 4 x 3 at 15% (about 18 solves) left gaps of up to 2.5%.
-    Each solve is limited to ``time_limit`` seconds (a stopped solve keeps its incumbent,
-    marked ``optimal=False``). progress: called after every solve with a short text
-    (budgets, status, seconds), e.g. to advance a progress bar. label: names the block in
-    logs (its signature).
+
+    Bounded: each solve is limited to ``time_limit`` seconds (a stopped solve keeps its
+    incumbent, marked ``optimal=False`` with its MIP gap), and none runs past ``deadline``
+    (a ``time.perf_counter()`` value): the sweep stops there with what it found. A block
+    whose ILP would exceed MAX_ILP_VARIABLES is not solved at all. Either way the menu
+    says so (``coarse``) and still holds keep-all, recompute-all and the heuristic options.
+
+    progress: called after every solve with a short text (budgets, status, seconds), e.g.
+    to advance a progress bar. label: names the block in logs (its signature).
 
     A solution the formulation's evaluation or the op-list simulator rejects is discarded,
     never offered, and logged as a bug (ERROR, with ``label``); the menu goes on without it.
     """
     t0 = time.perf_counter()
     solves0 = solve_count()
-    ilp = ilp or BlockIlp(graph)
-    st = ilp.structure
-    def solve(**budgets):
-        res = ilp.solve(time_limit=time_limit, backend=backend, **budgets)
-        if res.status == "rejected":
-            _log_rejected(label, budgets, res.problem)
-        if progress is not None:
-            shown = ", ".join(f"{k}={v}" for k, v in budgets.items() if k != "objective")
-            progress(f"{shown or budgets.get('objective', '')}: {res.status} in {res.solve_seconds:.2f}s")
-        return res
-
+    st = ilp.structure if ilp is not None else structure(compact(graph))
     cands: list[BlockOption] = []
     keep_all = make_option(st, keep_all_decisions(st), "keep_all", optimal=False)
     cands.append(keep_all)
@@ -329,6 +407,62 @@ def solve_menu(
         cands.append(make_option(st, recompute_all_decisions(st), "recompute_all", optimal=False))
     except ValueError as err:
         log.info("recompute_all option skipped: %s", err)
+    cands += heuristic_options(st)
+    variables = _ilp_variables(st)
+    coarse, cut = "", False
+    if ilp is None and variables > MAX_ILP_VARIABLES:
+        coarse = f"its ILP would have about {variables} variables (over {MAX_ILP_VARIABLES})"
+    elif deadline is not None and deadline - time.perf_counter() < MIN_SOLVE_SECONDS:
+        coarse, cut = "no time was left before the planning deadline", True
+    else:
+        ilp = ilp or BlockIlp(graph, st)
+        cut = not _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, backend, progress, label,
+                         deadline)
+        coarse = "the planning deadline came during its ILP sweep" if cut else ""
+    if coarse:
+        log.info("block %s: heuristic options%s, because %s", label or "(unnamed)",
+                 " and what the ILP found in time" if ilp is not None else "", coarse)
+    most_ops = MAX_OPS_PER_NODE * len(graph.nodes)
+    long = [o.name for o in cands if o is not keep_all and len(o.fwd_ops) + len(o.bwd_ops) > most_ops]
+    if long:
+        log.debug("block %s: options %s recompute too much (over %d ops): not offered", label, long, most_ops)
+        cands = [o for o in cands if o.name not in long]
+    options = _prune(cands)
+    seconds = time.perf_counter() - t0
+    log.debug(
+        "block menu: %d options (of %d candidates), %d solves, %d variables, %d constraints, %.2fs",
+        len(options), len(cands), solve_count() - solves0, ilp.model.n_vars if ilp else 0,
+        ilp.model.n_constraints if ilp else 0, seconds,
+    )
+    return BlockOptions(
+        tuple(options), seconds, solve_count() - solves0, ilp.model.n_vars if ilp else 0,
+        ilp.model.n_constraints if ilp else 0, coarse, cut,
+    )
+
+
+class _DeadlineReached(Exception):
+    pass
+
+
+def _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, backend, progress, label,
+           deadline) -> bool:
+    """Run solve_menu's budget sweep, adding its options to ``cands``; False if the deadline
+    stopped it."""
+    st = ilp.structure
+
+    def solve(**budgets):
+        limit = time_limit
+        if deadline is not None:
+            limit = min(limit, deadline - time.perf_counter())
+            if limit < MIN_SOLVE_SECONDS:
+                raise _DeadlineReached
+        res = ilp.solve(time_limit=limit, backend=backend, **budgets)
+        if res.status == "rejected":
+            _log_rejected(label, budgets, res.problem)
+        if progress is not None:
+            shown = ", ".join(f"{k}={v}" for k, v in budgets.items() if k != "objective")
+            progress(f"{shown or budgets.get('objective', '')}: {res.status} in {res.solve_seconds:.2f}s")
+        return res
 
     seen = set()
 
@@ -340,17 +474,18 @@ def solve_menu(
         try:
             option = make_option(
                 st, res.decisions, name, optimal=res.optimal, ev=res.evaluation, kept_budget=int(K),
-                peak_budget=None if P is None else int(P),
+                peak_budget=None if P is None else int(P), mip_gap=0.0 if res.optimal else res.gap,
             )
         except (ValueError, AssertionError) as err:  # the op lists do not replay: never offer them
             _log_rejected(label, {"kept": K, "peak": P}, f"option {name}: {err}")
             return
         cands.append(option)
 
-    kmin = solve(objective="kept")
-    if not kmin.has_solution:
-        log.warning("block ILP: no schedule found for the least-kept solve (%s)", kmin.status)
-    else:
+    try:
+        kmin = solve(objective="kept")
+        if not kmin.has_solution:
+            log.warning("block ILP: no schedule found for the least-kept solve (%s)", kmin.status)
+            return True
         k_lo = int(kmin.objective)
         k_hi = max(k_lo, keep_all.kept_bytes + (graph.input_bytes if keep_all.pins_input else 0) + _y_bytes(st, keep_all))
         for K in sorted({int(round(v)) for v in np.linspace(k_lo, k_hi, max(1, n_kept))}):
@@ -376,18 +511,9 @@ def solve_menu(
             if infeasible is not None and feasible - infeasible > 1:
                 P = (feasible + infeasible) // 2
                 add(solve(kept=K, peak=P), K, P)
-    options = _prune(cands)
-    seconds = time.perf_counter() - t0
-    log.debug(
-        "block menu: %d options (of %d candidates), %d solves, %d variables, %d constraints, %.2fs",
-        len(options),
-        len(cands),
-        solve_count() - solves0,
-        ilp.model.n_vars,
-        ilp.model.n_constraints,
-        seconds,
-    )
-    return BlockOptions(tuple(options), seconds, solve_count() - solves0, ilp.model.n_vars, ilp.model.n_constraints)
+    except _DeadlineReached:
+        return False
+    return True
 
 
 def _y_bytes(st: Structure, o: BlockOption) -> int:

@@ -242,13 +242,15 @@ def solve_model(
 
 
 class BlockIlp:
-    """A BlockGraph compacted and turned into its ILP, ready for many solves."""
+    """A BlockGraph compacted and turned into its ILP, ready for many solves.
 
-    def __init__(self, graph: BlockGraph):
+    st: the graph's Structure, if already derived (``structure(compact(graph))``)."""
+
+    def __init__(self, graph: BlockGraph, st: Structure | None = None):
         t0 = time.perf_counter()
         self.graph = graph
-        self.compact: CompactGraph = compact(graph)
-        self.structure: Structure = structure(self.compact)
+        self.structure: Structure = st if st is not None else structure(compact(graph))
+        self.compact: CompactGraph = self.structure.cg
         self.model: IlpModel = build_model(self.structure)
         self.build_seconds = time.perf_counter() - t0
         log.debug(

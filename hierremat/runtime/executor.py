@@ -31,6 +31,7 @@ from ..budget import format_bytes
 from ..errors import UnsupportedModelError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
 from .autocast import AutocastState
+from .residents import collect_reads, keep_made, read_roots, split_output, stage_shared, tap_read
 from .rng import RngState, cuda_devices_of
 
 
@@ -48,7 +49,8 @@ def stage_buffers(stage: Callable, names: Sequence[str]) -> list[torch.Tensor]:
 
 
 def check_stage_output(index: int, stage: Callable, out, last: bool = False):
-    """A stage returns one tensor; the last stage may return a tuple of tensors."""
+    """A stage returns one tensor; the last stage (``last``), or one that makes residents, may
+    return a tuple of tensors."""
     if isinstance(out, torch.Tensor):
         return out
     if last and isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
@@ -179,13 +181,15 @@ class ChainRunner:
     def __init__(
         self, stages: Sequence[Callable], schedule: ChainSchedule, mutated_buffers: Sequence[Sequence[str]],
         option_executors: Sequence[Sequence] | None = None, sharded=None,
-        forward_executors: Sequence | None = None,
+        forward_executors: Sequence | None = None, residents=None,
     ):
         """option_executors[i][k]: runs option k >= 1 of stage i (hierremat.runtime.block_exec);
         option 0 is always the stage itself under autograd. forward_executors[i]: runs stage i's
         forward without grad (F_none / F_ck) as generated code (block_exec.ForwardExecutor); None
         there, or no list: the stage itself is called. sharded: a
-        hierremat.runtime.fsdp.ShardedChain through which stages are called (FSDP2)."""
+        hierremat.runtime.fsdp.ShardedChain through which stages are called (FSDP2). residents: the
+        values carried beside the activation (hierremat.blocks_info.ResidentLayout), or None; the
+        stages that make or read them run as option 0."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
         self.option_executors = option_executors or [()] * len(stages)
@@ -201,6 +205,7 @@ class ChainRunner:
         self.sharded = sharded
         self.forward_executors = list(forward_executors or [None] * len(stages))
         self.schedule = schedule
+        self.residents = residents
         #: How the caller used the output in the latest backward this runner executed (None before).
         self.observed_output_use: OutputUse | None = None
         self.loss_index = schedule.loss_index
@@ -219,11 +224,21 @@ class ChainRunner:
         """
         autocast = AutocastState.capture((x.device.type,))
         if not torch.is_grad_enabled() or self.schedule.keeps_everything:
+            values: dict[int, torch.Tensor] = {}
             for i in range(len(self.stages)):
                 with autocast.stage_scope():
-                    x = self.call_stage(i, x, shared)
-            return x if not torch.is_grad_enabled() else self._observed(x)
+                    out = self.call_stage(i, x, stage_shared(shared, values, self.residents))
+                x, made = split_output(out, self.residents, i)
+                keep_made(values, self.residents, i, made, attached=True)
+            out = x if not torch.is_grad_enabled() else self._observed(x)
+            return self._with_exported(out, values)
         return self.run_schedule(x, shared)
+
+    def _with_exported(self, out, values: dict):
+        """The last stage's outputs followed by the residents the model returns (if any)."""
+        if self.residents is None or not self.residents.exported:
+            return out
+        return (*as_tuple(out), *(values[r] for r in self.residents.exported))
 
     def call_stage(self, i: int, x: torch.Tensor, shared: tuple):
         """Stage i on x: the stage itself, or through its FSDP2 module (``sharded``)."""
@@ -260,6 +275,9 @@ class _Step:
         self.runs = [0] * len(runner.stages)
         self.input_requires_grad = x0.requires_grad
         self.tap_anchor = torch.empty(0, device=x0.device, requires_grad=True)
+        self.layout = runner.residents
+        self.resident_values: dict[int, torch.Tensor] = {}
+        self.resident_grads: dict[int, torch.Tensor] = {}
         self.cuda_devices = cuda_devices_of(x0)
         self.autocast = AutocastState.capture((x0.device.type,))
 
@@ -268,9 +286,16 @@ class _Step:
             self._execute(op)
         outputs = as_tuple(self.x.pop(len(self.runner.stages)))
         self.output_watch = OutputWatch(outputs)
-        return outputs
+        exported = as_tuple(self.runner._with_exported((), self.resident_values))
+        return outputs + tuple(e.detach() for e in exported)
 
     def run_backward(self, grad_outputs: tuple) -> torch.Tensor | None:
+        if self.layout is not None and self.layout.exported:
+            count = len(grad_outputs) - len(self.layout.exported)
+            for r, g in zip(self.layout.exported, grad_outputs[count:]):
+                if g is not None:
+                    self.resident_grads[r] = g
+            grad_outputs = grad_outputs[:count]
         self.runner.observed_output_use = self.output_watch.use(grad_outputs)
         self.grad[len(self.runner.stages)] = grad_outputs
         outer_rng = RngState.capture(self.cuda_devices)
@@ -294,29 +319,44 @@ class _Step:
                 anchor = self.tap_anchor if i > 0 or self.input_requires_grad else None
                 inp, sink = tap_input(x, anchor)
                 del x
+                shared, taps = tap_read(self._shared(), self.layout, i, self.tap_anchor)
                 with torch.enable_grad():
-                    out = self._forward(i, lambda: self._call(i, inp))
-                del inp
-                self.tape[i] = ("autograd", gradient_edges(out), sink)
-                y = detach_output(out)
-                del out
+                    out = self._forward(i, lambda: self._call(i, inp, shared))
+                del inp, shared
+                self.tape[i] = ("autograd", gradient_edges(out), (sink, taps))
+                y, made = split_output(detach_output(out), self.layout, i)
+                keep_made(self.resident_values, self.layout, i, made)
+                del out, made
             else:
                 forward = self.runner.forward_executors[i]
                 with torch.no_grad():
                     if forward is not None:
                         y = self._forward(i, lambda: forward(x, self.shared))
                     else:
-                        y = self._forward(i, lambda: self._call(i, x))
+                        y = self._forward(i, lambda: self._call(i, x, self._shared()))
                 del x
+                y, made = split_output(y, self.layout, i)
+                keep_made(self.resident_values, self.layout, i, made)
+                del made
             if (i + 1) not in self.grad:
                 self.x[i + 1] = y
         elif isinstance(op, Backward):
             i = op.stage
             kind, first, second = self.tape.pop(i)
             grad = self.grad.pop(i + 1)
-            if kind == "autograd":  # option 0: the stage's gradient edges and input-gradient sink
-                backward_through(first, as_tuple(grad))
-                self.grad[i] = second.grad if second is not None else None
+            if kind == "autograd":  # option 0: the stage's gradient edges, its input's and residents' sinks
+                sink, taps = second
+                made = self.layout.produced_by(i) if self.layout is not None else ()
+                edges, grads = read_roots(taps, self.resident_grads)
+                edges = [*first, *edges]
+                grads = [*as_tuple(grad), *(self.resident_grads.pop(r, None) for r in made), *grads]
+                backward_through(edges, tuple(grads))
+                del edges, grads
+                self.grad[i] = sink.grad if sink is not None else None
+                collect_reads(taps, self.resident_grads)
+                for r in made:  # every reader's backward has run
+                    del self.resident_values[r]
+                del sink, taps
             else:  # a block option: its executor and the tape of its forward
                 dx = first.backward(second, grad, self.shared) if grad is not None else None
                 self.grad[i] = dx if i > 0 or self.input_requires_grad else None
@@ -324,9 +364,14 @@ class _Step:
         else:
             raise TypeError(f"unexpected op {op!r}")
 
-    def _call(self, i: int, x: torch.Tensor):
-        out = self.runner.call_stage(i, x, self.shared)
-        return check_stage_output(i, self.runner.stages[i], out, i == len(self.runner.stages) - 1)
+    def _shared(self) -> tuple:
+        """What the stages are called with after x: the shared values, then the residents."""
+        return stage_shared(self.shared, self.resident_values, self.layout)
+
+    def _call(self, i: int, x: torch.Tensor, shared: tuple):
+        out = self.runner.call_stage(i, x, shared)
+        tuple_ok = i == len(self.runner.stages) - 1 or (self.layout is not None and bool(self.layout.produced_by(i)))
+        return check_stage_output(i, self.runner.stages[i], out, tuple_ok)
 
     def _forward(self, i: int, run: Callable):
         """Run stage i's forward (``run()``) under the step's autocast setting; a replay gets the

@@ -29,6 +29,7 @@ from .executor import (
 )
 from .autocast import AutocastState
 from .memory import WeightCastCounter, allocated_bytes, memory_meter
+from .residents import keep_made, split_output, stage_shared, tap_read
 from .rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
 
@@ -42,12 +43,17 @@ class ChainProfile:
         a gradient (costs.output_grad_bytes counts those).
     loss_bytes: bytes of the outputs that are scalar losses receiving a gradient: a caller
         holds each while it calls ``backward()`` on it, whatever else it releases.
+    resident_bytes: what the chain's residents (values carried beside the activation) may
+        hold at once: each one's bytes and twice its gradient's. The plan sets it aside for the
+        whole step (an upper bound: each lives only from its producer's forward to its
+        backward).
     """
 
     costs: ChainCosts
     mutated_buffers: tuple[tuple[str, ...], ...]
     output_grad_mask: tuple[bool, ...]
     loss_bytes: int = 0
+    resident_bytes: int = 0
 
 
 def storage_bytes(value) -> int:
@@ -155,6 +161,7 @@ def profile_chain(
     signatures: Sequence[str] | None = None,
     output_grad_mask: tuple[bool, ...] | None = None,
     cost_cache: StageCostCache | None = None,
+    residents=None,
 ) -> ChainProfile:
     """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
 
@@ -163,7 +170,10 @@ def profile_chain(
     hierremat.runtime.executor.default_grad_mask). The costs assume the caller holds the
     whole output through the backward (``output_held_bytes``); planning may relax that.
     cost_cache: where the costs of stages with a signature are looked up before measuring,
-    and stored after.
+    and stored after. residents: the values carried beside the activation
+    (hierremat.blocks_info.ResidentLayout), or None; their bytes, and their gradients' twice
+    (the sum of several readers' terms is formed once out of place), are the profile's
+    ``resident_bytes``.
     """
     cost_cache = cost_cache or StageCostCache(None)
     device = x0.device
@@ -171,11 +181,16 @@ def profile_chain(
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated = [], []
     measured: dict[str, int] = {}
+    values: dict[int, torch.Tensor] = {}
     with no_side_effects(stages, x0):
         x = x0.detach()
         for i, stage in enumerate(stages):
             last = i == len(stages) - 1
-            call = functools.partial(_call_stage, stage, shared, last, i, autocast)
+            produced = len(residents.produced_by(i)) if residents is not None else 0
+            call = functools.partial(
+                _call_stage, stage, stage_shared(shared, values, residents), last or produced > 0, i, autocast,
+                residents=residents,
+            )
             signature = signatures[i] if signatures is not None else None
             requires_grad = i > 0 or x0.requires_grad
             wanted_mask = output_grad_mask if last else None
@@ -204,7 +219,7 @@ def profile_chain(
             else:
                 with scratch_grads(stage):
                     cost, names, y, mask = _profile_stage(
-                        i, stage, call, x, requires_grad, repeats, device, wanted_mask
+                        i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced
                     )
                 if last:
                     output_grad_mask = mask
@@ -213,6 +228,8 @@ def profile_chain(
                     cost_cache.put_stage(signature, x, requires_grad, wanted_mask, cost, mask if last else None)
             stage_costs.append(cost)
             mutated.append(names)
+            y, made = split_output(y, residents, i)
+            keep_made(values, residents, i, made)
             activation_bytes.append(storage_bytes(y))
             x = y
     if output_grad_mask is None:  # the last stage shared a signature with an earlier one: one output
@@ -223,7 +240,12 @@ def profile_chain(
         tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad,
         output_grad_bytes=storage_bytes(tuple(with_grad)),
     )
-    return ChainProfile(costs, tuple(mutated), output_grad_mask, storage_bytes(losses) if losses else 0)
+    resident_bytes = sum(
+        storage_bytes(v) * (3 if v.is_floating_point() else 1) for v in values.values()
+    )
+    return ChainProfile(
+        costs, tuple(mutated), output_grad_mask, storage_bytes(losses) if losses else 0, resident_bytes
+    )
 
 
 def profile_stage(
@@ -240,8 +262,15 @@ def profile_stage(
     return cost, mask
 
 
-def _call_stage(stage: Callable, shared: tuple, last: bool, index: int, autocast: AutocastState, x: torch.Tensor):
-    """The stage called as the runtime calls it (in the autocast stage scope)."""
+def _call_stage(
+    stage: Callable, shared: tuple, last: bool, index: int, autocast: AutocastState, x: torch.Tensor,
+    residents=None,
+):
+    """The stage called as the runtime calls it (in the autocast stage scope). In grad mode, the
+    floating residents it reads (``residents``: a ResidentLayout) are tapped as the runner taps
+    them, so that its backward computes their gradients."""
+    if residents is not None and torch.is_grad_enabled():
+        shared, _ = tap_read(shared, residents, index, torch.empty(0, device=x.device, requires_grad=True))
     with autocast.stage_scope():
         out = stage(x, *shared)
     return check_stage_output(index, stage, out, last)
@@ -290,11 +319,12 @@ def _run_forward_and_backward(call: Callable, x: torch.Tensor, requires_grad: bo
 
 def _profile_stage(
     i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
-    grad_mask: tuple[bool, ...] | None,
+    grad_mask: tuple[bool, ...] | None, produced: int = 0,
 ):
     """Costs of one stage on input x, its backward fed gradients for the outputs in ``grad_mask``
-    (None: hierremat.runtime.executor.default_grad_mask). Returns (StageCosts, mutated buffer
-    names, output, the mask used)."""
+    (None: hierremat.runtime.executor.default_grad_mask). ``produced``: how many residents it
+    makes (outputs after x_{i+1}, each fed a gradient; their bytes are the plan's resident
+    reserve, not the stage's). Returns (StageCosts, mutated buffer names, output, the mask used)."""
     params, _ = _modules_state([stage])
     with torch.no_grad(), WeightCastCounter(params) as casts:
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
@@ -305,7 +335,7 @@ def _profile_stage(
         with torch.no_grad():
             y = call(x)
         nograd_peak = meter.peak_bytes - base
-        out_bytes = storage_bytes(y)
+        out_bytes = storage_bytes(y[0] if produced else y)
 
         anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
         x_copy = x.detach().clone()  # a storage of its own, to see whether the tape keeps it
@@ -315,11 +345,18 @@ def _profile_stage(
         with torch.enable_grad():
             out = call(inp)
         fwd_peak = meter.peak_bytes - base
-        kept = max(0, meter.live_bytes - base - out_bytes)
+        if produced:  # the residents it made count as kept only where its tape keeps them
+            grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
+            edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+            out = out[0]
+            kept = max(0, meter.live_bytes - base - out_bytes - storage_bytes(tuple(g for g in grads if g is not None)))
+        else:
+            kept = max(0, meter.live_bytes - base - out_bytes)
         input_freed, _ = watch_storages(x_copy)
         outputs_freed, output_storage_bytes = watch_storages(out)
-        grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
-        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+        if not produced:
+            grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
+            edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out, inp, x_copy
         _sync(device)
         pins_input, pins_output = not input_freed, sum(outputs_freed) < output_storage_bytes

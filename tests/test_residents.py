@@ -1,0 +1,187 @@
+"""Values carried along the chain beside its activation (residents): an encoder's output read by
+every decoder layer, T5's position bias, a UNet's skip tensors.
+
+Each layer of T5, BART and a small UNet is a stage of its own (identical layers share a
+signature); trained at four budgets from the smallest feasible one to twice plain autograd's
+peak, gradients are bitwise those of plain autograd and the live-tensor peak is within the
+budget. The resident gradients are summed in the order plain autograd sums them.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hierremat as hr
+from hierremat.blocks.capture import capture
+from hierremat.blocks.hf import call_kwargs
+from hierremat.blocks.segment import build_chain_graph
+from hierremat.model_plan import ModelPlan
+from hierremat.runtime import memory_meter
+
+from models import TinyUNet, same_bits, seq2seq_call, tiny_bart, tiny_t5
+
+
+def _unet_call():
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(2, 3, 32, 32, generator=generator), torch.randn(2, 3, 32, 32, generator=generator)), {}
+
+
+def _t5():
+    return tiny_t5(), (), seq2seq_call()
+
+
+def _bart():
+    return tiny_bart(), (), seq2seq_call()
+
+
+def _unet():
+    return (TinyUNet(), *_unet_call())
+
+
+MODELS = {"t5": _t5, "bart": _bart, "unet": _unet}
+
+
+def _step(model, args, kwargs, hold: bool = True):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(3)
+    with memory_meter(torch.device("cpu")) as tracker:
+        out = model(*args, **kwargs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        if not hold:
+            del out
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, tracker.peak_bytes, loss.detach()
+
+
+def _chain(model, args, kwargs):
+    kwargs = call_kwargs(model, kwargs)
+    return build_chain_graph(capture(model, args, kwargs), model)
+
+
+def test_t5_layers_are_stages_of_their_own_reading_the_encoder_output_and_position_bias():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    chain = _chain(*_t5())
+    names = [info.name for info in chain.infos]
+    for stack in ("encoder", "decoder"):
+        for k in range(3):
+            assert f"{stack}.block.{k}" in names, names
+    signature = {info.name: info.signature for info in chain.infos}
+    assert signature["encoder.block.1"] == signature["encoder.block.2"] != signature["encoder.block.0"]
+    assert signature["decoder.block.1"] == signature["decoder.block.2"] != signature["decoder.block.0"]
+    layout = chain.residents
+    at = names.index
+    # the encoder's position bias (made by its first layer), the encoder output (read by every decoder
+    # layer and returned by the model), the decoder's position bias
+    assert (at("encoder.block.0"), (at("encoder.block.1"), at("encoder.block.2"))) in zip(layout.producers, layout.readers)
+    decoder_layers = tuple(at(f"decoder.block.{k}") for k in range(3))
+    encoder_output = layout.readers.index(decoder_layers)
+    assert layout.exported == (encoder_output,)
+
+
+def test_unet_levels_are_stages_and_skip_tensors_residents():
+    torch.manual_seed(0)
+    chain = _chain(*_unet())
+    names = [info.name for info in chain.infos]
+    assert names[1:-1] == [*(f"down_blocks.{k}" for k in range(3)), "mid.0", "mid.1",
+                           *(f"up_blocks.{k}" for k in range(3))]
+    layout = chain.residents
+    # the skip tensor of down level k is read by up level 2 - k only
+    assert layout.producers == (1, 2, 3) and layout.readers == ((8,), (7,), (6,)) and layout.exported == ()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_with_residents_trains_bitwise_within_budget_at_four_budgets(name):
+    if name != "unet":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS[name]()
+    reference = copy.deepcopy(model)
+    grads_ref, plain_peak, loss_ref = _step(reference, args, kwargs)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, args, kwargs, budget="1KiB")
+    low = err.value.min_budget_bytes
+    assert low < plain_peak
+    recomputed = False
+    for budget in (low, (low + plain_peak) // 2, plain_peak, 2 * plain_peak):
+        module = hr.remat(model, args, kwargs, budget=f"{budget}B")
+        plan = module.plans[0]
+        assert plan.resident_bytes > 0 and "residents" in plan.summary()
+        grads, peak, loss = _step(module, args, kwargs, hold=budget != low)
+        assert peak <= budget, (name, budget, peak, plan.summary())
+        assert same_bits(loss, loss_ref)
+        for key, g in grads.items():
+            assert same_bits(g, grads_ref[key.removeprefix("model.")]), (name, budget, key)
+        recomputed |= any(c > 1 for c in plan.chain.schedule.forward_counts())
+    assert recomputed
+
+
+def test_plan_with_residents_round_trips_and_runs_from_json():
+    torch.manual_seed(0)
+    model, args, kwargs = _unet()
+    plan = hr.plan(model, args, kwargs, budget="4MB")
+    again = ModelPlan.from_json(plan.to_json())
+    assert again.resident_bytes == plan.resident_bytes > 0
+    assert again.budget_bytes == plan.budget_bytes and again.predicted_peak_bytes == plan.predicted_peak_bytes
+    module = hr.remat(model, args, kwargs, plan=again)
+    grads, peak, _ = _step(module, args, kwargs)
+    grads_ref, _, _ = _step(copy.deepcopy(model), args, kwargs)
+    assert peak <= plan.budget_bytes
+    assert all(same_bits(g, grads_ref[k.removeprefix("model.")]) for k, g in grads.items())
+
+
+class _SharedContext(nn.Module):
+    """A layer that reads the context a first layer made (like a decoder reading an encoder's output)."""
+
+    def __init__(self, width: int, makes_context: bool):
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.context = nn.Linear(width, width) if makes_context else None
+
+    def forward(self, x, context):
+        if self.context is not None:
+            context = torch.tanh(self.context(x))
+        return torch.relu(self.inner(x)) * context + x, context
+
+
+class _ContextChain(nn.Module):
+    """Four layers; the first makes a context every later one reads; the model returns it too."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.layers = nn.ModuleList(_SharedContext(width, k == 0) for k in range(4))
+
+    def forward(self, x, context):
+        for layer in self.layers:
+            x, context = layer(x, context)
+        return x.pow(2).mean(), context
+
+
+def test_exported_resident_gets_the_callers_gradient_too():
+    """The model returns the resident (as T5 returns its encoder's output) and the loss uses it:
+    its gradient from the caller is summed with those of the layers that read it."""
+    torch.manual_seed(0)
+    model = _ContextChain()
+    x, context = torch.randn(8, 32, requires_grad=True), torch.zeros(8, 32)
+
+    def step(m):
+        for p in m.parameters():
+            p.grad = None
+        x.grad = None
+        loss, made = m(x, context)
+        (loss + made.sum()).backward()
+        return {n.removeprefix("model."): p.grad for n, p in m.named_parameters()}, x.grad.clone()
+
+    grads_ref, dx_ref = step(copy.deepcopy(model))
+    chain = _chain(model, (x, context), {})
+    assert [info.name for info in chain.infos][:4] == [f"layers.{k}" for k in range(4)]
+    assert chain.residents.readers == ((1, 2, 3),) and chain.residents.exported == (0,)
+    smallest = hr.explore(model, (x, context)).smallest_feasible_bytes
+    for budget in (smallest, 2**20):
+        module = hr.remat(model, (x, context), budget=f"{budget}B")
+        grads, dx = step(module)
+        assert same_bits(dx, dx_ref)
+        assert all(same_bits(g, grads_ref[k]) for k, g in grads.items())
