@@ -365,6 +365,7 @@ def _prune(options: list) -> list:
 
 def solve_menu(
     graph: BlockGraph,
+    *,
     n_kept: int = 8,
     n_peak: int = 6,
     peak_step: float = 0.08,
@@ -428,16 +429,13 @@ def solve_menu(
         log.debug("block %s: options %s recompute too much (over %d ops): not offered", label, long, most_ops)
         cands = [o for o in cands if o.name not in long]
     options = _prune(cands)
-    seconds = time.perf_counter() - t0
+    seconds, solves = time.perf_counter() - t0, solve_count() - solves0
+    n_vars, n_constraints = (ilp.model.n_vars, ilp.model.n_constraints) if ilp is not None else (0, 0)
     log.debug(
         "block menu: %d options (of %d candidates), %d solves, %d variables, %d constraints, %.2fs",
-        len(options), len(cands), solve_count() - solves0, ilp.model.n_vars if ilp else 0,
-        ilp.model.n_constraints if ilp else 0, seconds,
+        len(options), len(cands), solves, n_vars, n_constraints, seconds,
     )
-    return BlockOptions(
-        tuple(options), seconds, solve_count() - solves0, ilp.model.n_vars if ilp else 0,
-        ilp.model.n_constraints if ilp else 0, coarse, cut,
-    )
+    return BlockOptions(tuple(options), seconds, solves, n_vars, n_constraints, coarse, cut)
 
 
 class _DeadlineReached(Exception):

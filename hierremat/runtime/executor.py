@@ -231,14 +231,13 @@ class ChainRunner:
                 x, made = split_output(out, self.residents, i)
                 keep_made(values, self.residents, i, made, attached=True)
             out = x if not torch.is_grad_enabled() else self._observed(x)
-            return self._with_exported(out, values)
+            exported = self.exported(values)
+            return (*as_tuple(out), *exported) if exported else out
         return self.run_schedule(x, shared)
 
-    def _with_exported(self, out, values: dict):
-        """The last stage's outputs followed by the residents the model returns (if any)."""
-        if self.residents is None or not self.residents.exported:
-            return out
-        return (*as_tuple(out), *(values[r] for r in self.residents.exported))
+    def exported(self, values: dict) -> tuple:
+        """The residents the model returns (the chain returns them after the last stage's outputs)."""
+        return () if self.residents is None else tuple(values[r] for r in self.residents.exported)
 
     def call_stage(self, i: int, x: torch.Tensor, shared: tuple):
         """Stage i on x: the stage itself, or through its FSDP2 module (``sharded``)."""
@@ -286,8 +285,7 @@ class _Step:
             self._execute(op)
         outputs = as_tuple(self.x.pop(len(self.runner.stages)))
         self.output_watch = OutputWatch(outputs)
-        exported = as_tuple(self.runner._with_exported((), self.resident_values))
-        return outputs + tuple(e.detach() for e in exported)
+        return outputs + tuple(e.detach() for e in self.runner.exported(self.resident_values))
 
     def run_backward(self, grad_outputs: tuple) -> torch.Tensor | None:
         if self.layout is not None and self.layout.exported:

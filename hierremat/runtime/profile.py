@@ -345,18 +345,16 @@ def _profile_stage(
         with torch.enable_grad():
             out = call(inp)
         fwd_peak = meter.peak_bytes - base
+        grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
         if produced:  # the residents it made count as kept only where its tape keeps them
-            grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
             edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
             out = out[0]
             kept = max(0, meter.live_bytes - base - out_bytes - storage_bytes(tuple(g for g in grads if g is not None)))
         else:
             kept = max(0, meter.live_bytes - base - out_bytes)
+            edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         input_freed, _ = watch_storages(x_copy)
         outputs_freed, output_storage_bytes = watch_storages(out)
-        if not produced:
-            grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
-            edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out, inp, x_copy
         _sync(device)
         pins_input, pins_output = not input_freed, sum(outputs_freed) < output_storage_bytes
