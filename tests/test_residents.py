@@ -119,6 +119,37 @@ def test_model_with_residents_trains_bitwise_within_budget_at_four_budgets(name)
     assert recomputed
 
 
+def test_t5_under_bf16_autocast_trains_bitwise_within_budget():
+    """The fresh-context recipe (autocast around the forward only). The decoder's position bias is
+    masked as in eager mode (hierremat.blocks.hf.eager_mask_decisions): with a mask materialised over
+    the batch, as torch.export's path of Hugging Face's mask code makes it, the bias gradient would be
+    summed over the batch after SDPA's bf16 rounding instead of before it."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, args, kwargs = _t5()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def step(m):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        torch.manual_seed(3)
+        with memory_meter(torch.device("cpu")) as tracker:
+            with autocast:
+                loss = m(*args, **kwargs).loss
+            loss.backward()
+        return {n.removeprefix("model."): p.grad.clone() for n, p in m.named_parameters()}, tracker.peak_bytes
+
+    grads_ref, plain_peak = step(copy.deepcopy(model))
+    with autocast:
+        low = hr.explore(model, args, kwargs).smallest_feasible_bytes
+    for budget in (low, plain_peak):
+        with autocast:
+            module = hr.remat(model, args, kwargs, budget=f"{budget}B")
+        grads, peak = step(module)
+        assert peak <= budget
+        assert [k for k, g in grads.items() if not same_bits(g, grads_ref[k])] == []
+
+
 def test_plan_with_residents_round_trips_and_runs_from_json():
     torch.manual_seed(0)
     model, args, kwargs = _unet()

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from ..errors import UnsupportedModelError
 from ..variants.cross_entropy import use_row_blocked_cross_entropy
 from .causal_attention import restore_causal_attention
-from .hf import register_cache_pytrees
+from .hf import eager_mask_decisions, register_cache_pytrees
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,8 @@ def capture(
         args = (args,)
     register_cache_pytrees(model)
     try:
-        exported = torch.export.export(model, args, kwargs or {}, strict=False)
+        with eager_mask_decisions(model):
+            exported = torch.export.export(model, args, kwargs or {}, strict=False)
     except Exception as err:  # torch raises many types here; all mean "cannot capture"
         raise UnsupportedModelError(
             f"hierremat could not capture {type(model).__name__} as one graph with torch.export: {_explain(err)} "

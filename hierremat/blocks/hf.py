@@ -7,6 +7,15 @@
   training mode whose ``forward`` takes ``use_cache``, every call (the example call that
   is captured, and each call of the returned module) gets ``use_cache=False``, and one
   line is logged.
+* **Masks as in eager mode.** Under ``torch.export`` Hugging Face's mask code never skips a
+  mask (``is_torchdynamo_exporting()``), so that an exported program does not hard-code
+  ``is_causal`` for other sequence lengths. A captured plan is specialised to its call's
+  shapes, so capture lets the mask code take the decisions it takes in eager mode where
+  they depend on shapes alone (:func:`eager_mask_decisions`); decisions that read a
+  mask's values still see a traced tensor and keep the mask. Without this, T5's decoder
+  adds its position bias to a causal mask materialised over the batch, and its bias
+  gradient is summed over the batch after SDPA's bf16 rounding instead of before it: not
+  bitwise under bf16 autocast.
 * **Cache objects in outputs** (a model in eval mode, or one called with a cache) are
   flattened with the pytree support ``transformers`` ships for ``torch.export``
   (``register_dynamic_cache_export_support``), so capture does not refuse them.
@@ -18,6 +27,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -87,3 +98,23 @@ def register_cache_pytrees(model: torch.nn.Module) -> None:
     except ImportError:  # an older transformers: capture names the type if a cache is returned
         return
     register_dynamic_cache_export_support()
+
+
+@contextmanager
+def eager_mask_decisions(model: torch.nn.Module) -> Iterator[None]:
+    """While capturing a ``transformers`` model: its mask code decides as in eager mode (module docstring)."""
+    masking = None
+    if _transformers_model_of(model) is not None:
+        try:
+            from transformers import masking_utils as masking
+        except ImportError:  # an older transformers: masks are built in each model's code
+            masking = None
+    if masking is None or not hasattr(masking, "is_torchdynamo_exporting"):
+        yield
+        return
+    exporting = masking.is_torchdynamo_exporting
+    masking.is_torchdynamo_exporting = lambda: False
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = exporting
