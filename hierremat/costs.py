@@ -105,6 +105,41 @@ class StageCosts:
 
 
 @dataclass(frozen=True)
+class ResidentCosts:
+    """A value carried along the chain beside its activation (hierremat.blocks_info.ResidentLayout).
+
+    producer: the stage whose forward makes it; readers: the later stages that read it (none
+        for a value only the model returns, such as a key/value cache).
+    value_bytes: its bytes, held from the producer's first forward until the producer's
+        backward (to the end of the step when ``exported``: the caller holds it as an output).
+        A forward with grad that recomputes the producer makes another copy, which its option's
+        kept bytes count where its tape keeps it (they are measured with it).
+    grad_bytes: bytes of its gradient (0 for integer values): the sum of the readers'
+        contributions, held from the backward of its last reader until the producer's
+        backward (from the Loss when ``exported``: the caller's gradient is its first term).
+    """
+
+    producer: int
+    readers: tuple[int, ...]
+    value_bytes: int
+    grad_bytes: int
+    exported: bool = False
+
+    @property
+    def last_reader(self) -> int:
+        """The last stage that reads it (its producer when none does)."""
+        return max(self.readers, default=self.producer)
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "readers": list(self.readers)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ResidentCosts":
+        return cls(int(d["producer"]), tuple(int(r) for r in d["readers"]), int(d["value_bytes"]),
+                   int(d["grad_bytes"]), bool(d.get("exported", False)))
+
+
+@dataclass(frozen=True)
 class ChainCosts:
     """A chain of L stages.
 
@@ -118,6 +153,8 @@ class ChainCosts:
     output_grad_bytes: bytes of the gradient that arrives for x_L (None: x_L's size).
         Smaller when only part of a tuple output is differentiated, e.g. a model that
         returns (loss, logits) and is trained with ``.loss.backward()``.
+    residents: values carried beside the activation, each counted while it is live
+        (ResidentCosts; none for a plain chain).
     """
 
     activation_bytes: tuple[int, ...]
@@ -125,9 +162,15 @@ class ChainCosts:
     input_requires_grad: bool = True
     output_held_bytes: int | None = None
     output_grad_bytes: int | None = None
+    residents: tuple[ResidentCosts, ...] = ()
 
     def __post_init__(self) -> None:
         L = len(self.stages)
+        for r in self.residents:
+            if not (0 <= r.producer < L and (r.readers or r.exported) and all(r.producer < j < L for j in r.readers)):
+                raise ValueError(f"resident {r}: its producer must be a stage, its readers later stages (or it exported)")
+            if min(r.value_bytes, r.grad_bytes) < 0:
+                raise ValueError(f"resident {r}: negative bytes")
         if L == 0:
             raise ValueError("a chain needs at least one stage")
         if len(self.activation_bytes) != L + 1:
@@ -172,6 +215,25 @@ class ChainCosts:
         """Bytes of x_L the caller holds through the backward."""
         return self.activation_bytes[-1] if self.output_held_bytes is None else self.output_held_bytes
 
+    def resident_values_of(self, stage: int) -> int:
+        """Bytes of the residents ``stage`` makes (held after its first forward)."""
+        return sum(r.value_bytes for r in self.residents if r.producer == stage)
+
+    def residents_made_before(self, stage: int) -> int:
+        """Bytes residents hold in the first forward sweep once stages 0..stage-1 have run."""
+        return sum(r.value_bytes for r in self.residents if r.producer < stage)
+
+    def residents_after_backward(self, stage: int) -> int:
+        """Bytes residents hold once the backward of stages ``stage``..L-1 has run (``stage`` = L:
+        just after the Loss): values whose producer's backward is still to come (or exported) and
+        the gradient sums begun (by the Loss or a reader's backward) and not yet consumed."""
+        total = 0
+        for r in self.residents:
+            pending = r.producer < stage
+            total += r.value_bytes * (pending or r.exported)
+            total += r.grad_bytes * (pending and (r.exported or r.last_reader >= stage))
+        return total
+
     @property
     def output_resident(self) -> int:
         """Bytes that stay from the Loss to the end of the backward: the held output and its gradient."""
@@ -184,6 +246,7 @@ class ChainCosts:
             "output_held_bytes": self.output_held_bytes,
             "output_grad_bytes": self.output_grad_bytes,
             "stages": [st.to_dict() for st in self.stages],
+            "residents": [r.to_dict() for r in self.residents],
         }
 
     @classmethod
@@ -195,4 +258,5 @@ class ChainCosts:
             input_requires_grad=bool(d.get("input_requires_grad", True)),
             output_held_bytes=None if d.get("output_held_bytes") is None else int(d["output_held_bytes"]),
             output_grad_bytes=None if d.get("output_grad_bytes") is None else int(d["output_grad_bytes"]),
+            residents=tuple(ResidentCosts.from_dict(r) for r in d.get("residents", ())),
         )

@@ -33,10 +33,9 @@ class ModelPlan:
         from Inductor's cache).
     outputs: the names of the outputs the module returns (the others are None), as asked with
         ``outputs=``; None: every output the model returns.
-    resident_bytes: set aside beside the chain for its residents, the values carried along it
-        beside the activation (an encoder's output, a position bias, skip tensors) and their
-        gradients (hierremat.runtime.profile.ChainProfile.resident_bytes); predicted_peak_bytes
-        includes it.
+    The chain's residents, values carried along it beside the activation (an encoder's
+    output, a position bias, skip tensors) and their gradients, are in its costs
+    (hierremat.costs.ResidentCosts), counted while they are live.
     """
 
     chain: SequentialPlan
@@ -53,12 +52,17 @@ class ModelPlan:
     compiled: bool = False
     compile_seconds: float = 0.0
     outputs: tuple[str, ...] | None = None
-    resident_bytes: int = 0
 
     @property
     def beside_chain_bytes(self) -> int:
-        """What is held beside the chain's schedule: shared values, residents, FSDP2's root group."""
-        return self.shared_bytes + self.resident_bytes + self.sharded_reserve_bytes
+        """What is held beside the chain's schedule: shared values, FSDP2's root group."""
+        return self.shared_bytes + self.sharded_reserve_bytes
+
+    @property
+    def resident_peak_bytes(self) -> int:
+        """The most the residents (values and gradient sums) hold at once, in the chain's peak where live."""
+        costs = self.chain.costs
+        return max((costs.residents_after_backward(b) for b in range(costs.length + 1)), default=0)
 
     @property
     def budget_bytes(self) -> int:
@@ -88,8 +92,10 @@ class ModelPlan:
             + (", block options compiled" if self.compiled else "")
             + (f", returns {' and '.join(self.outputs)} only (outputs=)" if self.outputs is not None else ""),
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
-            f" + shared inputs {format_bytes(self.shared_bytes)}"
-            + (f" + residents {format_bytes(self.resident_bytes)}" if self.resident_bytes else "") + ")",
+            f" + shared inputs {format_bytes(self.shared_bytes)})"
+            + (f"; residents: {len(self.chain.costs.residents)} values beside the activation, up to "
+               f"{format_bytes(self.resident_peak_bytes)} with their gradients, in the chain while live"
+               if self.chain.costs.residents else ""),
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
             f"  {c.autocast_line()}",
             *(
@@ -137,7 +143,6 @@ class ModelPlan:
                 "compiled": self.compiled,
                 "compile_seconds": self.compile_seconds,
                 "outputs": None if self.outputs is None else list(self.outputs),
-                "resident_bytes": self.resident_bytes,
             }
         )
 
@@ -146,6 +151,9 @@ class ModelPlan:
         d = json.loads(text)
         if d.get("format") != "hierremat.ModelPlan/1":
             raise ValueError(f"not a hierremat ModelPlan JSON (format={d.get('format')!r})")
+        if d.get("resident_bytes") and not d["chain"]["costs"].get("residents"):
+            raise ValueError("this plan was made by an older hierremat, which set its residents' bytes aside for the "
+                             "whole step: plan again (hierremat.plan) and save the new plan")
         return cls(
             chain=SequentialPlan.from_json(json.dumps(d["chain"])),
             stages=tuple(StageInfo(**s) for s in d["stages"]),
@@ -161,5 +169,4 @@ class ModelPlan:
             compiled=bool(d.get("compiled", False)),
             compile_seconds=float(d.get("compile_seconds", 0.0)),
             outputs=None if d.get("outputs") is None else tuple(str(n) for n in d["outputs"]),
-            resident_bytes=int(d.get("resident_bytes", 0)),
         )

@@ -16,6 +16,11 @@ can compare the two. Rules:
 * B(i) frees its tape's kept bytes and the gradient of x_{i+1}, and produces the
   gradient of x_i.
 * The peak of an op is the memory before it plus its overhead (see hierremat.costs).
+* Residents (hierremat.costs.ResidentCosts): a value is made by the first forward of its
+  producer and freed by the producer's backward (never, when exported); the copy a
+  recomputing forward with grad makes is in its option's kept bytes. A gradient
+  sum begins at the Loss (exported) or with the backward of its last reader (its bytes
+  are in that backward's overhead) and is freed by the producer's backward.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
     tapes: dict[int, int] = {}  # stage -> option index of its live F_all tape
     done_backward: set[int] = set()
     state = {"used": 0, "caller_part": 0}
+    made: set[int] = set()  # stages whose residents exist
     clock = 0.0
     loss_done = False
     timeline = []
@@ -113,6 +119,9 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             else:
                 peak_op = before + costs.stages[i].nograd_fwd_overhead_bytes
                 clock += costs.stages[i].nograd_fwd_time
+            if i not in made:
+                made.add(i)
+                state["used"] += costs.resident_values_of(i)
             if i + 1 == L:
                 hold(L, "caller")
             elif (i + 1) not in grad_alive:
@@ -125,7 +134,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             if L not in holders:
                 fail(idx, op, f"the chain output x_{L} was not computed")
             loss_done = True
-            state["used"] += costs.output_grad
+            state["used"] += costs.output_grad + sum(r.grad_bytes for r in costs.residents if r.exported)
             grad_alive.add(L)
             peak_op = state["used"]
             if costs.held_output < a[L]:
@@ -151,6 +160,11 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
                 state["used"] -= a[i + 1] if i + 1 < L else costs.output_grad
             grad_alive.add(i)
             state["used"] += costs.grad_bytes(i)
+            for r in costs.residents:
+                if r.last_reader == i and r.readers and not r.exported:
+                    state["used"] += r.grad_bytes
+                if r.producer == i:
+                    state["used"] -= r.grad_bytes + (0 if r.exported else r.value_bytes)
             done_backward.add(i)
         else:
             fail(idx, op, "unknown op type")

@@ -42,8 +42,10 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
+from torch import fx
 
 from .block_graph import FORWARD, BlockGraph
+from .blocks.eager_masks import has_value_branch
 from .blocks.joint import JointGraph, to_block_graph, trace_joint
 from .blocks.node_profile import profile_nodes
 from .costs import OptionCosts
@@ -432,6 +434,9 @@ def build_menus(
         # (the last stage returns the model's outputs, often several: option 0 only)
         if residents is not None and residents.touches(i):
             log.info("stage %d (%s): no block options: it makes or reads values carried beside the chain", i, signature)
+            continue
+        if isinstance(getattr(stage, "graph_module", None), fx.GraphModule) and has_value_branch(stage.graph_module):
+            log.info("stage %d (%s): no block options: it branches on tensor values (an attention mask)", i, signature)
             continue
         graph_key = _graph_key(signature, variants)  # menus and executor speeds of the traced graph
         if signature not in joints and signature not in menus:

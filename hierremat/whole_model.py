@@ -18,6 +18,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from .blocks.capture import capture, check_outputs, uncompiled
+from .blocks.eager_masks import has_value_branch, padding_key
 from .blocks.hf import call_kwargs
 from .blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from .budget import format_bytes, parse_budget
@@ -116,13 +117,11 @@ class _Compiled:
         plan = self.plan
         costs = with_gathered(plan.chain.costs, gathered)
         reserve = reserve_bytes(gathered)
-        profile = ChainProfile(
-            costs, plan.chain.mutated_buffers, plan.chain.output_grad_mask, resident_bytes=plan.resident_bytes
-        )
+        profile = ChainProfile(costs, plan.chain.mutated_buffers, plan.chain.output_grad_mask)
         device = next(iter(model.parameters())).device
         try:
             outcome = plan_from_profile(
-                planned.stages, profile, budget_bytes - plan.shared_bytes - plan.resident_bytes - reserve, device,
+                planned.stages, profile, budget_bytes - plan.shared_bytes - reserve, device,
                 slots=planned.slots,
                 strategy=planned.strategy, output_held=costs.output_held_bytes,
             )
@@ -130,7 +129,7 @@ class _Compiled:
             outcome = err
         outcome = rank0s(outcome)
         if isinstance(outcome, InfeasibleBudgetError):
-            raise outcome.plus(budget_bytes, plan.shared_bytes + plan.resident_bytes + reserve) from None
+            raise outcome.plus(budget_bytes, plan.shared_bytes + reserve) from None
         chain_plan = outcome
         log.info(
             "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B held beside the chain",
@@ -252,8 +251,8 @@ class _ProfiledChain:
 
     @property
     def beside_chain_bytes(self) -> int:
-        """Held beside the chain's schedule: the shared values and the residents (ModelPlan.resident_bytes)."""
-        return self.shared_bytes + self.profile.resident_bytes
+        """Held beside the chain's schedule: the shared values (residents are in the chain's costs)."""
+        return self.shared_bytes
 
     def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None
               ) -> SequentialPlan:
@@ -279,7 +278,7 @@ class _ProfiledChain:
             options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
             segmentation=self.settings.segmentation, variants=self.settings.variants, compiled=compiled,
             outputs=self.settings.outputs,
-            compile_seconds=menus.compile_seconds if menus else 0.0, resident_bytes=self.profile.resident_bytes,
+            compile_seconds=menus.compile_seconds if menus else 0.0,
         )
 
 
@@ -358,11 +357,12 @@ def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.device.type for v in leaves if isinstance(v, torch.Tensor)))
 
 
-def _input_key(args: tuple, kwargs: dict) -> tuple:
-    """What a plan is specific to: the inputs' structure, shapes, dtypes, devices, and the autocast setting."""
+def _input_key(args: tuple, kwargs: dict, padding: bool) -> tuple:
+    """What a plan is specific to: the inputs' structure, shapes, dtypes, devices, the autocast setting, and
+    with ``padding``, which padding masks are all ones (hierremat.blocks.eager_masks)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     autocast = AutocastState.capture(_device_types(args, kwargs)).key()
-    return (str(spec), autocast) + tuple(
+    return (str(spec), autocast, padding_key(kwargs) if padding else ()) + tuple(
         (tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v) for v in leaves
     )
 
@@ -373,7 +373,10 @@ class RematModule(nn.Module):
     Plans are cached per input shapes and autocast setting; a call with new shapes re-plans
     (``on_new_shape="replan"``) or raises (``"error"``). A call under an autocast setting
     not planned for yet plans for it (logged once per setting): call ``remat`` inside the
-    autocast context you train with to plan once.
+    autocast context you train with to plan once. For a model whose attention bias eager mode
+    masks otherwise in batches without padding (hierremat.blocks.eager_masks), so does a first
+    batch whose padding masks (``*attention_mask``) are all ones where the planned one's were
+    not, or the reverse.
     """
 
     def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings):
@@ -385,6 +388,7 @@ class RematModule(nn.Module):
         self.on_new_shape = on_new_shape
         self.settings = settings
         self._compiled: dict[tuple, _Compiled] = {}
+        self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
 
     @property
     def plans(self) -> list[ModelPlan]:
@@ -393,7 +397,10 @@ class RematModule(nn.Module):
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
         kwargs = call_kwargs(self.model, kwargs)
         compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.settings)
-        self._compiled[_input_key(args, kwargs)] = compiled
+        if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
+            self._per_padding = True
+            self._compiled.clear()  # (keyed without the padding state; planned again when called)
+        self._compiled[_input_key(args, kwargs, self._per_padding)] = compiled
         return compiled
 
     def forward(self, *args, **kwargs):
@@ -408,7 +415,7 @@ class RematModule(nn.Module):
         Outside what ``torch.compile`` traces: planning runs eagerly, and the returned
         orchestrator is traced (and guarded on) by Dynamo like any module it is handed."""
         kwargs = call_kwargs(self.model, kwargs)
-        key = _input_key(args, kwargs)
+        key = _input_key(args, kwargs, self._per_padding)
         compiled = self._compiled.get(key)
         if compiled is None or not compiled.sharded:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
@@ -419,10 +426,11 @@ class RematModule(nn.Module):
             if compiled is not None and is_sharded(self.model):
                 compiled.shard(self.model, self.budget_bytes)
         if compiled is None:
-            if any(k[:1] + k[2:] == key[:1] + key[2:] for k in self._compiled):  # all but the autocast setting
+            if any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled):  # all but autocast and padding
                 log.info(
-                    "%s called under autocast %r for the first time: planning for it",
+                    "%s called under autocast %r%s for the first time: planning for it",
                     type(self.model).__name__, AutocastState.capture(_device_types(args, kwargs)).describe(),
+                    f" with padding masks all ones {dict(key[2])}" if self._per_padding else "",
                 )
             elif self.on_new_shape == "error":
                 raise ValueError(

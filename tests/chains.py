@@ -6,12 +6,30 @@ import itertools
 
 import numpy as np
 
-from hierremat.costs import ChainCosts, OptionCosts, StageCosts
+from hierremat.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
 from hierremat.schedule import Backward, FAll, FCk, FNone, Loss
 
 
-def random_chain(rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 20, zero_sizes: bool = False) -> ChainCosts:
-    """A chain with small integer sizes (so a memory unit of 1 byte is exact)."""
+def random_residents(rng: np.random.Generator, L: int, max_bytes: int) -> tuple[ResidentCosts, ...]:
+    """Up to three values carried beside the activation: a random producer, later readers, some
+    returned by the model (exported, then perhaps read by no stage), some without a gradient."""
+    residents = []
+    for _ in range(int(rng.integers(1, 4)) if L >= 2 else 0):
+        producer = int(rng.integers(0, L - 1))
+        later = range(producer + 1, L)
+        exported = bool(rng.integers(0, 2))  # an exported one may have no reader (a returned cache)
+        count = int(rng.integers(0 if exported else 1, len(later) + 1))
+        readers = tuple(sorted(int(j) for j in rng.choice(later, size=count, replace=False)))
+        value = int(rng.integers(1, max_bytes))
+        residents.append(ResidentCosts(producer, readers, value, value * int(rng.integers(0, 2)), exported))
+    return tuple(residents)
+
+
+def random_chain(
+    rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 20, zero_sizes: bool = False, residents: bool = False
+) -> ChainCosts:
+    """A chain with small integer sizes (so a memory unit of 1 byte is exact); ``residents``: with
+    values carried beside the activation (random_residents)."""
     low = 0 if zero_sizes else 1
     a = [int(v) for v in rng.integers(low, max_bytes, size=L + 1)]
     stages = []
@@ -43,7 +61,7 @@ def random_chain(rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 2
     return ChainCosts(
         tuple(a), tuple(stages), input_requires_grad=bool(rng.integers(0, 2)),
         output_held_bytes=[None, 0, int(rng.integers(0, a[-1] + 1))][int(rng.integers(0, 3))],
-        output_grad_bytes=output_grad,
+        output_grad_bytes=output_grad, residents=random_residents(rng, L, max_bytes) if residents else (),
     )
 
 

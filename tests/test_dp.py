@@ -26,11 +26,16 @@ def _check_against_simulator(costs, schedule, budget):
     return sim
 
 
+@pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
 @pytest.mark.parametrize("seed", range(6))
-def test_dp_optimum_equals_brute_force(seed):
-    rng = np.random.default_rng(seed)
+def test_dp_optimum_equals_brute_force(seed, residents):
+    """Exact memory unit: the DP's fastest plan and smallest peak equal the simulator's over every
+    schedule of the family; with residents (values beside the activation, each counted while live)."""
+    rng = np.random.default_rng(seed + 1000 * residents)
     for _ in range(25):
-        costs = random_chain(rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)), zero_sizes=seed % 3 == 0)
+        costs = random_chain(
+            rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)), zero_sizes=seed % 3 == 0, residents=residents
+        )
         results = [simulate(costs, ops) for ops in enumerate_schedules(costs)]
         min_peak = min(r.peak_bytes for r in results)
         assert min_peak_schedule(costs).predicted_peak_bytes == min_peak
@@ -44,11 +49,12 @@ def test_dp_optimum_equals_brute_force(seed):
         assert err.value.min_budget_bytes == min_peak
 
 
+@pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
 @pytest.mark.parametrize("slots", [7, 50, 500])
-def test_discretised_plans_fit_and_are_no_better_than_exact(slots):
-    rng = np.random.default_rng(100 + slots)
+def test_discretised_plans_fit_and_are_no_better_than_exact(slots, residents):
+    rng = np.random.default_rng(100 + slots + 1000 * residents)
     for _ in range(30):
-        costs = random_chain(rng, int(rng.integers(1, 5)), 2, max_bytes=1000)
+        costs = random_chain(rng, int(rng.integers(1, 5)), 2, max_bytes=1000, residents=residents)
         results = [simulate(costs, ops) for ops in enumerate_schedules(costs)]
         min_peak = min(r.peak_bytes for r in results)
         for budget in (min_peak, int(min_peak * 1.3), 3 * min_peak):
@@ -58,10 +64,11 @@ def test_discretised_plans_fit_and_are_no_better_than_exact(slots):
             assert schedule.predicted_time >= best * (1 - 1e-12)
 
 
-def test_numba_kernel_tables_equal_reference():
-    rng = np.random.default_rng(7)
+@pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
+def test_numba_kernel_tables_equal_reference(residents):
+    rng = np.random.default_rng(7 + 1000 * residents)
     for _ in range(25):
-        costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200)
+        costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200, residents=residents)
         arrays = discretize(costs, int(rng.integers(1, 20)))
         M = int(rng.integers(0, 80))
         args = arrays.kernel_args(M)

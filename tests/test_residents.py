@@ -8,6 +8,7 @@ budget. The resident gradients are summed in the order plain autograd sums them.
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 import hierremat as hr
 from hierremat.blocks.capture import capture
+from hierremat.blocks.eager_masks import has_value_branch
 from hierremat.blocks.hf import call_kwargs
 from hierremat.blocks.segment import build_chain_graph
 from hierremat.model_plan import ModelPlan
@@ -82,6 +84,22 @@ def test_t5_layers_are_stages_of_their_own_reading_the_encoder_output_and_positi
     assert layout.exported == (encoder_output,)
 
 
+def test_bart_layers_are_stages_of_their_own_with_the_encoder_output_carried_past_the_decoder_embedding():
+    """The decoder's embedding reads nothing of the encoder's last layer: the encoder output is
+    carried to it unread, and is the resident every decoder layer reads."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    chain = _chain(*_bart())
+    names = [info.name for info in chain.infos]
+    layers = [f"model.{stack}.layers.{k}" for stack in ("encoder", "decoder") for k in range(2)]
+    assert [n for n in names if n != "(top)"] == layers
+    at = names.index
+    layout = chain.residents
+    encoder_output = layout.producers.index(at("model.encoder.layers.1"))
+    assert layout.readers[encoder_output] == (at("model.decoder.layers.0"), at("model.decoder.layers.1"))
+    assert layout.exported == (encoder_output,)
+
+
 def test_unet_levels_are_stages_and_skip_tensors_residents():
     torch.manual_seed(0)
     chain = _chain(*_unet())
@@ -109,7 +127,7 @@ def test_model_with_residents_trains_bitwise_within_budget_at_four_budgets(name)
     for budget in (low, (low + plain_peak) // 2, plain_peak, 2 * plain_peak):
         module = hr.remat(model, args, kwargs, budget=f"{budget}B")
         plan = module.plans[0]
-        assert plan.resident_bytes > 0 and "residents" in plan.summary()
+        assert plan.resident_peak_bytes > 0 and "residents" in plan.summary()
         grads, peak, loss = _step(module, args, kwargs, hold=budget != low)
         assert peak <= budget, (name, budget, peak, plan.summary())
         assert same_bits(loss, loss_ref)
@@ -150,12 +168,46 @@ def test_t5_under_bf16_autocast_trains_bitwise_within_budget():
         assert [k for k, g in grads.items() if not same_bits(g, grads_ref[k])] == []
 
 
+def test_t5_batches_without_padding_take_eager_modes_mask_shortcut_bitwise_under_bf16():
+    """With no padding at all eager mode skips the padding masks, a branch on their values: the
+    captured graph takes it too (hierremat.blocks.eager_masks), plans are kept per all-ones state,
+    and padded and unpadded batches alternate, each bitwise equal to plain autocast."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, args, padded = _t5()
+    unpadded = {**padded, "attention_mask": torch.ones_like(padded["attention_mask"]),
+                "decoder_attention_mask": torch.ones_like(padded["labels"])}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+
+    def grads_of(m, kwargs):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        torch.manual_seed(3)
+        with autocast:
+            loss = m(*args, **kwargs).loss
+        loss.backward()
+        return {n.removeprefix("model."): p.grad.clone() for n, p in m.named_parameters()}
+
+    with autocast:
+        module = hr.remat(model, args, unpadded, budget="3MB")
+        assert has_value_branch(capture(model, args, call_kwargs(model, unpadded)).module)
+    for kwargs in (unpadded, padded, unpadded):
+        grads, grads_ref = grads_of(module, kwargs), grads_of(reference, kwargs)
+        assert [k for k, g in grads.items() if not same_bits(g, grads_ref[k])] == []
+    assert len(module.plans) == 2
+
+
 def test_plan_with_residents_round_trips_and_runs_from_json():
     torch.manual_seed(0)
     model, args, kwargs = _unet()
     plan = hr.plan(model, args, kwargs, budget="4MB")
     again = ModelPlan.from_json(plan.to_json())
-    assert again.resident_bytes == plan.resident_bytes > 0
+    assert again.chain.costs.residents == plan.chain.costs.residents != ()
+    older = json.loads(plan.to_json())  # as saved before residents were counted while live
+    older["resident_bytes"], older["chain"]["costs"]["residents"] = 1, []
+    with pytest.raises(ValueError, match="older hierremat"):
+        ModelPlan.from_json(json.dumps(older))
     assert again.budget_bytes == plan.budget_bytes and again.predicted_peak_bytes == plan.predicted_peak_bytes
     module = hr.remat(model, args, kwargs, plan=again)
     grads, peak, _ = _step(module, args, kwargs)

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from ..errors import UnsupportedModelError
 from ..variants.cross_entropy import use_row_blocked_cross_entropy
 from .causal_attention import restore_causal_attention
+from .eager_masks import restore_unpadded_bias_masks
 from .hf import eager_mask_decisions, register_cache_pytrees
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def capture(
     if outputs is not None:
         keep_outputs(module, outputs, type(model).__name__)
     restore_causal_attention(module)
+    restore_unpadded_bias_masks(module)
     if variants:
         use_row_blocked_cross_entropy(module)
     nodes = {n.name: describe(n) for n in module.graph.nodes}

@@ -224,7 +224,10 @@ def _carry(b: int, crossing: list[fx.Node], stage_of: dict, last_reader: dict, r
 
     Without ``residents``: the one value crossing, a tensor read by stage b + 1. With them,
     several tensors may cross: the carry is the one made by stage b whose last reader is stage
-    b + 1, and every other crossing tensor is a resident (hierremat.blocks_info.ResidentLayout)."""
+    b + 1, and every other crossing tensor is a resident (hierremat.blocks_info.ResidentLayout).
+    Where stage b + 1 reads nothing stage b made (a decoder's embedding after an encoder's last
+    layer), the one tensor stage b made that crosses is carried to it unread, and is a resident
+    too (stage b returns it twice)."""
 
     def tensor(n: fx.Node) -> bool:
         return isinstance(n.meta.get("val"), torch.Tensor)
@@ -235,6 +238,10 @@ def _carry(b: int, crossing: list[fx.Node], stage_of: dict, last_reader: dict, r
     if not all(tensor(n) for n in crossing):
         return None
     candidates = [n for n in crossing if stage_of[n] == b and last_reader[n] == b + 1]
+    if residents and not candidates:
+        made = [n for n in crossing if stage_of[n] == b]
+        if not any(stage_of.get(u) == b + 1 for n in made for u in n.users):
+            candidates = made
     return candidates[0] if len(candidates) == 1 else None
 
 
@@ -260,8 +267,9 @@ def _carries_and_residents(stages: list[list[fx.Node]], output: fx.Node, residen
         if carry is None:
             raise ValueError(f"no single activation crosses the cut after stage {b}")
         carries.append(carry)
-    chosen = set(carries)
-    residents = list(dict.fromkeys(n for cut in crossing for n in cut if n not in chosen))
+    carried_to = {c: b + 1 for b, c in enumerate(carries)}
+    # a carry read past the stage it is carried to (unread there: see _carry) is also a resident
+    residents = list(dict.fromkeys(n for cut in crossing for n in cut if last_reader[n] > carried_to.get(n, -1)))
     return carries, residents, stage_of
 
 

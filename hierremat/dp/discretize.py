@@ -32,6 +32,12 @@ class ChainArrays:
     option_ids[i, k]  index of that option in costs.stages[i].options
     HL        slots of x_L held by the caller through the backward
     GL        slots of the gradient of x_L
+    NV[i]     slots of the residents stage i makes (hierremat.costs.ResidentCosts): made by
+              F_all(i) in the first sweep (t = L-1), held until B(i)
+    DL[b, t]  slots the residents hold once the backward of stages b..L-1 has run, above
+              what they held when subproblem (b, t) started: just before the first
+              forward of stage b when t = L-1 (the first sweep), just after B(t+1) else
+    FV[s, j]  slots of the residents stages s..j-1 make in the first sweep (j >= s)
     """
 
     A: np.ndarray
@@ -48,6 +54,9 @@ class ChainArrays:
     option_ids: np.ndarray
     HL: int
     GL: int
+    NV: np.ndarray
+    DL: np.ndarray
+    FV: np.ndarray
     unit: int
 
 
@@ -55,7 +64,7 @@ class ChainArrays:
         """The arguments of ``fill_tables`` (kernel and reference) for M slots of budget."""
         return (
             self.A, self.A_floor, self.OFN, self.UFN, self.nk, self.TIME, self.KEPT, self.OF, self.OB,
-            self.PIN_OUT, self.PIN_IN, np.int64(self.HL), np.int64(self.GL), np.int64(M),
+            self.PIN_OUT, self.PIN_IN, np.int64(self.HL), np.int64(self.GL), self.NV, self.DL, self.FV, np.int64(M),
         )
 
 
@@ -123,4 +132,23 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
             ids[i, j] = k
     HL = ceil_div(costs.held_output, unit)
     GL = ceil_div(costs.output_grad, unit)
-    return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, HL, GL, unit)
+    NV, DL, FV = _resident_slots(costs, unit)
+    return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, HL, GL, NV, DL, FV, unit)
+
+
+def resident_terms(costs: ChainCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(NV, DL, FV) of ChainArrays in bytes (see there); all zero for a chain without residents."""
+    L = costs.length
+    made = np.array([costs.residents_made_before(j) for j in range(L + 1)], dtype=np.int64)
+    after = np.array([costs.residents_after_backward(b) for b in range(L + 1)], dtype=np.int64)
+    NV = np.array([costs.resident_values_of(i) for i in range(L)], dtype=np.int64)
+    start = np.broadcast_to(after[1:], (L + 1, L)).copy()  # DL[b, t]: the start of (b, t) is after B(t+1) ...
+    start[:, L - 1] = made  # ... or, in the first sweep, before the first forward of b
+    DL = after[:, None] - start
+    FV = made[None, :] - made[:L, None]
+    return NV, DL, FV
+
+
+def _resident_slots(costs: ChainCosts, unit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """resident_terms in slots, each rounded up (a negative one, memory returned, towards zero)."""
+    return tuple(-(-x // unit) for x in resident_terms(costs))

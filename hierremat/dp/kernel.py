@@ -21,6 +21,15 @@ KEPT - c + GL + max(A[L], OB + max(HL, PIN_OUT A[L])): at the Loss x_L and its g
 coexist; during B(s) x_L is there if held or pinned. Memory left to a subproblem is capped at M, exact for
 every state reachable from the top.
 
+Residents (values carried beside the activation, hierremat.costs.ResidentCosts) add three
+terms, in slots: NV[s], the values F_all(s) makes in the first sweep (t = L-1), held
+until B(s) (taken from the rest's memory and counted at B(s)); DL[b, t], what residents
+hold once B(b..L-1) have run, above the subproblem's start (added to the backward peak
+after a sub-chain starting at b, and taken from a left part's memory after the right part
+(b, t)); FV[s, s'] (first sweep only), the values F_ck(s) F_none(s+1..s'-1) make, held
+through the split. A subproblem with t = L-1 is always in the first sweep (no stage of it
+has run yet) and one with t < L-1 never is (every stage of it has run once).
+
 Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint split.
 Loops run over m innermost so table reads are contiguous; candidates are still tried
 per m in the reference's order (options, then splits by s'), so ties resolve the same.
@@ -34,7 +43,7 @@ from numba import njit
 
 
 @njit(cache=True)
-def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, M):  # pragma: no cover - compiled
+def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, M):  # pragma: no cover - compiled
     L = OFN.shape[0]
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -48,6 +57,8 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
             for v in range(2):
                 best = C[v, s, t]
                 choice = D[v, s, t]
+                made = NV[s] if last else 0
+                held = made + DL[s + 1, t]
                 for k in range(nk[s]):
                     credit = 0
                     if v == 0 and PIN_IN[s, k] == 0 and s > 0:
@@ -55,17 +66,17 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
                     if s == t:
                         if last:
                             present = max(HL, PIN_OUT[s, k] * AL)
-                            bpeak = KEPT[s, k] - credit + GL + max(AL, OB[s, k] + present)
+                            bpeak = KEPT[s, k] - credit + GL + max(AL, OB[s, k] + present) + held
                         else:
-                            bpeak = KEPT[s, k] + OB[s, k] - credit + PIN_OUT[s, k] * A[s + 1]
+                            bpeak = KEPT[s, k] + OB[s, k] - credit + PIN_OUT[s, k] * A[s + 1] + held
                     else:
-                        bpeak = KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit + resid
+                        bpeak = KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit + resid + held
                     lo = max(OF[s, k], bpeak, 0)
                     for m in range(lo, M + 1):
                         if s == t:
                             cost = TIME[s, k]
                         else:
-                            mr = m - KEPT[s, k] - A[s + 1] + credit
+                            mr = m - KEPT[s, k] - A[s + 1] + credit - made
                             if mr < 0:
                                 continue
                             if mr > M:
@@ -83,12 +94,13 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
                     for sp in range(s + 1, t + 1):
                         if fwd_peak > M:
                             break
-                        for m in range(max(fwd_peak, A[sp]), M + 1):
-                            mr = m - A[sp]
+                        swept = FV[s, sp] if last else 0
+                        for m in range(max(fwd_peak, A[sp] + swept), M + 1):
+                            mr = m - A[sp] - swept
                             right = C[0, sp, t, mr]
                             if right == np.inf:
                                 continue
-                            ml = mr - resid
+                            ml = mr - resid - DL[sp, t]
                             if ml < 0:
                                 continue
                             if ml > M:
@@ -101,7 +113,7 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
                                 best[m] = cost
                                 choice[m] = K + sp
                         if sp < t:
-                            p = A[sp] + OFN[sp]
+                            p = A[sp] + OFN[sp] + swept
                             if p > fwd_peak:
                                 fwd_peak = p
                             fwd_time += UFN[sp]

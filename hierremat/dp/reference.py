@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 
-def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, M):
+def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, M):
     L = len(OFN)
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -28,30 +28,38 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
         """Slots freed when F_all(s, k) drops x_s (nobody else holds it)."""
         return int(A_floor[s]) if v == 0 and s > 0 and not PIN_IN[s, k] else 0
 
+    def swept_residents(s: int, sp: int, t: int) -> int:
+        """Slots of the residents the first sweep's F_ck(s) F_none(s+1..sp-1) make (held through the split)."""
+        return int(FV[s, sp]) if t == L - 1 else 0
+
     def option_cost(v: int, s: int, t: int, m: int, k: int) -> float:
         if OF[s, k] > m:
             return math.inf
         credit = input_credit(v, s, k)
+        # residents: the values F_all(s) makes in the first sweep, and what the sub-chain's backward left
+        made = int(NV[s]) if t == L - 1 else 0
+        held = made + int(DL[s + 1, t])
         if s == t and t == L - 1:
             # the Loss (x_L and its gradient), then B(s) with x_L if held or pinned
             present = max(HL, PIN_OUT[s, k] * AL)
-            fits = KEPT[s, k] - credit + GL + max(AL, OB[s, k] + present) <= m
+            fits = KEPT[s, k] - credit + GL + max(AL, OB[s, k] + present) + held <= m
             return TIME[s, k] if fits else math.inf
         if s == t:
-            fits = KEPT[s, k] + OB[s, k] - credit + PIN_OUT[s, k] * A[s + 1] <= m
+            fits = KEPT[s, k] + OB[s, k] - credit + PIN_OUT[s, k] * A[s + 1] + held <= m
             return TIME[s, k] if fits else math.inf
-        backward_peak = KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit + resident_after_right_part(t)
-        rest = min(M, m - KEPT[s, k] - A[s + 1] + credit)
+        backward_peak = (KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit
+                         + resident_after_right_part(t) + held)
+        rest = min(M, m - KEPT[s, k] - A[s + 1] + credit - made)
         if backward_peak > m or rest < 0:
             return math.inf
         return TIME[s, k] + C[PIN_OUT[s, k], s + 1, t, rest]
 
     def split_cost(v: int, s: int, t: int, m: int, sp: int) -> float:
-        forward_peak = max([OFN[s]] + [A[j] + OFN[j] for j in range(s + 1, sp)])
-        right_mem = m - A[sp]
+        forward_peak = max([OFN[s]] + [A[j] + OFN[j] + swept_residents(s, j, t) for j in range(s + 1, sp)])
+        right_mem = m - A[sp] - swept_residents(s, sp, t)
         if forward_peak > m or right_mem < 0:
             return math.inf
-        left_mem = min(M, right_mem - resident_after_right_part(t))
+        left_mem = min(M, right_mem - resident_after_right_part(t) - int(DL[sp, t]))
         if left_mem < 0:
             return math.inf
         forward_time = UFN[s]

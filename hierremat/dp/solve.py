@@ -20,7 +20,7 @@ import numpy as np
 from ..costs import ChainCosts
 from ..errors import InfeasibleBudgetError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
-from .discretize import ChainArrays, ceil_div, discretize
+from .discretize import ChainArrays, ceil_div, discretize, resident_terms
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ class _Expander:
         self.costs = costs
         self.a = costs.activation_bytes
         self.L = costs.length
+        self.NV, self.DL, self.FV = resident_terms(costs)
+
+    def swept_residents(self, s: int, sp: int, t: int) -> int:
+        return int(self.FV[s, sp]) if t == self.L - 1 else 0
 
     def resident_after_right(self, t: int) -> int:
         return self.costs.output_resident if t == self.L - 1 else -self.a[t + 1]
@@ -68,33 +72,37 @@ class _Expander:
         op = self.costs.stages[s].options[k]
         a, L = self.a, self.L
         credit = self.input_credit(v, s, k)
+        made = int(self.NV[s]) if t == L - 1 else 0
+        residents_held = made + int(self.DL[s + 1, t])
         if s == t == L - 1:
             held = max(self.costs.held_output, int(op.pins_output) * a[L])
             loss_and_backward = max(a[L], op.bwd_overhead_bytes + held)
-            return max(op.fwd_overhead_bytes, op.kept_bytes - credit + self.costs.output_grad + loss_and_backward)
+            return max(
+                op.fwd_overhead_bytes, op.kept_bytes - credit + self.costs.output_grad + loss_and_backward + residents_held
+            )
         if s == t:
             resident = int(op.pins_output) * a[s + 1]
-            return max(op.fwd_overhead_bytes, op.kept_bytes + op.bwd_overhead_bytes - credit + resident)
+            return max(op.fwd_overhead_bytes, op.kept_bytes + op.bwd_overhead_bytes - credit + resident + residents_held)
         backward = op.kept_bytes + (1 + int(op.pins_output)) * a[s + 1] + op.bwd_overhead_bytes - credit
         return max(
             op.fwd_overhead_bytes,
-            op.kept_bytes + a[s + 1] - credit + sub_peak,
-            backward + self.resident_after_right(t),
+            op.kept_bytes + a[s + 1] - credit + made + sub_peak,
+            backward + self.resident_after_right(t) + residents_held,
         )
 
-    def forward_peak(self, s: int, sp: int) -> int:
+    def forward_peak(self, s: int, sp: int, t: int) -> int:
         stages, a = self.costs.stages, self.a
         return max(
             [stages[s].nograd_fwd_overhead_bytes]
-            + [a[j] + stages[j].nograd_fwd_overhead_bytes for j in range(s + 1, sp)]
+            + [a[j] + stages[j].nograd_fwd_overhead_bytes + self.swept_residents(s, j, t) for j in range(s + 1, sp)]
         )
 
     def split_terms(self, s: int, t: int, sp: int, right_peak: int, left_peak: int) -> int:
-        a = self.a
+        a, swept = self.a, self.swept_residents(s, sp, t)
         return max(
-            self.forward_peak(s, sp),
-            a[sp] + right_peak,
-            a[sp] + self.resident_after_right(t) + left_peak,
+            self.forward_peak(s, sp, t),
+            a[sp] + swept + right_peak,
+            a[sp] + swept + self.resident_after_right(t) + int(self.DL[sp, t]) + left_peak,
         )
 
     def expand(self, choose: Chooser, v: int, s: int, t: int, m: int, ops: list) -> tuple[int, float]:
@@ -134,12 +142,13 @@ def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
             raise AssertionError(f"backtracking reached an infeasible state {(v, s, t, m)}")
         if c < K:
             credit = int(A_floor[s]) if v == 0 and s > 0 and not arrays.PIN_IN[s, c] else 0
-            m_rest = min(M, m - int(KEPT[s, c]) - int(A[s + 1]) + credit)
+            made = int(arrays.NV[s]) if t == L - 1 else 0
+            m_rest = min(M, m - int(KEPT[s, c]) - int(A[s + 1]) + credit - made)
             return ("option", int(arrays.option_ids[s, c]), m_rest)
         sp = c - K
-        m_right = m - int(A[sp])
+        m_right = m - int(A[sp]) - (int(arrays.FV[s, sp]) if t == L - 1 else 0)
         m_left = m_right - arrays.HL - arrays.GL if t == L - 1 else m_right + int(A_floor[t + 1])
-        return ("split", sp, m_right, min(M, m_left))
+        return ("split", sp, m_right, min(M, m_left - int(arrays.DL[sp, t])))
 
     return choose
 

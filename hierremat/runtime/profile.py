@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..costs import ChainCosts, OptionCosts, StageCosts
+from ..costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
 from .executor import (
     as_tuple, backward_through, check_stage_output, default_grad_mask, gradient_edges, tap_input, watch_storages,
 )
@@ -43,17 +43,14 @@ class ChainProfile:
         a gradient (costs.output_grad_bytes counts those).
     loss_bytes: bytes of the outputs that are scalar losses receiving a gradient: a caller
         holds each while it calls ``backward()`` on it, whatever else it releases.
-    resident_bytes: what the chain's residents (values carried beside the activation) may
-        hold at once: each one's bytes and twice its gradient's. The plan sets it aside for the
-        whole step (an upper bound: each lives only from its producer's forward to its
-        backward).
+    The chain's residents (values carried beside the activation) are in ``costs.residents``,
+    counted by the chain DP while they are live.
     """
 
     costs: ChainCosts
     mutated_buffers: tuple[tuple[str, ...], ...]
     output_grad_mask: tuple[bool, ...]
     loss_bytes: int = 0
-    resident_bytes: int = 0
 
 
 def storage_bytes(value) -> int:
@@ -171,9 +168,8 @@ def profile_chain(
     whole output through the backward (``output_held_bytes``); planning may relax that.
     cost_cache: where the costs of stages with a signature are looked up before measuring,
     and stored after. residents: the values carried beside the activation
-    (hierremat.blocks_info.ResidentLayout), or None; their bytes, and their gradients' twice
-    (the sum of several readers' terms is formed once out of place), are the profile's
-    ``resident_bytes``.
+    (hierremat.blocks_info.ResidentLayout), or None; their bytes and their gradients' are the
+    costs' ``residents`` (hierremat.costs.ResidentCosts).
     """
     cost_cache = cost_cache or StageCostCache(None)
     device = x0.device
@@ -238,13 +234,21 @@ def profile_chain(
     losses = tuple(o for o in with_grad if o.numel() == 1)
     costs = ChainCosts(
         tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad,
-        output_grad_bytes=storage_bytes(tuple(with_grad)),
+        output_grad_bytes=storage_bytes(tuple(with_grad)), residents=_resident_costs(residents, values),
     )
-    resident_bytes = sum(
-        storage_bytes(v) * (3 if v.is_floating_point() else 1) for v in values.values()
-    )
-    return ChainProfile(
-        costs, tuple(mutated), output_grad_mask, storage_bytes(losses) if losses else 0, resident_bytes
+    return ChainProfile(costs, tuple(mutated), output_grad_mask, storage_bytes(losses) if losses else 0)
+
+
+def _resident_costs(layout, values: dict[int, torch.Tensor]) -> tuple[ResidentCosts, ...]:
+    """Each resident's bytes and its gradient's (a floating value's, as the readers' taps give it)."""
+    if layout is None:
+        return ()
+    return tuple(
+        ResidentCosts(
+            producer, readers, storage_bytes(values[r]), storage_bytes(values[r]) if values[r].is_floating_point() else 0,
+            r in layout.exported,
+        )
+        for r, (producer, readers) in enumerate(zip(layout.producers, layout.readers))
     )
 
 

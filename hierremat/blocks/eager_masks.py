@@ -1,0 +1,134 @@
+"""Give a captured attention bias back eager mode's shortcut for batches without padding.
+
+Hugging Face models that add a learned bias to the attention scores (T5's relative position
+bias) hand SDPA ``where(mask, bias, min)``, the mask built from the batch's padding mask
+(``[B, 1, q, kv]``). In eager mode a batch with no padding at all skips the padding mask
+(``masking_utils._ignore_bidirectional_mask_sdpa`` / ``_ignore_causal_mask_sdpa`` test
+``padding_mask.all()``), so the bias reaches SDPA masked by the causal pattern alone, or not
+at all: ``[1, H, q, kv]``, and SDPA's backward sums the bias gradient over the batch in fp32
+before rounding it to the autocast dtype. torch.export cannot take a branch on tensor values
+and keeps the ``[B, H, q, kv]`` mask, whose gradient is rounded per batch row before the sum:
+equal in fp32, not bitwise under bf16 autocast.
+
+:func:`restore_unpadded_bias_masks` puts the branch back into the captured graph. A
+``where(cond, bias, fill)`` whose ``bias`` depends on a trained parameter and is broadcast over
+the batch, and whose ``cond`` is computed from the padding-mask inputs (placeholders named
+``*attention_mask``, Hugging Face's names) and from no other input, becomes
+``masked_bias(cond, first_row_unpadded, bias, fill, *masks)``: ``first_row_unpadded`` is the
+same computation on all-ones masks, first batch row (the causal pattern, or all true). At run
+time it takes that one when every mask is all ones, as eager mode does. The all-ones test is
+also part of the key plans are cached under (:func:`padding_key`, hierremat.whole_model), so a
+plan runs the branch it was profiled with. A stage holding such a branch runs as autograd runs
+it (no block options: their graphs are traced, and a trace cannot branch on values).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+#: Inputs whose name ends so are padding masks (Hugging Face: attention_mask, decoder_attention_mask, ...).
+MASK_SUFFIX = "attention_mask"
+
+_WHERE = (torch.ops.aten.where.self, torch.ops.aten.where.ScalarOther)
+
+
+def masked_bias(cond: torch.Tensor, first_row_unpadded: torch.Tensor, bias: torch.Tensor, fill, *masks: torch.Tensor):
+    """``where(cond, bias, fill)``; when every padding mask is all ones (no padding in the batch, eager
+    mode's test), ``where(first_row_unpadded, bias, fill)``: the bias masked as eager mode masks it."""
+    if all(bool(m.all()) for m in masks):
+        return torch.where(first_row_unpadded, bias, fill)
+    return torch.where(cond, bias, fill)
+
+
+def padding_key(kwargs: dict) -> tuple:
+    """Which padding-mask arguments are all ones: part of the key a plan is cached under."""
+    return tuple(
+        (name, bool(value.all())) for name, value in sorted(kwargs.items())
+        if name.endswith(MASK_SUFFIX) and isinstance(value, torch.Tensor)
+    )
+
+
+def has_value_branch(gm: fx.GraphModule) -> bool:
+    """Whether the graph holds a :func:`masked_bias` (a branch on tensor values: not traceable)."""
+    return any(n.op == "call_function" and n.target is masked_bias for n in gm.graph.nodes)
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _trained(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` depends on a parameter that requires grad."""
+    params = dict(gm.named_parameters())
+    return any(n.op == "get_attr" and n.target in params and params[n.target].requires_grad for n in _ancestors(node))
+
+
+def _batch_broadcast(node: fx.Node, cond: fx.Node, bias: fx.Node) -> bool:
+    vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in (node, cond, bias)]
+    if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in vals):
+        return False
+    out, cond_val, bias_val = vals
+    return out.dim() == bias_val.dim() == cond_val.dim() and bias_val.shape[0] == 1 < out.shape[0] == cond_val.shape[0]
+
+
+def _unpadded_first_row(gm: fx.GraphModule, cond: fx.Node, masks: list[fx.Node], before: fx.Node) -> fx.Node:
+    """Nodes computing ``cond`` on all-ones masks, its first batch row, inserted before ``before``."""
+    graph = gm.graph
+    ancestors = _ancestors(cond)
+    depends = set(masks)
+    for n in ancestors:
+        if any(a in depends for a in n.all_input_nodes):
+            depends.add(n)
+    env: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(before):
+        for m in masks:
+            env[m] = graph.call_function(torch.ops.aten.ones_like.default, (m,))
+            env[m].meta = dict(m.meta)
+        for n in ancestors:
+            if n in depends and n not in env:
+                env[n] = graph.node_copy(n, lambda a: env.get(a, a))
+                env[n].meta = dict(n.meta)
+        first = graph.call_function(torch.ops.aten.slice.Tensor, (env[cond], 0, 0, 1))
+    first.meta["val"] = cond.meta["val"][:1]
+    return first
+
+
+def restore_unpadded_bias_masks(gm: fx.GraphModule) -> int:
+    """Rewrite each attention-bias mask of the kind the module docstring describes; returns how many."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    masks = [p for p in placeholders if p.name.endswith(MASK_SUFFIX)]
+    if not masks:
+        return 0
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _WHERE or len(node.args) != 3:
+            continue
+        cond, bias, fill = node.args
+        if not isinstance(cond, fx.Node) or not isinstance(bias, fx.Node) or not _batch_broadcast(node, cond, bias):
+            continue
+        inputs = [n for n in _ancestors(cond) if n.op == "placeholder"]
+        if not inputs or any(p not in masks for p in inputs) or not _trained(gm, bias):
+            continue
+        first = _unpadded_first_row(gm, cond, inputs, node)
+        with gm.graph.inserting_before(node):
+            branch = gm.graph.call_function(masked_bias, (cond, first, bias, fill, *inputs))
+        branch.meta = dict(node.meta)
+        node.replace_all_uses_with(branch)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+        log.debug("attention bias: %d masks given eager mode's shortcut for batches without padding", rewritten)
+    return rewritten
