@@ -37,19 +37,22 @@ log = logging.getLogger(__name__)
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
-def _input_free_ancestors(node: fx.Node) -> list[fx.Node] | None:
-    """``node`` and its ancestors in graph order, or None if any of them is a graph input."""
+def ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and its ancestors, in graph order."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
         n = stack.pop()
-        if n in seen:
-            continue
-        if n.op == "placeholder":
-            return None
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
     return [n for n in node.graph.nodes if n in seen]
+
+
+def _input_free_ancestors(node: fx.Node) -> list[fx.Node] | None:
+    """``node`` and its ancestors in graph order, or None if any of them is a graph input."""
+    nodes = ancestors(node)
+    return None if any(n.op == "placeholder" for n in nodes) else nodes
 
 
 def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor | None:

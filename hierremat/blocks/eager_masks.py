@@ -29,6 +29,8 @@ import logging
 import torch
 from torch import fx
 
+from .causal_attention import ancestors
+
 log = logging.getLogger(__name__)
 
 #: Inputs whose name ends so are padding masks (Hugging Face: attention_mask, decoder_attention_mask, ...).
@@ -58,25 +60,14 @@ def has_value_branch(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target is masked_bias for n in gm.graph.nodes)
 
 
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
-
-
 def _trained(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` depends on a parameter that requires grad."""
     params = dict(gm.named_parameters())
-    return any(n.op == "get_attr" and n.target in params and params[n.target].requires_grad for n in _ancestors(node))
+    return any(n.op == "get_attr" and n.target in params and params[n.target].requires_grad for n in ancestors(node))
 
 
 def _batch_broadcast(node: fx.Node, cond: fx.Node, bias: fx.Node) -> bool:
-    vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in (node, cond, bias)]
+    vals = [n.meta.get("val") for n in (node, cond, bias)]
     if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in vals):
         return False
     out, cond_val, bias_val = vals
@@ -86,9 +77,9 @@ def _batch_broadcast(node: fx.Node, cond: fx.Node, bias: fx.Node) -> bool:
 def _unpadded_first_row(gm: fx.GraphModule, cond: fx.Node, masks: list[fx.Node], before: fx.Node) -> fx.Node:
     """Nodes computing ``cond`` on all-ones masks, its first batch row, inserted before ``before``."""
     graph = gm.graph
-    ancestors = _ancestors(cond)
+    computed = ancestors(cond)
     depends = set(masks)
-    for n in ancestors:
+    for n in computed:
         if any(a in depends for a in n.all_input_nodes):
             depends.add(n)
     env: dict[fx.Node, fx.Node] = {}
@@ -96,7 +87,7 @@ def _unpadded_first_row(gm: fx.GraphModule, cond: fx.Node, masks: list[fx.Node],
         for m in masks:
             env[m] = graph.call_function(torch.ops.aten.ones_like.default, (m,))
             env[m].meta = dict(m.meta)
-        for n in ancestors:
+        for n in computed:
             if n in depends and n not in env:
                 env[n] = graph.node_copy(n, lambda a: env.get(a, a))
                 env[n].meta = dict(n.meta)
@@ -118,7 +109,7 @@ def restore_unpadded_bias_masks(gm: fx.GraphModule) -> int:
         cond, bias, fill = node.args
         if not isinstance(cond, fx.Node) or not isinstance(bias, fx.Node) or not _batch_broadcast(node, cond, bias):
             continue
-        inputs = [n for n in _ancestors(cond) if n.op == "placeholder"]
+        inputs = [n for n in ancestors(cond) if n.op == "placeholder"]
         if not inputs or any(p not in masks for p in inputs) or not _trained(gm, bias):
             continue
         first = _unpadded_first_row(gm, cond, inputs, node)

@@ -108,7 +108,7 @@ def eager_mask_decisions(model: torch.nn.Module) -> Iterator[None]:
         try:
             from transformers import masking_utils as masking
         except ImportError:  # an older transformers: masks are built in each model's code
-            masking = None
+            pass
     if masking is None or not hasattr(masking, "is_torchdynamo_exporting"):
         yield
         return

@@ -54,11 +54,11 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
             t = s + d
             last = t == L - 1
             resid = HL + GL if last else -A_floor[t + 1]
+            made = NV[s] if last else 0
+            held = made + DL[s + 1, t]
             for v in range(2):
                 best = C[v, s, t]
                 choice = D[v, s, t]
-                made = NV[s] if last else 0
-                held = made + DL[s + 1, t]
                 for k in range(nk[s]):
                     credit = 0
                     if v == 0 and PIN_IN[s, k] == 0 and s > 0:

@@ -243,13 +243,12 @@ def _resident_costs(layout, values: dict[int, torch.Tensor]) -> tuple[ResidentCo
     """Each resident's bytes and its gradient's (a floating value's, as the readers' taps give it)."""
     if layout is None:
         return ()
-    return tuple(
-        ResidentCosts(
-            producer, readers, storage_bytes(values[r]), storage_bytes(values[r]) if values[r].is_floating_point() else 0,
-            r in layout.exported,
-        )
-        for r, (producer, readers) in enumerate(zip(layout.producers, layout.readers))
-    )
+    costs = []
+    for r, (producer, readers) in enumerate(zip(layout.producers, layout.readers)):
+        nbytes = storage_bytes(values[r])
+        costs.append(ResidentCosts(producer, readers, nbytes, nbytes if values[r].is_floating_point() else 0,
+                                   r in layout.exported))
+    return tuple(costs)
 
 
 def profile_stage(
