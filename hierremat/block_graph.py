@@ -65,6 +65,8 @@ class BlockGraph:
     output_grad_name / output_grad_bytes: the gradient of y, given to the backward.
     input_grad_name: the backward node whose result is the gradient of x ("" when x
         needs no gradient).
+    held_grad_names: other backward nodes whose results outlive the backward, as dx does
+        (the gradient sums of residents the block reads: hierremat.blocks.joint).
     """
 
     nodes: tuple[GraphNode, ...]
@@ -74,6 +76,7 @@ class BlockGraph:
     output_grad_name: str
     output_grad_bytes: int
     input_grad_name: str = ""
+    held_grad_names: tuple[str, ...] = ()
     _index: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,9 @@ class BlockGraph:
             self.input_grad_name not in index or self.nodes[index[self.input_grad_name]].phase != BACKWARD
         ):
             raise ValueError(f"input_grad_name {self.input_grad_name!r} is not a backward node")
+        for name in self.held_grad_names:
+            if name not in index or self.nodes[index[name]].phase != BACKWARD:
+                raise ValueError(f"held gradient {name!r} is not a backward node")
         object.__setattr__(self, "_index", index)
 
     def node(self, name: str) -> GraphNode:
@@ -125,6 +131,7 @@ class BlockGraph:
             "output_grad_name": self.output_grad_name,
             "output_grad_bytes": self.output_grad_bytes,
             "input_grad_name": self.input_grad_name,
+            "held_grad_names": list(self.held_grad_names),
         }
 
     @classmethod
@@ -138,6 +145,7 @@ class BlockGraph:
             output_grad_name=d["output_grad_name"],
             output_grad_bytes=int(d["output_grad_bytes"]),
             input_grad_name=d.get("input_grad_name", ""),
+            held_grad_names=tuple(d.get("held_grad_names", ())),
         )
 
 
@@ -153,6 +161,8 @@ def concatenate(graphs: "list[BlockGraph] | tuple[BlockGraph, ...]") -> BlockGra
     """
     if not graphs:
         raise ValueError("concatenate needs at least one graph")
+    if any(g.held_grad_names for g in graphs):
+        raise ValueError("concatenate takes blocks without held gradients (blocks reading no residents)")
     for i, g in enumerate(graphs[1:], start=1):
         if not g.input_grad_name:
             raise ValueError(f"block {i} has no input gradient, so the blocks before it get no output gradient")

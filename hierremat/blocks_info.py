@@ -39,7 +39,7 @@ class ResidentLayout:
         return tuple(r for r, readers in enumerate(self.readers) if stage in readers)
 
     def touches(self, stage: int) -> bool:
-        """Whether stage ``stage`` produces or reads a resident (it then runs as option 0 only)."""
+        """Whether stage ``stage`` produces or reads a resident."""
         return bool(self.produced_by(stage) or self.read_by(stage))
 
     def __len__(self) -> int:

@@ -39,7 +39,7 @@ import torch
 from .runtime.compiled_option import CompiledForward, CompiledForwardExecutor, CompiledOptionExecutor, CompiledProgram
 from .runtime.profile import ChainProfile, no_side_effects, scratch_grads
 from .schedule import FAll
-from .stage_options import ChainMenus, stage_inputs
+from .stage_options import ChainMenus, stage_arguments
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def offer_compiled(menus: ChainMenus) -> None:
     menus.compile = True
     for i, row in enumerate(menus.executors):
         n = menus.menu_size(i)
-        if n and len(row) == n + 1:
+        if n and len(row) == n + 1 and menus.compilable(i):
             row += row[1:]
 
 
@@ -83,7 +83,7 @@ def compile_options(
         if menus.is_compiled_index(i, k) and not _tried(menus, key) and key not in todo:
             todo[key] = (i, k)
     if todo:
-        xs = stage_inputs(stages, x0, shared, menus.residents)
+        xs, shareds = stage_arguments(stages, x0, shared, menus.residents)
         for key, (i, k) in todo.items():
             if _past(deadline, f"option {key[1]} of {key[0]}"):
                 break
@@ -92,11 +92,11 @@ def compile_options(
             tried += 1
             try:
                 with no_side_effects(stages, x0):
-                    program = CompiledProgram(joint, menus.option(i, k), xs[i], shared, cache_dir)
+                    program = CompiledProgram(joint, menus.option(i, k), xs[i], shareds[i], cache_dir)
                     costs = None
                     if measure:
                         with scratch_grads(stages[i]):
-                            costs = CompiledOptionExecutor(joint, program).measure(xs[i], shared)
+                            costs = CompiledOptionExecutor(joint, program).measure(xs[i], shareds[i])
             except Exception as err:  # noqa: BLE001 - Inductor's errors are many; the eager form always works
                 log.warning(
                     "stage signature %s: option %s could not be compiled (%s: %s); it runs as generated eager code",
@@ -111,7 +111,7 @@ def compile_options(
                 "stage signature %s: option %s compiled in %.1f s%s", key[0], key[1], program.compile_seconds,
                 f" ({(costs.fwd_time + costs.bwd_time) * 1e3:.2f} ms)" if costs is not None else "",
             )
-        del xs
+        del xs, shareds
     for i, row in enumerate(menus.executors):
         n = menus.menu_size(i)
         for k in range(n + 1, len(row)):
@@ -135,7 +135,7 @@ def compile_forwards(
             todo.setdefault(signature, i)
     if not todo:
         return
-    xs = stage_inputs(stages, x0, shared, menus.residents)
+    xs, shareds = stage_arguments(stages, x0, shared, menus.residents)
     for signature, i in todo.items():
         if _past(deadline, f"the forward without grad of {signature}"):
             break
@@ -143,9 +143,10 @@ def compile_forwards(
         try:
             with no_side_effects(stages, x0):
                 compiled = CompiledForward(
-                    menus.forward_executors[i].generated.joint, menus.forwards[signature], xs[i], shared, cache_dir
+                    menus.forward_executors[i].generated.joint, menus.forwards[signature], xs[i], shareds[i], cache_dir
                 )
-                costs = CompiledForwardExecutor(compiled, menus.forward_executors[i].binding).measure(xs[i], shared) if measure else None
+                forward = CompiledForwardExecutor(compiled, menus.forward_executors[i].binding)
+                costs = forward.measure(xs[i], shareds[i]) if measure else None
         except Exception as err:  # noqa: BLE001 - as in compile_options
             log.warning(
                 "stage signature %s: the forward without grad could not be compiled (%s: %s)", signature,
@@ -156,7 +157,7 @@ def compile_forwards(
         menus.compiled_forwards[signature] = (compiled, costs)
         menus.compile_seconds += compiled.compile_seconds
         log.info("stage signature %s: forward without grad compiled in %.1f s", signature, compiled.compile_seconds)
-    del xs
+    del xs, shareds
 
 
 def _tried(menus: ChainMenus, key: tuple[str, str]) -> bool:
@@ -175,7 +176,7 @@ def plan_compiled(
     fastest = set()
     for i in range(len(menus.executors)):
         n = menus.menu_size(i)
-        if n:
+        if n and menus.compilable(i):
             fastest.add((i, n + 1 + min(range(n), key=lambda j: menus.option(i, j + 1).total_time)))
     compile_options(menus, fastest, stages, x0, shared, cache_dir, deadline=deadline)
     compile_forwards(menus, stages, x0, shared, cache_dir, deadline=deadline)

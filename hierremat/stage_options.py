@@ -152,6 +152,12 @@ class ChainMenus:
         n = self.menu_size(stage)
         return self.menus[self.signatures[stage]].options[(k - 1) % n]
 
+    def compilable(self, stage: int) -> bool:
+        """Whether stage ``stage``'s menu options may be offered compiled: not where they add to
+        residents' gradient sums (hierremat.blocks.joint.seeded_add branches on a missing sum)."""
+        executors = self.executors[stage]
+        return self.menu_size(stage) > 0 and not executors[1].joint.resident_seeds
+
     def is_compiled_index(self, stage: int, k: int) -> bool:
         return k > self.menu_size(stage)
 
@@ -212,7 +218,7 @@ class ChainMenus:
             scale = speeds.scale if speeds is not None else as_autograd * (1 + TIE_MARGIN)
             extra = [_scaled(o.to_option_costs(), scale) for o in menu.options]
             compiled_scale = self.compiled_scale(signature)
-            if self.compile and compiled_scale is not None:
+            if self.compile and compiled_scale is not None and self.compilable(i):
                 for o in menu.options:
                     entry = self.compiled.get((signature, o.name))
                     if entry is not None and entry[1] is not None:
@@ -283,7 +289,8 @@ def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
 
 
 def check_autocast_exact(
-    joint: JointGraph, stage, x: torch.Tensor, shared: tuple, input_grad: bool, autocast: AutocastState
+    joint: JointGraph, stage, x: torch.Tensor, shared: tuple, input_grad: bool, autocast: AutocastState,
+    resident_grads: tuple[int, ...] = (),
 ) -> None:
     """Raise ValueError where a joint graph traced under autocast cannot reproduce eager autocast bitwise.
 
@@ -299,7 +306,8 @@ def check_autocast_exact(
     recast = params_cast_more_than_once(joint)
     if recast:
         raise ValueError(f"autocast casts parameter(s) {', '.join(recast)} more than once")
-    under = trace_joint(stage, x, shared, input_requires_grad=input_grad, autocast=autocast, backward_under_autocast=True)
+    under = trace_joint(stage, x, shared, input_requires_grad=input_grad, autocast=autocast,
+                        backward_under_autocast=True, resident_grads=resident_grads)
     if under.module.code != joint.module.code:
         raise ValueError("autocast would change its backward when one context spans forward and backward")
 
@@ -319,17 +327,37 @@ def params_cast_more_than_once(joint: JointGraph) -> list[str]:
 def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=None) -> list[torch.Tensor]:
     """x_0 .. x_{L-1}: each stage's input, by running the chain without grad (RNG and buffers restored).
     residents: the chain's ResidentLayout (hierremat.blocks_info), or None."""
+    return stage_arguments(stages, x0, shared, residents)[0]
+
+
+def stage_arguments(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=None
+                    ) -> tuple[list[torch.Tensor], list[tuple]]:
+    """(x_0 .. x_{L-1}, what each stage is called with after x: the shared values, then the
+    residents made before it, None for the others), as :func:`stage_inputs` runs the chain."""
     xs = [x0.detach()]
     values: dict[int, torch.Tensor] = {}
+    shareds = []
     autocast = AutocastState.capture((x0.device.type,))
     with no_side_effects(stages, x0), torch.no_grad():
-        for i, stage in enumerate(stages[:-1]):
+        for i, stage in enumerate(stages):
+            shareds.append(stage_shared(shared, values, residents))
+            if i == len(stages) - 1:
+                break
             with autocast.stage_scope():
-                out = stage(xs[-1], *stage_shared(shared, values, residents))
+                out = stage(xs[-1], *shareds[-1])
             y, made = split_output(out, residents, i)
             keep_made(values, residents, i, made)
             xs.append(y)
-    return xs
+    return xs, shareds
+
+
+def resident_positions(residents, stage: int, shared: tuple) -> tuple[int, ...]:
+    """Positions in ``shared`` (from :func:`stage_arguments`) of the floating residents stage
+    ``stage`` reads: the inputs its joint graph takes with a gradient."""
+    if residents is None:
+        return ()
+    positions = (residents.shared_count + r for r in residents.read_by(stage))
+    return tuple(j for j in positions if isinstance(shared[j], torch.Tensor) and shared[j].is_floating_point())
 
 
 def module_signature(stage, x: torch.Tensor) -> str:
@@ -409,14 +437,16 @@ def build_menus(
     runs past (menus then hold what was found in time: hierremat.ilp.options.solve_menu).
     variants: rewrite the traced graphs with hierremat's operator variants
     (hierremat.variants.dropout: packed dropout masks, recomputable dropout outputs).
-    residents: the chain's ResidentLayout (hierremat.blocks_info), or None: a stage that makes
-    or reads residents gets no menu (option 0 only), nor does the output stage its fused head.
+    residents: the chain's ResidentLayout (hierremat.blocks_info), or None. A stage that reads
+    residents traces them as inputs with a gradient (hierremat.blocks.joint: its options add
+    their terms to the gradient sums); a stage that makes residents gets no menu (option 0
+    only), nor does the output stage its fused head when it touches residents.
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
     cost_cache = StageCostCache(cache)
     L = len(stages)
-    xs = stage_inputs(stages, x0, shared, residents)
+    xs, shareds = stage_arguments(stages, x0, shared, residents)
     if signatures is None:
         signatures = [module_signature(stage, x) for stage, x in zip(stages, xs)]
     if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own
@@ -432,9 +462,10 @@ def build_menus(
     autocast = AutocastState.capture((x0.device.type,))
     for i, (stage, signature) in enumerate(zip(stages[:-1], signatures)):
         # (the last stage returns the model's outputs, often several: option 0 only)
-        if residents is not None and residents.touches(i):
-            log.info("stage %d (%s): no block options: it makes or reads values carried beside the chain", i, signature)
+        if residents is not None and residents.produced_by(i):
+            log.info("stage %d (%s): no block options: it makes values carried beside the chain", i, signature)
             continue
+        reads = resident_positions(residents, i, shareds[i])
         if isinstance(getattr(stage, "graph_module", None), fx.GraphModule) and has_value_branch(stage.graph_module):
             log.info("stage %d (%s): no block options: it branches on tensor values (an attention mask)", i, signature)
             continue
@@ -444,9 +475,11 @@ def build_menus(
                 if not isinstance(stage, torch.nn.Module):
                     raise TypeError("it is a plain callable, not an nn.Module")
                 input_grad = i > 0 or x0.requires_grad
-                joint = trace_joint(stage, xs[i], shared, input_requires_grad=input_grad, autocast=autocast)
+                joint = trace_joint(
+                    stage, xs[i], shareds[i], input_requires_grad=input_grad, autocast=autocast, resident_grads=reads
+                )
                 if autocast.enabled:
-                    check_autocast_exact(joint, stage, xs[i], shared, input_grad, autocast)
+                    check_autocast_exact(joint, stage, xs[i], shareds[i], input_grad, autocast, reads)
                 if variants:
                     joint = pack_dropout_masks(joint)
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
@@ -462,7 +495,7 @@ def build_menus(
                 continue
             joints[signature] = joint
             name = getattr(stage, "stage_name", type(stage).__name__)
-            menu = _menu(joint, xs[i], shared, signature, graph_key, cache, stored, time_limit, deadline, name)
+            menu = _menu(joint, xs[i], shareds[i], signature, graph_key, cache, stored, time_limit, deadline, name)
             if menu is not None:
                 menus[signature] = menu
         joint, menu = joints.get(signature), menus.get(signature)
@@ -482,7 +515,7 @@ def build_menus(
             speeds[signature] = cost_cache.get_speeds(graph_key, xs[i])
             if speeds[signature] is None:
                 speeds[signature] = _executor_speeds(
-                    executors[i][1:], forward_executors[i], stage, stages, xs[i], x0, shared
+                    executors[i][1:], forward_executors[i], stage, stages, xs[i], x0, shareds[i]
                 )
                 cost_cache.put_speeds(graph_key, xs[i], speeds[signature])
     output_option = None
@@ -554,7 +587,7 @@ def _progress_bar(description: str):
 def graph_structure(graph: BlockGraph) -> tuple:
     """Everything of a BlockGraph but its measured costs: equal structures, interchangeable menus."""
     return tuple((n.name, n.op, n.phase, n.inputs, n.out_bytes, n.alias_of, n.random) for n in graph.nodes) + (
-        graph.input_name, graph.output_name, graph.output_grad_name, graph.input_grad_name,
+        graph.input_name, graph.output_name, graph.output_grad_name, graph.input_grad_name, graph.held_grad_names,
     )
 
 

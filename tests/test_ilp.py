@@ -450,6 +450,23 @@ def test_a_sweep_stopped_by_the_deadline_keeps_what_it_found():
         assert opt.optimal or opt.mip_gap is None or opt.mip_gap >= 0.0
 
 
+def test_a_sweep_keeps_to_its_own_time_and_solves_every_rows_fastest_schedule_first():
+    """MENU_SWEEP_LIMIT bounds a menu without a planning deadline: the menu says so, is cached
+    (not cut by a deadline), and holds a fastest-schedule option per kept-bytes row, which are
+    solved before any peak budget."""
+    graph = transformer_block(seq=32, d=16)
+    ilp = BlockIlp(graph)
+    texts = []
+    started = time.perf_counter()
+    menu = solve_menu(graph, backend="highs", ilp=ilp, sweep_limit=3.0, time_limit=1.0, progress=texts.append)
+    assert time.perf_counter() - started < 3.0 + 1.0 + 1.0  # the last solve runs to its share of the limit
+    assert "took its 3 s" in menu.coarse and not menu.cut_by_deadline
+    first_peak = next((k for k, t in enumerate(texts) if "peak=" in t), len(texts))
+    assert all("peak=" not in t for t in texts[:first_peak])
+    assert all("peak=" in t for t in texts[first_peak:])
+    assert any(o.name.startswith("ilp_") for o in menu)
+
+
 def test_highs_and_gurobi_agree():
     pytest.importorskip("gurobipy")
     for graph in small_graphs(400, 6):

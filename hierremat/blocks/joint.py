@@ -84,6 +84,10 @@ class JointGraph:
     mutations: (node, buffer target): forward results to copy into buffers (BatchNorm
         running statistics), in order.
     phase: node name -> "forward" / "backward" for every call_function node.
+    resident_seeds / resident_grads: for each position in ``shared`` of a value read with a
+        gradient (a resident, hierremat.blocks_info.ResidentLayout), the placeholder of the
+        gradient its later readers summed so far (None at run time when there is none yet)
+        and the node computing the new sum (see :func:`_seed_resident_grads`).
     """
 
     module: fx.GraphModule
@@ -98,6 +102,8 @@ class JointGraph:
     param_grad_names: dict[str, str]
     mutations: tuple[tuple[str, str], ...]
     phase: dict[str, str] = field(repr=False)
+    resident_seeds: dict[int, str] = field(default_factory=dict)
+    resident_grads: dict[int, str] = field(default_factory=dict)
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -166,9 +172,39 @@ class _ForwardUnderAutocast(nn.Module):
             return self.stage(*args)
 
 
+class _TappedResidents(nn.Module):
+    """``stage`` whose shared values at ``positions`` (residents read with a gradient) are read
+    through a copy that is also returned: the trace then takes a tangent for each copy, which
+    autograd puts in the copy's gradient buffer *before* the stage's own terms arrive, so the
+    traced backward adds the terms to it in the order plain autograd adds them to the sum the
+    later readers made. :func:`_seed_resident_grads` removes the copies again."""
+
+    PREFIX = "stage."
+
+    def __init__(self, stage: nn.Module, positions: tuple[int, ...]):
+        super().__init__()
+        self.stage = stage
+        self.positions = positions
+
+    def forward(self, x, *shared):
+        shared = list(shared)
+        taps = []
+        for j in self.positions:
+            shared[j] = shared[j].clone()
+            taps.append(shared[j])
+        return (self.stage(x, *shared), *taps)
+
+
+def seeded_add(seed: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
+    """A resident's gradient sum after one reader's first term: ``seed + term``, or the term
+    alone when no later reader contributed (there is no sum yet), as plain autograd forms it."""
+    return term if seed is None else torch.add(seed, term)
+
+
 def trace_joint(
     stage: nn.Module, x: torch.Tensor, shared: tuple = (), input_requires_grad: bool | None = None,
     autocast: AutocastState | None = None, backward_under_autocast: bool = False,
+    resident_grads: tuple[int, ...] = (),
 ) -> JointGraph:
     """Trace ``stage(x, *shared)`` forward and backward into one functional ATen graph.
 
@@ -179,6 +215,8 @@ def trace_joint(
         autograd runs it after a training step's autocast context closed, unless
         ``backward_under_autocast`` (one context around forward and backward: then autocast
         applies to the backward's ops too, as in eager mode).
+    resident_grads: positions in ``shared`` of values read with a gradient (residents): the
+        graph computes each one's gradient sum from the sum so far (``resident_seeds``).
     Tracing uses fake tensors: the stage's buffers and the RNG state are not touched.
     """
     if aot_export_joint_with_descriptors is None:  # pragma: no cover
@@ -187,10 +225,20 @@ def trace_joint(
     if input_requires_grad is None:
         input_requires_grad = x.is_floating_point() or x.is_complex()
     x_in = x.detach().requires_grad_(input_requires_grad)
-    shared_in = tuple(s.detach() if isinstance(s, torch.Tensor) else s for s in shared)
+    resident_grads = tuple(resident_grads)
+    shared_in = tuple(
+        (s.detach().requires_grad_(j in resident_grads) if isinstance(s, torch.Tensor) else s)
+        for j, s in enumerate(shared)
+    )
+    for j in resident_grads:
+        if not (isinstance(shared_in[j], torch.Tensor) and shared_in[j].is_floating_point()):
+            raise ValueError(f"shared value {j} is read with a gradient but is not a floating tensor")
     autocast = autocast if autocast is not None else AutocastState.off((x.device.type,))
     wrapped = autocast.enabled and not backward_under_autocast
     traced = _ForwardUnderAutocast(stage, autocast) if wrapped else stage
+    if resident_grads:
+        traced = _TappedResidents(traced, resident_grads)
+    prefix = _TappedResidents.PREFIX * bool(resident_grads) + _ForwardUnderAutocast.PREFIX * wrapped
     ambient = autocast if backward_under_autocast else AutocastState.off((x.device.type,))
     with contextlib.ExitStack() as stack:
         stack.enter_context(ambient.applied())
@@ -198,7 +246,7 @@ def trace_joint(
         gm = exported.graph_module
 
     def own(target: str) -> str:  # the stage's name of a parameter or buffer of the traced module
-        return target.removeprefix(_ForwardUnderAutocast.PREFIX) if wrapped else target
+        return target.removeprefix(prefix)
 
     params, buffers, tangents = {}, {}, {}
     plain: dict[int, str] = {}
@@ -226,6 +274,7 @@ def trace_joint(
     descs = out_node.meta.get("desc") or [None] * len(outs)
     outputs: dict[int, str] = {}
     param_grads: dict[str, str] = {}
+    shared_grads: dict[int, str] = {}
     input_grad = ""
     mutations = []
     for value, desc in zip(outs, descs):
@@ -243,15 +292,22 @@ def trace_joint(
                 param_grads[own(of.target)] = value.name
             elif isinstance(of, PlainAOTInput) and of.idx == 0:
                 input_grad = value.name
-            # gradients of shared values are dropped: they are grad-free by contract
+            elif isinstance(of, PlainAOTInput) and of.idx - 1 in resident_grads:
+                shared_grads[of.idx - 1] = value.name
+            # gradients of other shared values are dropped: they are grad-free by contract
         else:
             raise NotImplementedError(f"joint graph output {value.name} has a descriptor hierremat does not handle: {desc!r}")
 
+    seeds = {}
+    if resident_grads:
+        seeds = {j: tangents.pop(1 + k) for k, j in enumerate(resident_grads)}
+        taps = {j: outputs.pop(1 + k) for k, j in enumerate(resident_grads)}
+        shared_grads = _seed_resident_grads(gm, seeds, taps, shared_grads)
     phase = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
             phase[node.name] = BACKWARD if node.meta.get("partitioner_tag") == "is_backward" else FORWARD
-    _check_phase_order(gm, phase, set(tangents.values()))
+    _check_phase_order(gm, phase, set(tangents.values()) | set(seeds.values()))
     return JointGraph(
         module=gm,
         stage=stage,
@@ -265,7 +321,49 @@ def trace_joint(
         param_grad_names=param_grads,
         mutations=tuple(mutations),
         phase=phase,
+        resident_seeds=seeds,
+        resident_grads=shared_grads,
     )
+
+
+def _seed_resident_grads(gm: fx.GraphModule, seeds: dict[int, str], taps: dict[int, str],
+                         grads: dict[int, str]) -> dict[int, str]:
+    """Remove the copies :class:`_TappedResidents` made (their readers read the resident itself;
+    they are no outputs any more) and make each seed's first addition a :func:`seeded_add`, so
+    that the graph also runs without a seed. Returns position -> the node of the new sum.
+
+    Raises ValueError where a resident's gradient is not the seed plus the stage's terms (a
+    resident read only by operators without a gradient)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out_node = _output_node(gm)
+    tap_nodes = {nodes[name] for name in taps.values()}
+    kept = [(v, d) for v, d in zip(out_node.args[0], out_node.meta.get("desc") or []) if v not in tap_nodes]
+    out_node.args = ([v for v, _ in kept],)
+    out_node.meta["desc"] = [d for _, d in kept]
+    for j, name in taps.items():
+        tap = nodes[name]
+        if tap.target is not torch.ops.aten.clone.default:  # pragma: no cover - the wrapper's clone
+            raise AssertionError(f"resident copy {name} is {tap.target}")
+        tap.replace_all_uses_with(tap.args[0])
+        gm.graph.erase_node(tap)
+    sums = {}
+    for j, name in seeds.items():
+        seed = nodes[name]
+        users = list(seed.users)
+        first = users[0] if len(users) == 1 else None
+        if j not in grads or first is None or first.target is not torch.ops.aten.add.Tensor or first.kwargs \
+                or len(first.args) != 2 or grads[j] == name:
+            raise ValueError(f"the gradient of shared value {j} is not a sum of the stage's terms")
+        term = first.args[1] if first.args[0] is seed else first.args[0]
+        with gm.graph.inserting_before(first):
+            new = gm.graph.call_function(seeded_add, (seed, term))
+        new.meta = dict(first.meta)
+        first.replace_all_uses_with(new)
+        gm.graph.erase_node(first)
+        sums[j] = new.name if grads[j] == first.name else grads[j]
+    gm.graph.lint()
+    gm.recompile()
+    return sums
 
 
 def _check_phase_order(gm: fx.GraphModule, phase: dict[str, str], tangents: set[str]) -> None:
@@ -281,14 +379,19 @@ def _check_phase_order(gm: fx.GraphModule, phase: dict[str, str], tangents: set[
 # --------------------------------------------------------------------------- execution
 
 
-def joint_inputs(joint: JointGraph, x: torch.Tensor, shared: tuple, tangents) -> list:
+def joint_inputs(joint: JointGraph, x: torch.Tensor, shared: tuple, tangents, seeds: dict | None = None) -> list:
     """Flat inputs of ``joint.module`` in placeholder order.
 
     tangents: one tensor, or a sequence with one per differentiable output (by output index).
+    seeds: shared position -> the gradient sum so far of each resident the graph reads with a
+    gradient (``joint.resident_seeds``), or None where there is none (default: zeros).
     """
     shared = tuple(shared)
     if isinstance(tangents, torch.Tensor):
         tangents = (tangents,)
+    if seeds is None:
+        seeds = {j: torch.zeros_like(shared[j]) for j in joint.resident_seeds}
+    by_seed = {name: seeds[j] for j, name in joint.resident_seeds.items()}
     named = dict(joint.stage.named_parameters(remove_duplicate=False))
     named.update(joint.stage.named_buffers(remove_duplicate=False))
     plain = {joint.input_name: x, **dict(zip(joint.shared_names, shared))}
@@ -304,6 +407,8 @@ def joint_inputs(joint: JointGraph, x: torch.Tensor, shared: tuple, tangents) ->
             args.append(value.detach() if isinstance(value, torch.Tensor) else value)
         elif node.name in by_tangent:
             args.append(by_tangent[node.name])
+        elif node.name in by_seed:
+            args.append(by_seed[node.name])
         else:  # pragma: no cover - trace_joint refuses other placeholders
             raise AssertionError(node.name)
     return args
@@ -315,15 +420,18 @@ class JointResult:
     input_grad: torch.Tensor | None
     param_grads: dict[str, torch.Tensor]
     buffer_updates: dict[str, torch.Tensor]
+    #: shared position -> the gradient sum of each resident read with a gradient
+    resident_grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bool = True) -> JointResult:
+def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bool = True,
+              seeds: dict | None = None) -> JointResult:
     """Execute the joint graph node by node (fx Interpreter), without autograd.
 
     apply_mutations: copy the new buffer values (BatchNorm running stats) into the
-    stage's buffers, as eager training would.
+    stage's buffers, as eager training would. seeds: as :func:`joint_inputs` takes them.
     """
-    args = joint_inputs(joint, x, shared, tangents)
+    args = joint_inputs(joint, x, shared, tangents, seeds)
     with torch.no_grad(), AutocastState.off((x.device.type,)).applied():  # the graph's casts are explicit
         flat = fx.Interpreter(joint.module).run(*args, enable_io_processing=False)
     out_node = _output_node(joint.module)
@@ -339,6 +447,7 @@ def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bo
         input_grad=values.get(joint.input_grad_name) if joint.input_grad_name else None,
         param_grads={t: values[n] for t, n in joint.param_grad_names.items()},
         buffer_updates=updates,
+        resident_grads={j: values[n] for j, n in joint.resident_grads.items()},
     )
 
 
@@ -415,7 +524,8 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
     node_costs: node name -> (seconds, workspace bytes), e.g. from
     :func:`hierremat.blocks.node_profile.profile_nodes`; missing nodes cost 0.
     Inputs list only activation-carrying names (nodes, x, the output gradient);
-    parameters, buffers and shared values are omitted. Views own 0 bytes and name the
+    parameters, buffers, shared values and residents' gradient seeds are omitted (the chain DP
+    counts them). Views own 0 bytes and name the
     storage's owner in ``alias_of`` ("" when that is a parameter, buffer or shared value).
     """
     if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
@@ -472,6 +582,7 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
         output_grad_name=tangent,
         output_grad_bytes=_tensor_bytes(t_val),
         input_grad_name=joint.input_grad_name,
+        held_grad_names=tuple(joint.resident_grads.values()),
     )
 
 

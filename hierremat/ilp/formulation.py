@@ -46,7 +46,7 @@ rows, Shah et al., "Memory optimization for deep networks", ICLR 2021, where the
 recomputed tensors of an operator's backward are counted together), then every one not
 carried to stage k+1 (A[k+1, g] = 0) is freed. Carried values stay through the
 non-consumer backward nodes in between. Backward values are freed right after their
-last reader; dx is never freed; dy stays for the whole backward (the chain DP frees it
+last reader; dx and the residents' gradient sums (held_grad_names) are never freed; dy stays for the whole backward (the chain DP frees it
 at the end of B, see hierremat.simulate).
 
 Persistent values (the chain DP's pins): x can only be *pinned* (pins_input: held
@@ -392,6 +392,10 @@ def compact(graph: BlockGraph) -> CompactGraph:
         if kind == "b":
             dx_root = bpos[r]
             bwd_last_use[dx_root] = m
+    for name in graph.held_grad_names:  # residents' gradient sums: held past the backward, as dx
+        kind, r = broot[name]
+        if kind == "b":
+            bwd_last_use[bpos[r]] = m
     # names freed after each backward position: a backward storage root's names together at
     # its last use; names aliasing x / dy / a forward group after their own last reader
     bwd_name_free: dict[int, list] = {}

@@ -26,9 +26,15 @@ log = logging.getLogger("hierremat.ilp")
 # Per-solve limit of a menu sweep: solves near the least feasible peak are the slow ones
 # (seconds to tens of seconds on a GPT-2-sized block); a stopped one keeps its incumbent.
 MENU_TIME_LIMIT = 10.0
+#: Seconds one menu's sweep may take in all (its solves' limits are cut to what is left; the
+#: sweep then stops with what it found). A GPT-2 block's sweep takes 1-4 s on CPU; a T5 decoder
+#: layer with packed dropout masks has peak-budget solves HiGHS does not prove in 10 s.
+MENU_SWEEP_LIMIT = 15.0
 #: A block whose ILP would have more recomputation variables than this is not solved: its
 #: menu is the coarser heuristic one (see heuristic_options). A GPT-2 block has ~3,700.
 MAX_ILP_VARIABLES = 20_000
+#: The least a sweep's solve gets of the per-solve limit when rows share it (see _sweep).
+MIN_SHARED_SOLVE_SECONDS = 1.0
 #: A solve with less time than this left before the planning deadline is not started.
 MIN_SOLVE_SECONDS = 0.5
 #: An option whose op lists are longer than this many ops per node of the graph is not offered:
@@ -370,6 +376,7 @@ def solve_menu(
     n_peak: int = 6,
     peak_step: float = 0.08,
     time_limit: float = MENU_TIME_LIMIT,
+    sweep_limit: float = MENU_SWEEP_LIMIT,
     backend: str = "auto",
     ilp: BlockIlp | None = None,
     progress=None,
@@ -380,15 +387,18 @@ def solve_menu(
     plus keep-all, recompute-all and the heuristic options, Pareto-pruned.
 
     n_kept budgets of retained bytes from the least feasible to keep-all; for each, the
-    fastest schedule, then up to n_peak peak budgets at (1 - peak_step * i) times its peak,
-    stopping at the first infeasible one and adding one bisection step after it. The
-    defaults (8 x 6 at 8% steps, about 50 solves per distinct block) keep the chain DP's
-    plans within 1% of the whole-graph ILP's on GPT-2 (benchmarks/bench_quality.py); the
-    earlier 4 x 3 at 15% (about 18 solves) left gaps of up to 2.5%.
+    fastest schedule (all of those first), then up to n_peak peak budgets at
+    (1 - peak_step * i) times its peak, stopping at the first infeasible one and adding one
+    bisection step after it, or at the first one its time limit stopped (tighter ones only
+    get harder to prove). The defaults (8 x 6 at 8% steps, about 50 solves per distinct
+    block) keep the chain DP's plans within 1% of the whole-graph ILP's on GPT-2
+    (benchmarks/bench_quality.py); the earlier 4 x 3 at 15% (about 18 solves) left gaps of
+    up to 2.5%.
 
     Bounded: each solve is limited to ``time_limit`` seconds (a stopped solve keeps its
-    incumbent, marked ``optimal=False`` with its MIP gap), and none runs past ``deadline``
-    (a ``time.perf_counter()`` value): the sweep stops there with what it found. A block
+    incumbent, marked ``optimal=False`` with its MIP gap), the sweep to ``sweep_limit``
+    seconds in all, and none runs past ``deadline`` (a ``time.perf_counter()`` value): the
+    sweep stops there with what it found. A block
     whose ILP would exceed MAX_ILP_VARIABLES is not solved at all. Either way the menu
     says so (``coarse``) and still holds keep-all, recompute-all and the heuristic options.
 
@@ -417,9 +427,13 @@ def solve_menu(
         coarse, cut = "no time was left before the planning deadline", True
     else:
         ilp = ilp or BlockIlp(graph, st)
-        cut = not _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, backend, progress, label,
-                         deadline)
-        coarse = "the planning deadline came during its ILP sweep" if cut else ""
+        sweep_end = time.perf_counter() + sweep_limit
+        ended = _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, backend, progress, label,
+                       sweep_end if deadline is None else min(deadline, sweep_end))
+        cut = ended and deadline is not None and deadline <= sweep_end
+        if ended:
+            coarse = ("the planning deadline came during its ILP sweep" if cut else
+                      f"its ILP sweep took its {sweep_limit:g} s: the rest of it was not solved")
     if coarse:
         log.info("block %s: heuristic options%s, because %s", label or "(unnamed)",
                  " and what the ILP found in time" if ilp is not None else "", coarse)
@@ -444,12 +458,12 @@ class _DeadlineReached(Exception):
 
 def _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, backend, progress, label,
            deadline) -> bool:
-    """Run solve_menu's budget sweep, adding its options to ``cands``; False if the deadline
-    stopped it."""
+    """Run solve_menu's budget sweep, adding its options to ``cands``; True if ``deadline`` (the
+    planning deadline or the sweep's own end) stopped it."""
     st = ilp.structure
 
-    def solve(**budgets):
-        limit = time_limit
+    def solve(share: float = 1.0, **budgets):
+        limit = max(time_limit * share, min(time_limit, MIN_SHARED_SOLVE_SECONDS))
         if deadline is not None:
             limit = min(limit, deadline - time.perf_counter())
             if limit < MIN_SOLVE_SECONDS:
@@ -486,11 +500,16 @@ def _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, b
             return True
         k_lo = int(kmin.objective)
         k_hi = max(k_lo, keep_all.kept_bytes + (graph.input_bytes if keep_all.pins_input else 0) + _y_bytes(st, keep_all))
-        for K in sorted({int(round(v)) for v in np.linspace(k_lo, k_hi, max(1, n_kept))}):
-            fastest = solve(kept=K)
+        rows = []
+        kept_budgets = sorted({int(round(v)) for v in np.linspace(k_lo, k_hi, max(1, n_kept))})
+        for K in kept_budgets:
+            # each row's solves get a share of the per-solve limit, so that every row has its
+            # fastest schedule and some of its peak budgets within the sweep's time
+            fastest = solve(kept=K, share=1.0 / len(kept_budgets))
             add(fastest, K, None)
-            if not fastest.has_solution:
-                continue
+            if fastest.has_solution:
+                rows.append((K, fastest))
+        for K, fastest in rows:
             # Peak budgets below the fastest schedule's peak, descending until infeasible,
             # then one bisection step towards the least feasible peak. (Solving for the
             # least peak directly is a min-max ILP that HiGHS proves slowly on real blocks.)
@@ -500,18 +519,20 @@ def _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, b
                 P = int(p_hi * (1.0 - peak_step * i))
                 if P <= 0:
                     break
-                res = solve(kept=K, peak=P)
+                res = solve(kept=K, peak=P, share=2.0 / len(rows))
                 if not res.has_solution:
                     infeasible = P if res.status == "infeasible" else None
                     break
                 add(res, K, P)
                 feasible = int(max(res.evaluation.fwd_peak, res.evaluation.bwd_peak))
+                if not res.optimal:
+                    break
             if infeasible is not None and feasible - infeasible > 1:
                 P = (feasible + infeasible) // 2
-                add(solve(kept=K, peak=P), K, P)
+                add(solve(kept=K, peak=P, share=2.0 / len(rows)), K, P)
     except _DeadlineReached:
-        return False
-    return True
+        return True
+    return False
 
 
 def _y_bytes(st: Structure, o: BlockOption) -> int:
@@ -625,6 +646,9 @@ def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
         raise ValueError("the backward phase does not run every backward node once, in order")
     if graph.input_grad_name and graph.input_grad_name not in blive:
         raise ValueError("dx is not in memory at the end of the backward")
+    lost = [name for name in graph.held_grad_names if name not in blive]
+    if lost:
+        raise ValueError(f"held gradients {lost} are not in memory at the end of the backward")
     return OptionSimulation(t_f, t_b, peak_f - entry_f, peak_b - entry_b, kept)
 
 

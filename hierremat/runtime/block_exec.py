@@ -93,10 +93,19 @@ class OptionExecutor:
 
     def backward(self, tape: OptionTape, dy: torch.Tensor, shared: tuple) -> torch.Tensor | None:
         """Run the backward from the tape and the output gradient; return the input gradient."""
-        args = self.binding.args(self.program.backward_inputs, tape.x, shared, dy, tape)
+        return self.backward_with_sums(tape, dy, shared)[0]
+
+    def backward_with_sums(self, tape: OptionTape, dy: torch.Tensor, shared: tuple, seeds: dict | None = None
+                           ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """:meth:`backward` of a stage that reads residents with a gradient: seeds, by shared
+        position, the sums of their gradient so far (absent: none yet); returns the input
+        gradient and, by shared position, the new sums (this stage's terms added)."""
+        args = self.binding.args(self.program.backward_inputs, tape.x, shared, dy, tape, seeds)
         tape.kept, tape.x, tape.y = [], None, None  # the generated code frees each at its last use
+        seeds = None  # (so are the seeds: the caller handed over its only reference)
         with torch.no_grad(), AutocastState.off((dy.device.type,)).applied():
-            return self.program.backward(args)
+            dx, *sums = self.program.backward(args)
+        return dx, dict(zip(self.program.resident_grads, sums))
 
 
 class GeneratedForward:

@@ -31,7 +31,9 @@ from ..budget import format_bytes
 from ..errors import UnsupportedModelError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
 from .autocast import AutocastState
-from .residents import collect_reads, keep_made, read_roots, split_output, stage_shared, tap_read
+from .residents import (
+    collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
+)
 from .rng import RngState, cuda_devices_of
 
 
@@ -189,7 +191,7 @@ class ChainRunner:
         there, or no list: the stage itself is called. sharded: a
         hierremat.runtime.fsdp.ShardedChain through which stages are called (FSDP2). residents: the
         values carried beside the activation (hierremat.blocks_info.ResidentLayout), or None; the
-        stages that make or read them run as option 0."""
+        stages that make them run as option 0."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
         self.option_executors = option_executors or [()] * len(stages)
@@ -310,7 +312,7 @@ class _Step:
             x = self.x[i] if isinstance(op, FCk) else self.x.pop(i)
             if isinstance(op, FAll) and op.option > 0:
                 executor = self.runner.option_executors[i][op.option]
-                y, tape = self._forward(i, lambda: executor.forward(x, self.shared))
+                y, tape = self._forward(i, lambda: executor.forward(x, self._shared()))
                 del x
                 self.tape[i] = ("option", executor, tape)
             elif isinstance(op, FAll):
@@ -329,7 +331,7 @@ class _Step:
                 forward = self.runner.forward_executors[i]
                 with torch.no_grad():
                     if forward is not None:
-                        y = self._forward(i, lambda: forward(x, self.shared))
+                        y = self._forward(i, lambda: forward(x, self._shared()))
                     else:
                         y = self._forward(i, lambda: self._call(i, x, self._shared()))
                 del x
@@ -356,7 +358,14 @@ class _Step:
                     del self.resident_values[r]
                 del sink, taps
             else:  # a block option: its executor and the tape of its forward
-                dx = first.backward(second, grad, self.shared) if grad is not None else None
+                dx = None
+                if grad is not None and self.layout is not None and self.layout.read_by(i):
+                    dx, sums = first.backward_with_sums(  # (handing over the only reference to the seeds)
+                        second, grad, self._shared(), pop_seeds(self.layout, i, self.resident_grads))
+                    keep_sums(self.layout, sums, self.resident_grads)
+                    del sums
+                elif grad is not None:
+                    dx = first.backward(second, grad, self._shared())
                 self.grad[i] = dx if i > 0 or self.input_requires_grad else None
             del grad, first, second
         else:

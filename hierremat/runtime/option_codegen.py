@@ -24,11 +24,12 @@ What the generated code does besides the graph's ATen calls, as the ILP models i
   buffers when computed, never the backward's recomputations;
 * the backward hands each parameter gradient to ``accumulate`` as soon as it is computed
   (so it is freed then, and gradient hooks fire as in plain training), and returns the
-  input gradient.
+  input gradient, then the new gradient sum of each resident the stage reads (its seed, the
+  sum so far, is an input: hierremat.blocks.joint.seeded_add).
 
 Without ``accumulate`` the graphs are pure, for a compiler (hierremat.runtime.compiled_option):
 positional inputs, buffer updates returned after the kept values, parameter gradients
-returned after the input gradient.
+returned after the input gradient and the residents' sums.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from ..ilp.formulation import COMPUTE
 from ..ilp.options import BlockOption
 
 #: Where a generated function's input comes from: ("param", placeholder), ("buffer",
-#: placeholder), ("x", ""), ("shared", index), ("dy", ""), ("y", "") or ("kept", slot index).
+#: placeholder), ("x", ""), ("shared", index), ("dy", ""), ("y", ""), ("kept", slot index) or
+#: ("seed", shared index): the gradient sum so far of a resident read with a gradient.
 #: Parameters and buffers are named by their placeholder in the joint graph, so that one
 #: program runs on every stage of a signature (StageBinding resolves them per stage).
 InputSource = tuple[str, object]
@@ -59,10 +61,10 @@ class OptionProgram:
     forward(args) returns ``(y, *kept)``: args as ``forward_inputs`` lists them; kept in
         the order of ``kept_slots``. Pure: ``forward(*args)`` returns ``(y, *kept, *updates)``,
         the new value of each buffer of ``buffer_updates``.
-    backward(args) returns the input gradient (None when the graph has none) after
-        accumulating every parameter gradient: args as ``backward_inputs`` lists them.
-        Pure: ``backward(*args)`` returns ``(dx, *grads)``, the gradient of each parameter of
-        ``param_grads``.
+    backward(args) returns ``(dx, *sums)`` (dx None when the graph has none) after
+        accumulating every parameter gradient: args as ``backward_inputs`` lists them; sums:
+        the new gradient sum of each resident of ``resident_grads``. Pure: ``backward(*args)``
+        returns ``(dx, *sums, *grads)``, grads the gradient of each parameter of ``param_grads``.
     kept_slots: (node name, element index or None) of each kept value: an element index
         for an element of a multi-output op kept whole.
     forward_module, backward_module: the fx GraphModules whose code they are.
@@ -79,6 +81,8 @@ class OptionProgram:
     buffer_updates: tuple[str, ...] = ()
     #: placeholders of the parameters the pure backward returns gradients of, in order
     param_grads: tuple[str, ...] = ()
+    #: shared positions of the residents whose gradient sums the backward returns, in order
+    resident_grads: tuple[int, ...] = ()
 
 
 class StageBinding:
@@ -90,8 +94,9 @@ class StageBinding:
         self.params = {name: params[target] for name, target in joint.param_inputs.items()}
         self.buffers = {name: buffers[target] for name, target in joint.buffer_inputs.items()}
 
-    def args(self, sources: tuple[InputSource, ...], x, shared: tuple, dy=None, tape=None) -> list:
-        """The input list for ``sources``; tape: the forward's (kept values, x and y if pinned)."""
+    def args(self, sources: tuple[InputSource, ...], x, shared: tuple, dy=None, tape=None, seeds=None) -> list:
+        """The input list for ``sources``; tape: the forward's (kept values, x and y if pinned);
+        seeds: shared position -> a resident's gradient sum so far (absent: None)."""
         args = []
         for kind, key in sources:
             if kind == "param":
@@ -106,6 +111,8 @@ class StageBinding:
                 args.append(dy)
             elif kind == "y":
                 args.append(tape.y)
+            elif kind == "seed":
+                args.append((seeds or {}).get(key))
             else:  # "kept"
                 args.append(tape.kept[key])
         return args
@@ -308,6 +315,8 @@ def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable
 
     bwd_sources = _plain_sources(joint, with_input=option.pins_input)
     bwd_sources[tangent_name] = ("dy", "")
+    for position, name in joint.resident_seeds.items():
+        bwd_sources[name] = ("seed", position)
     if option.pins_output:
         bwd_sources[output_name] = ("y", "")
     bwd = _PhaseBuilder(joint, bwd_sources, boxed=not pure)
@@ -322,6 +331,8 @@ def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable
     placeholder_of_param = {target: name for name, target in joint.param_inputs.items()}
     grad_of = {node: placeholder_of_param[target] for target, node in joint.param_grad_names.items()}
     dx = None
+    sums: dict[str, fx.Node] = {}
+    sum_names = set(joint.resident_grads.values())
     for kind, name in option.bwd_ops:
         if kind != COMPUTE:
             bwd.free(name)
@@ -342,7 +353,13 @@ def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable
             bwd.call(accumulate, params[target], value)
         if name == joint.input_grad_name:
             dx = value
-    backward = bwd.module(joint.module, (dx, *grads.values()) if pure else dx)
+        if name in sum_names:
+            sums[name] = value
+    missing = sum_names - set(sums)
+    if missing:
+        raise ValueError(f"option {option.name!r} does not compute the residents' gradient sums {sorted(missing)}")
+    resident_sums = tuple(sums[name] for name in joint.resident_grads.values())
+    backward = bwd.module(joint.module, (dx, *resident_sums, *grads.values()) if pure else (dx, *resident_sums))
     return OptionProgram(
         forward=forward.forward,
         backward=backward.forward,
@@ -353,6 +370,7 @@ def generate_option(joint: JointGraph, option: BlockOption, accumulate: Callable
         backward_module=backward,
         buffer_updates=built.buffer_updates,
         param_grads=tuple(grads),
+        resident_grads=tuple(joint.resident_grads),
     )
 
 

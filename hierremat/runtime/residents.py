@@ -83,3 +83,17 @@ def collect_reads(taps: list, grads: dict[int, torch.Tensor]) -> None:
     for r, sink, _ in taps:
         if sink.grad is not None:
             grads[r] = sink.grad
+
+
+def pop_seeds(layout: ResidentLayout | None, stage: int, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """For a block option's backward (hierremat.runtime.block_exec): by shared position, the
+    gradient sum so far of each resident stage ``stage`` reads, taken out of ``grads``."""
+    if layout is None:
+        return {}
+    return {layout.shared_count + r: grads.pop(r) for r in layout.read_by(stage) if r in grads}
+
+
+def keep_sums(layout: ResidentLayout | None, sums: dict[int, torch.Tensor], grads: dict[int, torch.Tensor]) -> None:
+    """After a block option's backward: the new sums it returned (by shared position) into ``grads``."""
+    for position, g in sums.items():
+        grads[position - layout.shared_count] = g
