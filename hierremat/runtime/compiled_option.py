@@ -92,6 +92,8 @@ class CompiledProgram:
     """
 
     def __init__(self, joint: JointGraph, option: BlockOption, x: torch.Tensor, shared: tuple, cache_dir=None):
+        if joint.resident_seeds:  # (hierremat.stage_options.ChainMenus.compilable)
+            raise ValueError("options of stages that read residents are not compiled: their seeds may be missing")
         self.option = option
         self.program: OptionProgram = generate_option(joint, option)
         started = time.perf_counter()
@@ -149,25 +151,16 @@ class CompiledOptionExecutor:
         return y, OptionTape.of(self.option, rest[:n_kept], x, y)
 
     def backward(self, tape: OptionTape, dy: torch.Tensor, shared: tuple) -> torch.Tensor | None:
-        return self.backward_with_sums(tape, dy, shared)[0]
-
-    def backward_with_sums(self, tape: OptionTape, dy: torch.Tensor, shared: tuple, seeds: dict | None = None
-                           ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-        """As OptionExecutor.backward_with_sums."""
-        args = self.binding.args(self.program.backward_inputs, tape.x, shared, dy, tape, seeds)
+        args = self.binding.args(self.program.backward_inputs, tape.x, shared, dy, tape)
         tape.kept, tape.x, tape.y = [], None, None
-        seeds = None
         with torch.no_grad(), AutocastState.off((dy.device.type,)).applied():
             dx, *grads = self.compiled.backward(args)
         del args
-        n_sums = len(self.program.resident_grads)
-        sums = dict(zip(self.program.resident_grads, grads[:n_sums]))
-        grads = grads[n_sums:]
         pairs = [(self.binding.params[t], g) for t, g in zip(self.program.param_grads, grads) if self.binding.params[t].requires_grad]
         del grads
         if pairs:  # through AccumulateGrad, so gradient hooks fire as in plain training
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
-        return dx, sums
+        return dx
 
     def measure(self, x: torch.Tensor, shared: tuple, repeats: int = 3) -> CompiledCosts:
         """Seconds and peak bytes of the forward and of the backward, as the chain DP counts them
