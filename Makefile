@@ -36,6 +36,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_plan.py
 	$(BIN)/python benchmarks/bench_quality.py
 	$(BIN)/python benchmarks/bench_compile.py
+	$(BIN)/python benchmarks/bench_lm_head.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

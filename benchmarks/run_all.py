@@ -42,7 +42,7 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         Defaults: per-block ILP options and operator variants (hierremat.variants);
   hierremat configurations  (HIERREMAT_CONFIGS) the same budgets without operator variants (variants=False),
                         Rotor on blocks (block_options="autograd", variants=False: autograd's options and the
-                        model's own operators), the whole-graph ILP (segmentation="none", variants=False),
+                        model's own operators), the whole-graph ILP (segmentation="none"),
                         block options compiled by Inductor (compile=True; peaks from the CPU allocator's events,
                         as for torch.compile) and outputs="loss" (the logits not returned: the LM head may run
                         fused with the loss; also at its own smallest feasible budget); reported "not available"
@@ -110,9 +110,9 @@ HIERREMAT_CONFIGS: list[tuple[str, dict]] = [
     ("hierremat, no operator variants", {"variants": False}),  # the model's own cross-entropy and dropout ops
     # Rotor: autograd's options for each block, the model's own operators
     ("hierremat, Rotor on blocks (autograd's options only)", {"block_options": "autograd", "variants": False}),
-    # one ILP over everything before the head; without variants (with them its ILP is far slower to solve:
-    # recomputable dropout outputs open every cone through the dropouts)
-    ("hierremat, whole-graph ILP (no operator variants)", {"segmentation": "none", "variants": False}),
+    # one ILP over everything before the head (with the variants, its recomputation stops at dropouts:
+    # hierremat.ilp.formulation.structure)
+    ("hierremat, whole-graph ILP", {"segmentation": "none"}),
     # block options also offered compiled by Inductor, chosen with their measured compiled costs
     ("hierremat, compiled block options", {"compile": True}),
     # the caller uses the loss only (as every step here does): the logits are not returned, and the LM head

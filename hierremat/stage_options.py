@@ -427,6 +427,7 @@ def build_menus(
     deadline: float | None = None,
     variants: bool = True,
     residents=None,
+    recompute_across_dropouts: bool = True,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
@@ -441,6 +442,8 @@ def build_menus(
     residents traces them as inputs with a gradient (hierremat.blocks.joint: its options add
     their terms to the gradient sums); a stage that makes residents gets no menu (option 0
     only), nor does the output stage its fused head when it touches residents.
+    recompute_across_dropouts: False where a stage is a whole model (``segmentation="none"``):
+    its ILP's recomputation stops at dropouts (hierremat.ilp.formulation.structure).
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
@@ -470,6 +473,7 @@ def build_menus(
             log.info("stage %d (%s): no block options: it branches on tensor values (an attention mask)", i, signature)
             continue
         graph_key = _graph_key(signature, variants)  # menus and executor speeds of the traced graph
+        menu_key = graph_key if recompute_across_dropouts else f"{graph_key}+cut-at-dropouts"
         if signature not in joints and signature not in menus:
             try:
                 if not isinstance(stage, torch.nn.Module):
@@ -495,7 +499,8 @@ def build_menus(
                 continue
             joints[signature] = joint
             name = getattr(stage, "stage_name", type(stage).__name__)
-            menu = _menu(joint, xs[i], shareds[i], signature, graph_key, cache, stored, time_limit, deadline, name)
+            menu = _menu(joint, xs[i], shareds[i], signature, menu_key, cache, stored, time_limit, deadline, name,
+                         recompute_across_dropouts)
             if menu is not None:
                 menus[signature] = menu
         joint, menu = joints.get(signature), menus.get(signature)
@@ -596,7 +601,9 @@ def _graph_key(signature: str, variants: bool) -> str:
     return signature if not variants else f"{signature}+variants"
 
 
-def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit, deadline, name) -> StageMenu | None:
+def _menu(
+    joint, x, shared, signature, key_signature, cache, stored, time_limit, deadline, name, recompute_across_dropouts,
+) -> StageMenu | None:
     """The stage's menu: from a saved plan, else from the cache, else solved (and cached,
     unless the planning deadline cut it short); None when solving fails (the stage then
     offers autograd's option only, with a warning). name: the stage's, for the progress bar.
@@ -629,7 +636,8 @@ def _menu(joint, x, shared, signature, key_signature, cache, stored, time_limit,
     graph = to_block_graph(joint, profile_nodes(joint, x, shared))
     try:
         with _progress_bar(f"hierremat: block {name} ({signature})") as advance:
-            solved = solve_menu(graph, time_limit=time_limit, progress=advance, label=signature, deadline=deadline)
+            solved = solve_menu(graph, time_limit=time_limit, progress=advance, label=signature, deadline=deadline,
+                                recompute_across_dropouts=recompute_across_dropouts)
     except Exception as err:  # a solver that errors (HiGHS failing, a broken install): plan without the menu
         _warn_solver_failure(signature, err)
         return None

@@ -242,6 +242,7 @@ class _ProfiledChain:
             menus = build_menus(
                 chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants,
                 deadline=deadline, residents=chain.residents,
+                recompute_across_dropouts=settings.segmentation != "none",
             )
         return cls(chain, x0, shared, settings, profile, profile_seconds, menus)
 

@@ -72,6 +72,34 @@ def test_fused_op_with_bf16_hidden_states_upcasts_like_the_model():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)  # bf16 rounding of the gradients
 
 
+@pytest.mark.parametrize("grad_state", ["zeros", "values", "none"])
+def test_fused_op_adds_an_fp32_weights_gradient_into_grad(grad_state, monkeypatch):
+    """With ``.grad`` allocated, the weight's gradient goes into it chunk by chunk: no
+    ``[vocabulary, width]`` tensor in the backward; without, it becomes ``.grad`` as before."""
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 4096 * 4 * 4)  # chunks of 4 rows
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    torch.manual_seed(0)
+    h = torch.randn(256, 32, requires_grad=True)
+    target = torch.randint(0, 4096, (256,))
+    grads, peaks = [], []
+    for fused in (False, True):
+        weight = torch.nn.Parameter(0.2 * torch.randn(4096, 32, generator=torch.Generator().manual_seed(1)))
+        if grad_state != "none":
+            weight.grad = torch.zeros_like(weight) if grad_state == "zeros" else torch.randn_like(weight)
+        start = None if weight.grad is None else weight.grad.clone()
+        loss = lce.linear_cross_entropy(h, weight, None, target) if fused else _reference(h, weight, None, target, 1)
+        with LiveTensorTracker() as tracker:
+            loss.backward()
+        grads.append(weight.grad if start is None else weight.grad - start)
+        peaks.append(tracker.peak_bytes)
+    torch.testing.assert_close(grads[1], grads[0], rtol=RTOL, atol=ATOL)
+    table = 4096 * 32 * 4
+    if grad_state == "none":
+        assert peaks[1] >= table  # the gradient itself becomes .grad
+    else:
+        assert peaks[1] < table / 2 < peaks[0], peaks
+
+
 def test_fused_op_passes_opcheck():
     torch.manual_seed(0)
     h = torch.randn(40, 16, requires_grad=True)
@@ -144,6 +172,20 @@ def test_a_model_returning_its_loss_trains_with_the_fused_head_at_its_minimum():
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan(model, (ids, ids), {}, budget="1KiB", variants=False)
     assert budget < 0.5 * err.value.min_budget_bytes  # the logits and their gradient were the floor
+
+
+def test_a_large_vocabularys_gradient_never_exists_whole(monkeypatch):
+    """A vocabulary much larger than the rest of the model: the head adds its weight gradient
+    into ``.grad`` chunk by chunk and the embedding adds the rows it read, so the smallest
+    budget is below the bytes of the (tied) table itself."""
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 32768 * 4 * 4)  # chunks of 4 rows of logits
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    torch.manual_seed(3)
+    model = LossOnly(tiny_gpt2(n_layer=1, n_embd=32, vocab_size=32768))
+    ids = torch.randint(0, 32768, (2, 64))
+    budget, _ = _train_at_minimum(model, (ids, ids), {}, lambda m: m(ids, ids))
+    table = model.model.transformer.wte.weight
+    assert budget < table.numel() * table.element_size() / 2, budget
 
 
 @pytest.mark.parametrize("which", ["gpt2", "llama-untied", "num_items_in_batch"])

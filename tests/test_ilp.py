@@ -15,7 +15,7 @@ from hierremat.block_graph import BlockGraph, GraphNode
 from hierremat.costs import ChainCosts, StageCosts
 from hierremat.ilp import BlockIlp, simulate_option, solve_count, solve_menu
 from hierremat.ilp.formulation import evaluate, structure, compact, Decisions
-from hierremat.ilp import options as options_module
+from hierremat.ilp import formulation, options as options_module
 from hierremat.ilp.options import (
     BlockOption, BlockOptions, heuristic_options, keep_all_decisions, make_option, recompute_all_decisions,
 )
@@ -299,24 +299,64 @@ def brute_force_schedule(st, kept_budget, peak_budget):
     return None if best_total == math.inf else (best_total, best_dec)
 
 
-def small_graphs(seed, count):
+def small_graphs(seed, count, cut_matters=False):
+    """``count`` random graphs small enough for the exhaustive search; ``cut_matters``: only
+    graphs whose cones cut at dropouts differ from the full ones (structure() as patched)."""
     rng = np.random.default_rng(seed)
     out = []
     while len(out) < count:
         g = random_graph(rng)
         st = structure(compact(g))
         # keep the exhaustive search small
-        if sum(len(c) for c in st.cone) <= 14 and len(st.useful[0]) <= 7 if st.K else True:
-            out.append(g)
+        if not (sum(len(c) for c in st.cone) <= 14 and len(st.useful[0]) <= 7 if st.K else True):
+            continue
+        if cut_matters:
+            limit, formulation.FULL_CONE_LIMIT = formulation.FULL_CONE_LIMIT, 10**9
+            try:
+                if structure(compact(g)).cone == st.cone:
+                    continue
+            finally:
+                formulation.FULL_CONE_LIMIT = limit
+        out.append(g)
     return out
 
 
 # ----------------------------------------------------------------------------- tests
 
 
+@pytest.fixture(params=["full cones", "cones cut at dropouts"])
+def cones(request, monkeypatch):
+    """Both cone forms: the full ones, and (as for a graph over FULL_CONE_LIMIT) cut at groups
+    that read a random value."""
+    if request.param != "full cones":
+        monkeypatch.setattr(formulation, "FULL_CONE_LIMIT", -1)
+    return request.param
+
+
+def test_cut_cones_stop_at_readers_of_random_values(monkeypatch):
+    """x -> a -> r (random) ; a, r -> d (reads r: a dropout's output from its mask) -> e;
+    a stage reading e may recompute d only from a present a: a enters its need, not its cone."""
+    nodes = (
+        GraphNode("a", "aten.op", "forward", ("x",), 4, 1.0),
+        GraphNode("r", "aten.bits", "forward", ("a",), 1, 1.0, random=True),
+        GraphNode("d", "aten.masked", "forward", ("a", "r"), 8, 1.0),
+        GraphNode("e", "aten.op", "forward", ("d",), 16, 1.0),
+        GraphNode("g", "aten.grad", "backward", ("dy", "e"), 4, 1.0),
+    )
+    graph = BlockGraph(nodes, "x", 4, "e", "dy", 16, "g")
+    full = structure(compact(graph))
+    monkeypatch.setattr(formulation, "FULL_CONE_LIMIT", -1)
+    cut = structure(compact(graph))
+    names = lambda st, groups: {st.cg.groups[g].name for g in groups}
+    assert names(full, full.cone[0]) == {"a", "d", "e"}
+    assert names(cut, cut.cone[0]) == {"d", "e"} and "a" in names(cut, cut.need[0])
+    res = BlockIlp(graph, cut).solve(kept=5, peak=10**6, backend="highs")  # keep a and r, recompute d and e
+    assert res.optimal and names(cut, res.decisions.kept) == {"a", "r"}
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_ilp_optimum_equals_exhaustive_search(seed):
-    for graph in small_graphs(seed, 5):
+def test_ilp_optimum_equals_exhaustive_search(seed, cones):
+    for graph in small_graphs(seed, 5, cut_matters=cones != "full cones"):
         ilp = BlockIlp(graph)
         st = ilp.structure
         kmin = ilp.solve(objective="kept", backend="highs")
@@ -349,8 +389,8 @@ def test_infeasible_is_a_status():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_simulator_reproduces_predictions(seed):
-    for graph in small_graphs(100 + seed, 6):
+def test_simulator_reproduces_predictions(seed, cones):
+    for graph in small_graphs(100 + seed, 6, cut_matters=cones != "full cones"):
         menu = solve_menu(graph, backend="highs")
         for opt in menu:
             sim = simulate_option(graph, opt)

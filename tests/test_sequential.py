@@ -231,3 +231,27 @@ def test_profiler_detects_which_tensors_autograd_keeps():
     # Linear saves its input; ReLU its output; Dropout a mask only; GELU its input.
     assert pins == [(True, False), (False, True), (False, False), (True, False), (True, False)]
     assert costs.stages[2].options[0].kept_bytes > 0  # the dropout mask
+
+
+def test_a_slow_stage_is_timed_by_the_runs_that_measure_its_memory(monkeypatch):
+    """Above SLOW_STAGE_SECONDS a stage runs 3 forwards and 1 backward to profile (warm-up and
+    memory runs), not 3 + 3 timed repeats and their warm-up; the memory figures are the same."""
+    from hierremat.runtime import profile as profile_module
+
+    class Counted(nn.Linear):
+        forwards = 0
+
+        def forward(self, x):
+            Counted.forwards += 1
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    stages, x = [Counted(64, 64), nn.ReLU()], torch.randn(32, 64, requires_grad=True)
+    normal = profile_module.profile_chain(stages, x, repeats=3).costs.stages[0]
+    normal_forwards, Counted.forwards = Counted.forwards, 0
+    monkeypatch.setattr(profile_module, "SLOW_STAGE_SECONDS", 0.0)
+    slow = profile_module.profile_chain(stages, x, repeats=3).costs.stages[0]
+    assert Counted.forwards == 3 < normal_forwards
+    a, b = normal.options[0], slow.options[0]
+    assert (a.kept_bytes, a.fwd_overhead_bytes, a.bwd_overhead_bytes) == (b.kept_bytes, b.fwd_overhead_bytes, b.bwd_overhead_bytes)
+    assert b.fwd_time > 0 and b.bwd_time > 0 and slow.nograd_fwd_time > 0

@@ -1,5 +1,7 @@
 """Operator variants (hierremat.variants): bitwise equal to the operators they replace, and leaner."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,97 @@ def test_variants_lower_gpt2s_smallest_budget_and_the_plan_records_them():
     assert again.variants is False and "operator variants off" in again.summary()
     module = hr.remat(model, (ids,), kwargs, plan=again)  # runs the plan's own (variant-free) graph
     module(ids, **kwargs).loss.backward()
+
+
+# ---------------------------------------------------------------- embeddings adding into .grad
+
+from hierremat.variants.embedding import embedding, use_grad_in_place_embeddings  # noqa: E402
+
+
+def _embedding_grads(table, ids, grad_out, run, padding_idx, scale, grad_state, hook=None):
+    """``table``'s .grad after ``run``'s backward, and the live-tensor peak of that backward."""
+    weight = torch.nn.Parameter(table.clone())
+    if grad_state == "zeros":
+        weight.grad = torch.zeros_like(weight)
+    elif grad_state == "values":  # as under gradient accumulation
+        weight.grad = torch.linspace(-1, 1, weight.numel()).view_as(weight)
+    if hook is not None:
+        weight.register_hook(hook)
+    out = run(weight, ids, padding_idx, scale)
+    with LiveTensorTracker() as tracker:
+        out.backward(grad_out)
+    return weight.grad, tracker.peak_bytes
+
+
+@pytest.mark.parametrize("padding_idx, scale", [(-1, False), (3, False), (-1, True), (5, True)])
+@pytest.mark.parametrize("grad_state", ["zeros", "values", "none"])
+def test_embedding_variant_adds_the_rows_it_read_into_grad_bitwise(padding_idx, scale, grad_state):
+    torch.manual_seed(0)
+    table = torch.randn(5000, 48)
+    ids = torch.randint(0, 40, (4, 300))  # many repeated rows (each summed in a fixed order), padding among them
+    grad_out = torch.randn(4, 300, 48)
+    plain = lambda w, i, p, s: F.embedding(i, w, padding_idx=None if p < 0 else p, scale_grad_by_freq=s)
+    expected, plain_peak = _embedding_grads(table, ids, grad_out, plain, padding_idx, scale, grad_state)
+    grad, peak = _embedding_grads(table, ids, grad_out, embedding, padding_idx, scale, grad_state)
+    assert _same_bits(grad, expected)
+    dense = table.numel() * 4
+    if grad_state == "none":  # the gradient becomes .grad: nothing to save
+        assert peak == plain_peak
+    else:  # no [num_embeddings, dim] tensor: the batch's rows only
+        assert plain_peak >= dense and peak < dense / 10, (plain_peak, peak)
+
+
+def test_embedding_variant_gives_tensor_hooks_the_whole_gradient():
+    torch.manual_seed(0)
+    table, ids, grad_out = torch.randn(300, 8), torch.randint(0, 300, (64,)), torch.randn(64, 8)
+    seen = []
+    hook = lambda g: seen.append(g.clone()) or 2 * g
+    plain = lambda w, i, p, s: F.embedding(i, w)
+    expected, _ = _embedding_grads(table, ids, grad_out, plain, -1, False, "zeros", hook)
+    grad, _ = _embedding_grads(table, ids, grad_out, embedding, -1, False, "zeros", hook)
+    assert _same_bits(grad, expected) and _same_bits(seen[0], seen[1])
+
+
+def test_post_accumulate_hooks_see_the_complete_grad_of_a_tied_embedding():
+    """GPT-2's table is read by the embedding and the head: AccumulateGrad still runs (and its
+    hooks with it) after the embedding added its rows."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=1, n_embd=32, vocab_size=512)
+    ids = torch.randint(0, 512, (2, 32))
+    gm = capture(model, (ids,), {"labels": ids, "use_cache": False}).module
+    assert sum(n.target is embedding for n in gm.graph.nodes) == 2  # tokens and positions
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.zero_grad(set_to_none=False)
+    seen = []
+    model.transformer.wte.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    torch.manual_seed(1)
+    gm(ids, labels=ids, use_cache=False)[0].backward()
+    torch.manual_seed(1)
+    reference(ids, labels=ids, use_cache=False).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert _same_bits(p.grad, q.grad), name
+    assert seen and _same_bits(seen[-1], reference.transformer.wte.weight.grad)
+
+
+def test_embedding_variant_passes_opcheck():
+    table = torch.randn(50, 8, requires_grad=True)
+    for args in ((table, torch.randint(0, 50, (3, 7)), -1, False), (table, torch.randint(0, 50, (9,)), 2, True)):
+        torch.library.opcheck(torch.ops.hierremat.embedding.default, args)
+
+
+def test_sparse_embeddings_are_left_alone():
+    class Sparse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(100, 8, sparse=True)
+
+        def forward(self, ids):
+            return self.table(ids).sum()
+
+    gm = capture(Sparse(), (torch.randint(0, 100, (10,)),)).module
+    assert use_grad_in_place_embeddings(gm) == 0
+    assert any(n.target is torch.ops.aten.embedding.default for n in gm.graph.nodes)
 
 
 # ---------------------------------------------------------------- packed dropout masks

@@ -62,14 +62,20 @@ def test_gpt2_gradients_and_memory():
     _check(model, (ids,), {"labels": ids, "use_cache": False})
 
 
-def test_whole_graph_segmentation_solves_everything_before_the_head_as_one_block():
+@pytest.mark.parametrize("variants", [True, False])
+def test_whole_graph_segmentation_solves_everything_before_the_head_as_one_block(variants):
     torch.manual_seed(3)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
-    # (variants=False: with recomputable dropout outputs this ILP takes minutes, see benchmarks/run_all.py)
-    plan = _check(model, (ids,), {"labels": ids, "use_cache": False}, segmentation="none", variants=False)
+    plan = _check(model, (ids,), {"labels": ids, "use_cache": False}, segmentation="none", variants=variants)
     assert plan.segmentation == "none" and len(plan.stages) == 2
     assert plan.stages[0].name.endswith("transformer.h.1") and len(plan.menus) == 1
+    (menu,) = plan.menus.values()
+    # with variants too: recomputation stops at dropouts, and every ILP solve is proven optimal
+    assert not menu["coarse"], menu["coarse"]
+    assert all(o["optimal"] for o in menu["options"] if o["name"].startswith("ilp")), menu["options"]
+    if not variants:
+        return
     assert hr.ModelPlan.from_json(plan.to_json()) == plan
     with pytest.raises(ValueError, match="segmentation must be 'blocks'.*got 'layers'"):
         hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB", segmentation="layers")

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import UnsupportedModelError
 from ..variants.cross_entropy import use_row_blocked_cross_entropy
+from ..variants.embedding import use_grad_in_place_embeddings
 from .causal_attention import restore_causal_attention
 from .eager_masks import restore_unpadded_bias_masks
 from .hf import eager_mask_decisions, register_cache_pytrees
@@ -163,7 +164,8 @@ def capture(
     """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem.
 
     variants: also route operators to hierremat's exact, memory-lean variants where one
-    applies (hierremat.variants: the row-blocked cross-entropy).
+    applies (hierremat.variants: the row-blocked cross-entropy, embeddings whose backward adds
+    into ``.grad``).
     outputs: the names of the outputs to return (hierremat.plan's ``outputs=``); None: all.
     """
     if not isinstance(model, torch.nn.Module):
@@ -186,6 +188,7 @@ def capture(
     restore_unpadded_bias_masks(module)
     if variants:
         use_row_blocked_cross_entropy(module)
+        use_grad_in_place_embeddings(module)
     nodes = {n.name: describe(n) for n in module.graph.nodes}
     log.debug("captured %s: %d nodes", type(model).__name__, len(nodes))
     return CapturedModel(exported, module, nodes)

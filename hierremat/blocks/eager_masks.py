@@ -24,14 +24,12 @@ it (no block options: their graphs are traced, and a trace cannot branch on valu
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import fx
 
+from ..variants.rewrite import replace_calls
 from .causal_attention import ancestors
 
-log = logging.getLogger(__name__)
 
 #: Inputs whose name ends so are padding masks (Hugging Face: attention_mask, decoder_attention_mask, ...).
 MASK_SUFFIX = "attention_mask"
@@ -102,24 +100,16 @@ def restore_unpadded_bias_masks(gm: fx.GraphModule) -> int:
     masks = [p for p in placeholders if p.name.endswith(MASK_SUFFIX)]
     if not masks:
         return 0
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _WHERE or len(node.args) != 3:
-            continue
+
+    def arguments(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
+        if len(node.args) != 3:
+            return None
         cond, bias, fill = node.args
         if not isinstance(cond, fx.Node) or not isinstance(bias, fx.Node) or not _batch_broadcast(node, cond, bias):
-            continue
+            return None
         inputs = [n for n in ancestors(cond) if n.op == "placeholder"]
         if not inputs or any(p not in masks for p in inputs) or not _trained(gm, bias):
-            continue
-        first = _unpadded_first_row(gm, cond, inputs, node)
-        with gm.graph.inserting_before(node):
-            branch = gm.graph.call_function(masked_bias, (cond, first, bias, fill, *inputs))
-        branch.meta = dict(node.meta)
-        node.replace_all_uses_with(branch)
-        gm.graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        gm.recompile()
-        log.debug("attention bias: %d masks given eager mode's shortcut for batches without padding", rewritten)
-    return rewritten
+            return None
+        return (cond, _unpadded_first_row(gm, cond, inputs, node), bias, fill, *inputs)
+
+    return replace_calls(gm, _WHERE, masked_bias, arguments, "attention bias masks given eager mode's shortcut")

@@ -382,6 +382,7 @@ def solve_menu(
     progress=None,
     label: str = "",
     deadline: float | None = None,
+    recompute_across_dropouts: bool = True,
 ) -> BlockOptions:
     """The option menu of ``graph``: a (retained bytes x peak) budget sweep of the ILP,
     plus keep-all, recompute-all and the heuristic options, Pareto-pruned.
@@ -404,13 +405,15 @@ def solve_menu(
 
     progress: called after every solve with a short text (budgets, status, seconds), e.g.
     to advance a progress bar. label: names the block in logs (its signature).
+    recompute_across_dropouts: False for a whole model as one graph: recomputation stops at
+    dropouts (hierremat.ilp.formulation.structure).
 
     A solution the formulation's evaluation or the op-list simulator rejects is discarded,
     never offered, and logged as a bug (ERROR, with ``label``); the menu goes on without it.
     """
     t0 = time.perf_counter()
     solves0 = solve_count()
-    st = ilp.structure if ilp is not None else structure(compact(graph))
+    st = ilp.structure if ilp is not None else structure(compact(graph), recompute_across_dropouts)
     cands: list[BlockOption] = []
     keep_all = make_option(st, keep_all_decisions(st), "keep_all", optimal=False)
     cands.append(keep_all)

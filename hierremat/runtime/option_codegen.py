@@ -147,6 +147,10 @@ class _PhaseBuilder:
         else:
             with self.graph.inserting_before(self.first_compute):
                 node = self.graph.placeholder(_safe(name))
+        # The argument is named as the node: fx renames a node whose name is taken and then binds
+        # it from its target (``getitem_11 = getitem``), and those lines would clobber a variable
+        # that another placeholder's target already bound (a kept ``getitem_11``).
+        node.target = node.name
         self.inputs.append(source)
         return node
 

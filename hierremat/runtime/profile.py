@@ -5,7 +5,10 @@ and peak; the grad forward's time, peak, the bytes autograd keeps for backward (
 bytes after the forward, less the output) and whether those keep the input's or the
 output's storage (weakref finalisers on them); the backward's time and peak. Times are medians of
 ``repeats`` runs after a warm-up (``time.perf_counter`` on CPU, CUDA events on GPU);
-memory comes from the meter the budget is checked with (hierremat.runtime.memory).
+a stage whose no-grad forward takes over SLOW_STAGE_SECONDS keeps the times of the runs
+that measure its memory (one each; its one-off costs are a small share of such a run): a
+128k-vocabulary LM head at seq 2048 takes 2 s a run on a 2-core CPU, and 18 runs to profile
+otherwise. Memory comes from the meter the budget is checked with (hierremat.runtime.memory).
 
 Profiling leaves no trace: RNG states, buffers (BatchNorm running stats) and parameter
 ``.grad`` are restored afterwards. Parameters without ``.grad`` get a zero one while
@@ -32,6 +35,10 @@ from .memory import WeightCastCounter, allocated_bytes, memory_meter
 from .residents import keep_made, split_output, stage_shared, tap_read
 from .rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
+
+#: Seconds of a stage's no-grad forward (measured with its memory) above which its times are
+#: those of the memory runs: one run each, its one-off costs a small share of it.
+SLOW_STAGE_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -335,8 +342,12 @@ def _profile_stage(
     with meter:
         meter.reset_peak()
         base = meter.live_bytes
+        started = time.perf_counter()
         with torch.no_grad():
             y = call(x)
+        _sync(device)
+        nograd_time = time.perf_counter() - started
+        slow = nograd_time > SLOW_STAGE_SECONDS
         nograd_peak = meter.peak_bytes - base
         out_bytes = storage_bytes(y[0] if produced else y)
 
@@ -345,8 +356,11 @@ def _profile_stage(
         inp, sink = tap_input(x_copy, anchor)
         meter.reset_peak()
         base = meter.live_bytes
+        started = time.perf_counter()
         with torch.enable_grad():
             out = call(inp)
+        _sync(device)
+        fwd_time = time.perf_counter() - started
         fwd_peak = meter.peak_bytes - base
         grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
         if produced:  # the residents it made count as kept only where its tape keeps them
@@ -361,14 +375,42 @@ def _profile_stage(
         del out, inp, x_copy
         _sync(device)
         pins_input, pins_output = not input_freed, sum(outputs_freed) < output_storage_bytes
-        bwd_peak = 0
+        bwd_peak, bwd_time = 0, 0.0
         if any(e is not None for e in edges):
             meter.reset_peak()
             base = meter.live_bytes
+            started = time.perf_counter()
             backward_through(edges, grads)
+            _sync(device)
+            bwd_time = time.perf_counter() - started
             bwd_peak = meter.peak_bytes - base
         del edges, grads, sink
+    if not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
+        nograd_time, fwd_time, bwd_time = _timed_runs(call, x, requires_grad, repeats, device, grad_mask)
 
+    grad_bytes = storage_bytes(x) if requires_grad else 0
+    option = OptionCosts(
+        fwd_time=fwd_time,
+        bwd_time=bwd_time,
+        kept_bytes=kept,
+        fwd_overhead_bytes=max(fwd_peak, kept + out_bytes),
+        bwd_overhead_bytes=max(bwd_peak, grad_bytes),
+        pins_output=pins_output,
+        pins_input=pins_input,
+    )
+    cost = StageCosts(
+        nograd_fwd_time=nograd_time,
+        nograd_fwd_overhead_bytes=max(nograd_peak, out_bytes),
+        options=(option,),
+        name=_stage_name(i, stage),
+        weight_cast_bytes=casts.bytes,
+    )
+    return cost, mutated, y, grad_mask
+
+
+def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
+                grad_mask) -> tuple[float, float, float]:
+    """Median seconds of the no-grad forward, the grad forward and the backward (after a warm-up)."""
     with torch.no_grad():
         nograd_time = median_seconds(lambda: call(x), repeats, device)
 
@@ -390,26 +432,7 @@ def _profile_stage(
             break
         bwd_samples.append(median_seconds(functools.partial(backward_through, edges, grads), 1, device))
         del edges, grads
-    bwd_time = statistics.median(bwd_samples) if bwd_samples else 0.0
-
-    grad_bytes = storage_bytes(x) if requires_grad else 0
-    option = OptionCosts(
-        fwd_time=fwd_time,
-        bwd_time=bwd_time,
-        kept_bytes=kept,
-        fwd_overhead_bytes=max(fwd_peak, kept + out_bytes),
-        bwd_overhead_bytes=max(bwd_peak, grad_bytes),
-        pins_output=pins_output,
-        pins_input=pins_input,
-    )
-    cost = StageCosts(
-        nograd_fwd_time=nograd_time,
-        nograd_fwd_overhead_bytes=max(nograd_peak, out_bytes),
-        options=(option,),
-        name=_stage_name(i, stage),
-        weight_cast_bytes=casts.bytes,
-    )
-    return cost, mutated, y, grad_mask
+    return nograd_time, fwd_time, statistics.median(bwd_samples) if bwd_samples else 0.0
 
 
 def _stage_name(i: int, stage: Callable) -> str:

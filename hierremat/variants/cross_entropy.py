@@ -22,12 +22,10 @@ et al. 2024, which changes the summation order of the head's weight gradient.)
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import fx
 
-log = logging.getLogger(__name__)
+from .rewrite import replace_calls
 
 _CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 _BLOCK_BYTES = 8 << 20  # one block of rows of the intermediate gradient, at most (bytes)
@@ -118,23 +116,11 @@ def use_row_blocked_cross_entropy(gm: fx.GraphModule) -> int:
     """Replace every ``aten.cross_entropy_loss`` call of ``gm`` that the variant computes
     exactly (class-index targets, no weights, no label smoothing, fp32/fp64 logits) by
     :func:`row_blocked_cross_entropy`; returns how many."""
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _CROSS_ENTROPY:
-            continue
+
+    def arguments(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
         call = _rewritable(node, gm)
         if call is None:
-            continue
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                row_blocked_cross_entropy,
-                (call["input"], call["target"], call.get("reduction", 1), call.get("ignore_index", -100)),
-            )
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        gm.recompile()
-        log.debug("cross-entropy: %d call(s) use the row-blocked backward", rewritten)
-    return rewritten
+            return None
+        return call["input"], call["target"], call.get("reduction", 1), call.get("ignore_index", -100)
+
+    return replace_calls(gm, _CROSS_ENTROPY, row_blocked_cross_entropy, arguments, "row-blocked cross-entropy")

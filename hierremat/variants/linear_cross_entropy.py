@@ -12,13 +12,16 @@ never materializes them:
   log-sum-exp (``[tokens]``, fp32) and returns the loss;
 * backward: per chunk, the chunk's logits again, the softmax minus the one-hot target
   (in place), scaled by the loss gradient, then the chunk's rows of dh and its share of dW
-  (and db), accumulated chunk by chunk.
+  (and db), accumulated chunk by chunk; an fp32 weight's share goes straight into its
+  ``.grad`` where autograd's result would be the same (hierremat.variants.grad_in_place),
+  so no ``[vocabulary, width]`` tensor exists either.
 
 It is a time-for-memory trade-off: the head's matmul runs once more (a third more of the
 head's FLOPs). So it is not applied unconditionally: the model's last stage offers it as
 an option beside the materialized head (hierremat.output_stage), and the chain DP picks
-by budget. Only the summation order differs from plain autograd (dW over row chunks, the
-mean over rows): equal to fp32 rounding, tested at rtol 1e-4, atol 1e-5 (fp32).
+by budget. Only the summation order differs from plain autograd (dW over row chunks, added
+into ``.grad`` chunk by chunk or summed first; the mean over rows): equal to fp32 rounding,
+tested at rtol 1e-4, atol 1e-5 (fp32).
 
 :func:`fuse_linear_cross_entropy` rewrites a stage graph where a ``linear`` feeds a
 cross-entropy through ops on its leading dimensions only (views, slices, contiguous, an
@@ -33,6 +36,8 @@ import operator
 
 import torch
 from torch import fx
+
+from .grad_in_place import added_gradient, grad_to_add_into
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +121,13 @@ def _backward(ctx, grad_loss, _grad_lse):
     scale = torch.where(valid, scale, 0.0)
     need_h, need_weight, need_bias = ctx.needs_input_grad[:3]
     grad_h = torch.empty_like(h) if need_h else None
-    # dW and db accumulate in fp32 over the chunks and are rounded once, as one matmul would
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_weight else None
+    # dW and db accumulate in fp32 over the chunks and are rounded once, as one matmul would;
+    # an fp32 weight's chunks go straight into its .grad where they may (no [vocabulary, width] tensor)
+    into = grad_to_add_into(weight) if need_weight and weight.dtype == torch.float32 else None
+    if into is not None:
+        grad_weight = into
+    else:
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_weight else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if need_bias and bias is not None else None
     with torch.autocast(h.device.type, enabled=False):
         for start in range(0, rows, step):
@@ -136,7 +146,9 @@ def _backward(ctx, grad_loss, _grad_lse):
             if grad_bias is not None:
                 grad_bias += grad.sum(0, dtype=torch.float32)
             del grad
-    if grad_weight is not None:
+    if into is not None:
+        grad_weight = added_gradient(weight)
+    elif grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
