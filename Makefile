@@ -37,6 +37,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_quality.py
 	$(BIN)/python benchmarks/bench_compile.py
 	$(BIN)/python benchmarks/bench_lm_head.py
+	$(BIN)/python benchmarks/bench_relu_masks.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -6,6 +6,8 @@
 // Every kernel computes bitwise what the pure-torch reference in packed_bits.py computes:
 //   pack_mask(mask)                      = the packed bytes of mask (bool, any shape)
 //   masked_scale(x, bits, scale)         = x.mul(unpacked mask).mul_(scale)
+//   above_bits(x, threshold)             = the packed bytes of !(x <= threshold)
+//   where_bits(x, bits)                  = where(unpacked mask, x, 0), in x's layout
 // which for dropout is native_dropout's output (x, its mask) and native_dropout_backward
 // (the output gradient, the mask). float and double run fused loops; other dtypes run the
 // same ATen ops on the unpacked mask.
@@ -85,9 +87,98 @@ at::Tensor masked_scale_cpu(const at::Tensor& x, const at::Tensor& bits, double 
   return out;
 }
 
+template <typename scalar_t>
+void above_bits_loop(const scalar_t* __restrict__ src, uint8_t* __restrict__ dst, int64_t n, scalar_t t) {
+  const int64_t full = n / 8;
+  at::parallel_for(0, full, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const scalar_t* x = src + b * 8;
+      uint8_t above[8];
+      for (int j = 0; j < 8; ++j) above[j] = !(x[j] <= t);
+      uint8_t byte = 0;
+      for (int j = 0; j < 8; ++j) byte |= above[j] << j;
+      dst[b] = byte;
+    }
+  });
+  if (full * 8 < n) {
+    uint8_t byte = 0;
+    for (int64_t i = full * 8; i < n; ++i) byte |= static_cast<uint8_t>(!(src[i] <= t)) << (i - full * 8);
+    dst[full] = byte;
+  }
+}
+
+at::Tensor above_bits_cpu(const at::Tensor& x, double threshold) {
+  const auto xc = x.contiguous();
+  const int64_t n = xc.numel();
+  auto bits = at::empty({(n + 7) / 8}, xc.options().dtype(at::kByte));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "above_bits_cpu", [&] {
+    // threshold_backward compares in the tensor's dtype: the threshold is cast to it first
+    above_bits_loop<scalar_t>(xc.data_ptr<scalar_t>(), bits.data_ptr<uint8_t>(), n, static_cast<scalar_t>(threshold));
+  });
+  return bits;
+}
+
+// where(mask, x, +0) on the bit patterns: x's bits, or all-zero bits (+0), so NaN payloads and
+// signed zeros pass through exactly as threshold_backward passes them.
+template <typename word_t>
+struct ByteLanes {
+  // lanes[m][j]: all ones where bit j of mask byte m is set, else 0 (a table, so the loop
+  // below is a plain vectorizable AND)
+  word_t lanes[256][8];
+  ByteLanes() {
+    for (int m = 0; m < 256; ++m)
+      for (int j = 0; j < 8; ++j) lanes[m][j] = ((m >> j) & 1) ? static_cast<word_t>(~word_t(0)) : word_t(0);
+  }
+};
+
+template <typename word_t>
+void where_bits_loop(const word_t* __restrict__ src, const uint8_t* __restrict__ mask, word_t* __restrict__ dst, int64_t n) {
+  static const ByteLanes<word_t> table;
+  const int64_t full = n / 8;
+  at::parallel_for(0, full, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const word_t* __restrict__ lane = table.lanes[mask[b]];
+      const word_t* __restrict__ x = src + b * 8;
+      word_t* __restrict__ out = dst + b * 8;
+      for (int j = 0; j < 8; ++j) out[j] = x[j] & lane[j];
+    }
+  });
+  for (int64_t i = full * 8; i < n; ++i) dst[i] = src[i] & table.lanes[mask[full]][i - full * 8];
+}
+
+at::Tensor where_bits_cpu(const at::Tensor& x, const at::Tensor& bits) {
+  TORCH_CHECK(bits.scalar_type() == at::kByte, "where_bits: bits must be uint8, got ", bits.scalar_type());
+  TORCH_CHECK(bits.numel() == (x.numel() + 7) / 8, "where_bits: ", bits.numel(), " bytes of mask for ", x.numel(), " elements");
+  TORCH_CHECK(x.is_floating_point(), "where_bits: x must be floating point, got ", x.scalar_type());
+  const auto b = bits.contiguous();
+  if (!x.is_contiguous()) {  // the mask is in logical order: let ATen place it in x's layout
+    auto out = at::empty_like(x);
+    return at::where_out(out, unpack_mask(b, x.sizes()), x, at::zeros({}, x.options()));
+  }
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t n = x.numel();
+  const uint8_t* mask = b.data_ptr<uint8_t>();
+  switch (x.element_size()) {
+    case 8:
+      where_bits_loop<uint64_t>(static_cast<const uint64_t*>(x.const_data_ptr()), mask, static_cast<uint64_t*>(out.data_ptr()), n);
+      break;
+    case 4:
+      where_bits_loop<uint32_t>(static_cast<const uint32_t*>(x.const_data_ptr()), mask, static_cast<uint32_t*>(out.data_ptr()), n);
+      break;
+    case 2:
+      where_bits_loop<uint16_t>(static_cast<const uint16_t*>(x.const_data_ptr()), mask, static_cast<uint16_t*>(out.data_ptr()), n);
+      break;
+    default:
+      TORCH_CHECK(false, "where_bits: unsupported element size ", x.element_size());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hierremat, CPU, m) {
   m.impl("pack_mask", &pack_mask_cpu);
   m.impl("masked_scale", &masked_scale_cpu);
+  m.impl("above_bits", &above_bits_cpu);
+  m.impl("where_bits", &where_bits_cpu);
 }

@@ -60,6 +60,7 @@ from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scra
 from .runtime.residents import keep_made, split_output, stage_shared
 from .runtime.stage_cost_cache import ExecutorSpeeds, StageCostCache, device_name
 from .variants.dropout import pack_dropout_masks
+from .variants.relu_masks import pack_relu_masks
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +486,7 @@ def build_menus(
                 if autocast.enabled:
                     check_autocast_exact(joint, stage, xs[i], shareds[i], input_grad, autocast, reads)
                 if variants:
-                    joint = pack_dropout_masks(joint)
+                    joint = pack_relu_masks(pack_dropout_masks(joint))
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
                     raise ValueError("the stage returns several tensors")
                 output = to_block_graph(joint).node(joint.output_names[0])

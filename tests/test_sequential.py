@@ -255,3 +255,25 @@ def test_a_slow_stage_is_timed_by_the_runs_that_measure_its_memory(monkeypatch):
     a, b = normal.options[0], slow.options[0]
     assert (a.kept_bytes, a.fwd_overhead_bytes, a.bwd_overhead_bytes) == (b.kept_bytes, b.fwd_overhead_bytes, b.bwd_overhead_bytes)
     assert b.fwd_time > 0 and b.bwd_time > 0 and slow.nograd_fwd_time > 0
+
+
+def test_relu_masks_lower_the_floor_of_a_relu_dropout_chain_and_train_exactly(monkeypatch):
+    """Feed-forward blocks with ReLU then dropout: with ReLU's backward from a packed mask
+    (a choice of the block ILP, hierremat.variants.relu_masks) the smallest feasible budget
+    drops, and the plans from it up still give plain autograd's gradients within budget."""
+    from hierremat import stage_options
+
+    torch.manual_seed(4)
+    layers = [nn.Linear(32, 128)]
+    for _ in range(3):
+        layers += [nn.LayerNorm(128), nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 128))]
+    layers.append(nn.Linear(128, 16))  # (the last stage runs autograd's option only)
+    model, x = nn.Sequential(*layers), torch.randn(256, 32)
+    with monkeypatch.context() as patch:
+        patch.setattr(stage_options, "pack_relu_masks", lambda joint: joint)
+        with pytest.raises(hr.InfeasibleBudgetError) as without:
+            hr.plan_sequential(model, "1KiB", x)
+    with pytest.raises(hr.InfeasibleBudgetError) as masked:
+        hr.plan_sequential(model, "1KiB", x)
+    assert masked.value.min_budget_bytes < 0.97 * without.value.min_budget_bytes
+    _check_model(model, x)

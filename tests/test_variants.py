@@ -283,3 +283,87 @@ def test_packed_dropout_joint_graph_gives_the_same_results_and_saves_bits():
     bits_name = bits.name
     assert saved_for_backward(packed)[bits_name] == 32 * 64 // 8
     assert not any(n.target is torch.ops.aten.native_dropout_backward.default for n in packed.module.graph.nodes)
+
+
+# ---------------------------------------------------------------- ReLU backward from packed masks
+
+from hierremat.variants.relu_masks import pack_relu_masks  # noqa: E402
+
+
+def _relu_cases(device):
+    torch.manual_seed(0)
+    wide = torch.randn(37, 129, device=device)
+    wide[0, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 0.5])
+    yield wide, 0.0
+    yield wide, 0.5  # nn.Threshold's threshold_backward
+    yield torch.randn(5, device=device), 0.0  # fewer elements than one byte of mask
+    yield torch.randn(16, 33, device=device).t(), 0.0  # not contiguous
+    yield torch.randn(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last), 0.0
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        yield torch.randn(8, 67, device=device, dtype=dtype), 0.0
+
+
+def _check_relu_ops(device, above_bits, where_bits):
+    for self_, threshold in _relu_cases(device):
+        bits = above_bits(self_, threshold)
+        assert torch.equal(bits, packed_bits.pack_mask_reference(~(self_ <= threshold)))
+        grad = torch.randn_like(self_)
+        grad[(0,) * grad.dim()] = float("nan")
+        grad[(-1,) * grad.dim()] = -0.0
+        out = where_bits(grad, bits)
+        expected = torch.ops.aten.threshold_backward(grad, self_, threshold)
+        assert out.stride() == expected.stride()
+        if self_.element_size() == 2:  # ATen's 16-bit kernel goes through fp32: a NaN's payload changes
+            assert torch.equal(out.isnan(), expected.isnan())
+            out, expected = out.nan_to_num(0.0), expected.nan_to_num(0.0)
+        assert _same_bits(out, expected)
+
+
+def test_relu_mask_ops_are_bitwise_threshold_backward_cpp_kernels():
+    assert packed_bits.load_cpu_kernels(), "the C++ kernels (csrc/packed_bits.cpp) did not build; see the log"
+    _check_relu_ops("cpu", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits)
+
+
+def test_relu_mask_ops_are_bitwise_threshold_backward_reference_kernels():
+    _check_relu_ops("cpu", packed_bits.above_bits_reference, packed_bits.where_bits_reference)
+
+
+@pytest.mark.cuda
+def test_relu_mask_ops_are_bitwise_threshold_backward_on_cuda():
+    _check_relu_ops("cuda", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits)
+
+
+def test_relu_mask_ops_pass_opcheck():
+    x, grad = torch.randn(6, 11), torch.randn(6, 11)
+    torch.library.opcheck(torch.ops.hierremat.above_bits.default, (x, 0.0))
+    torch.library.opcheck(torch.ops.hierremat.where_bits.default, (grad, torch.ops.hierremat.above_bits(x, 0.0)))
+
+
+class ConvReluBlock(torch.nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.conv1, self.bn = torch.nn.Conv2d(width, width, 3, padding=1), torch.nn.BatchNorm2d(width)
+        self.conv2 = torch.nn.Conv2d(width, width, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv2(torch.relu(self.bn(self.conv1(x)))) + x)
+
+
+def test_relu_mask_joint_graph_gives_the_same_gradients_and_keeps_bits_instead_of_the_output():
+    torch.manual_seed(0)
+    block, x = ConvReluBlock(), torch.randn(2, 8, 8, 8)
+    plain = trace_joint(block, x)
+    masked = pack_relu_masks(trace_joint(block, x))
+    targets = [n.target for n in masked.module.graph.nodes]
+    assert torch.ops.aten.threshold_backward.default not in targets
+    assert targets.count(torch.ops.hierremat.above_bits.default) == 2
+    assert not any(n.target is torch.ops.aten.detach.default and not n.users for n in masked.module.graph.nodes)
+    tangent = (torch.randn(2, 8, 8, 8),)
+    a, b = run_joint(plain, x, (), tangent), run_joint(masked, x, (), tangent)
+    assert _same_bits(a.outputs[0], b.outputs[0]) and _same_bits(a.input_grad, b.input_grad)
+    for name, grad in a.param_grads.items():
+        assert _same_bits(grad, b.param_grads[name]), name
+    # autograd keeps the block's output only for its last ReLU's backward: 1 bit per element now
+    output = plain.output_names[0]
+    assert output in saved_for_backward(plain) and output not in saved_for_backward(masked)
+    assert sum(saved_for_backward(masked).values()) < sum(saved_for_backward(plain).values())

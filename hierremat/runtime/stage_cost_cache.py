@@ -27,7 +27,7 @@ from ..ilp.cache import CacheKey, OptionsCache
 log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
-STAGE_COST_VERSION = "stage-3"
+STAGE_COST_VERSION = "stage-4"
 
 
 @dataclass(frozen=True)

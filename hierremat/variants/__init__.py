@@ -6,6 +6,8 @@ Each variant computes bitwise what the operator it replaces computes, in less me
 * ``dropout``: dropout masks packed to one bit per element, and the dropout's output
   as a deterministic op of its input and the packed mask, so a block option may
   recompute it instead of keeping it (the random draw itself is never repeated);
+* ``relu_masks``: ReLU's backward (``threshold_backward``) from a 1-bit mask of its output,
+  which the block ILP may keep instead of the output or recompute from it;
 * ``embedding``: the backward adds the rows the batch read into the table's ``.grad``
   (``index_add_`` of distinct rows, each summed as ``embedding_dense_backward`` sums it),
   never a dense ``[num_embeddings, dim]`` gradient (``grad_in_place``: where autograd's

@@ -21,7 +21,6 @@ attention block whose ``x`` (the softmax) is kept anyway need not keep the dropo
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 
@@ -30,6 +29,7 @@ from torch import fx
 
 from ..block_graph import BACKWARD, FORWARD
 from . import packed_bits
+from .rewrite import joint_after_rewrite
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +102,4 @@ def pack_dropout_masks(joint):
     packed_bits.load_cpu_kernels()
     gm.recompile()
     log.debug("%d dropout(s) with packed masks", rewritten)
-    rename = lambda name: renamed.get(name, name)
-    return dataclasses.replace(
-        joint,
-        phase={n.name: phase[n.name] for n in gm.graph.nodes if n.op == "call_function"},  # in graph order
-        output_names=tuple(rename(n) for n in joint.output_names),
-        input_grad_name=rename(joint.input_grad_name),
-        param_grad_names={k: rename(v) for k, v in joint.param_grad_names.items()},
-        mutations=tuple((rename(n), t) for n, t in joint.mutations),
-    )
+    return joint_after_rewrite(joint, phase, renamed)

@@ -11,6 +11,12 @@ Operators (schemas defined here with ``torch.library``):
   packed mask ``native_dropout(x, p, train=True)`` would draw, drawing the same random
   numbers (on CPU the mask alone is drawn, by the same ``bernoulli_`` call; elsewhere
   ``native_dropout`` itself runs and its output is dropped).
+* ``above_bits(Tensor x, float threshold) -> Tensor``: the packed mask ``!(x <= threshold)``
+  (the elements ``threshold_backward(grad, x, threshold)`` lets through; NaN passes);
+* ``where_bits(Tensor x, Tensor bits) -> Tensor``: ``x`` where the mask is set, +0 elsewhere, in
+  ``x``'s layout: bitwise ``threshold_backward(x, self, threshold)`` given ``above_bits(self,
+  threshold)`` (the ReLU variant, hierremat.variants.relu_masks), except a 16-bit NaN's
+  payload, which ATen's kernel changes on its way through fp32 and this one keeps.
 
 Kernels: the CPU ones are C++ (``csrc/packed_bits.cpp``), compiled on first use with
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; the build is cached by
@@ -37,6 +43,8 @@ _LIBRARY = torch.library.Library("hierremat", "DEF")
 _LIBRARY.define("pack_mask(Tensor mask) -> Tensor")
 _LIBRARY.define("masked_scale(Tensor x, Tensor bits, float scale) -> Tensor")
 _LIBRARY.define("dropout_bits(Tensor x, float p) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+_LIBRARY.define("above_bits(Tensor x, float threshold) -> Tensor")
+_LIBRARY.define("where_bits(Tensor x, Tensor bits) -> Tensor")
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "packed_bits.cpp"
 _SHIFTS = {}
@@ -74,6 +82,16 @@ def masked_scale_reference(x: torch.Tensor, bits: torch.Tensor, scale: float) ->
     return x.mul(unpack_mask(bits, x.shape)).mul_(scale)
 
 
+def above_bits_reference(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The pure-torch ``above_bits`` (the comparison in x's dtype, as threshold_backward's)."""
+    return pack_mask_reference(torch.le(x, threshold).logical_not_())
+
+
+def where_bits_reference(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The pure-torch ``where_bits``."""
+    return torch.where(unpack_mask(bits, x.shape), x, x.new_zeros(()), out=torch.empty_like(x))
+
+
 @functools.cache
 def _cpu_bernoulli_is_native_dropouts() -> bool:
     """Whether ``empty_like(x, bool).bernoulli_(1 - p)`` draws ``native_dropout``'s CPU mask
@@ -102,6 +120,8 @@ def _dropout_bits(x: torch.Tensor, p: float) -> torch.Tensor:
 torch.library.impl(_LIBRARY, "pack_mask", "CompositeExplicitAutograd")(pack_mask_reference)
 torch.library.impl(_LIBRARY, "masked_scale", "CompositeExplicitAutograd")(masked_scale_reference)
 torch.library.impl(_LIBRARY, "dropout_bits", "CompositeExplicitAutograd")(_dropout_bits)
+torch.library.impl(_LIBRARY, "above_bits", "CompositeExplicitAutograd")(above_bits_reference)
+torch.library.impl(_LIBRARY, "where_bits", "CompositeExplicitAutograd")(where_bits_reference)
 
 
 @torch.library.register_fake("hierremat::pack_mask", lib=_LIBRARY)
@@ -117,6 +137,16 @@ def _masked_scale_fake(x, bits, scale):
 @torch.library.register_fake("hierremat::dropout_bits", lib=_LIBRARY)
 def _dropout_bits_fake(x, p):
     return x.new_empty((packed_size(x.numel()),), dtype=torch.uint8)
+
+
+@torch.library.register_fake("hierremat::above_bits", lib=_LIBRARY)
+def _above_bits_fake(x, threshold):
+    return x.new_empty((packed_size(x.numel()),), dtype=torch.uint8)
+
+
+@torch.library.register_fake("hierremat::where_bits", lib=_LIBRARY)
+def _where_bits_fake(x, bits):
+    return torch.empty_like(x)
 
 
 def _masked_scale_setup(ctx, inputs, output) -> None:
@@ -153,8 +183,9 @@ def load_cpu_kernels() -> bool:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="hierremat_packed_bits", sources=[str(_SOURCE)], extra_cflags=["-O3"], is_python_module=False,
-            verbose=False,
+            name="hierremat_packed_bits", sources=[str(_SOURCE)], is_python_module=False, verbose=False,
+            # OpenMP: ATen's parallel_for runs serially in an extension built without it
+            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
         )
     except Exception as err:  # no compiler, no ninja, a header mismatch: the reference kernels still work
         log.warning("could not build hierremat's C++ kernels (%s: %s); packed masks use the pure-torch kernels",

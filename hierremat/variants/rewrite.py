@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -33,3 +34,19 @@ def replace_calls(gm: fx.GraphModule, targets, replacement: Callable, arguments:
         gm.recompile()
         log.debug("%s: %d call(s) rewritten", what, rewritten)
     return rewritten
+
+
+def joint_after_rewrite(joint, phase: dict, renamed: dict):
+    """``joint`` (a hierremat.blocks.joint.JointGraph) after a rewrite of its module in place:
+    the phases of the graph's nodes (``phase``: name -> phase, new nodes included) in graph
+    order, and every name the JointGraph gives renamed by ``renamed`` (old -> new)."""
+    rename = lambda name: renamed.get(name, name)
+    return dataclasses.replace(
+        joint,
+        phase={n.name: phase[n.name] for n in joint.module.graph.nodes if n.op == "call_function"},
+        output_names=tuple(rename(n) for n in joint.output_names),
+        input_grad_name=rename(joint.input_grad_name),
+        param_grad_names={k: rename(v) for k, v in joint.param_grad_names.items()},
+        mutations=tuple((rename(n), t) for n, t in joint.mutations),
+        resident_grads={k: rename(v) for k, v in joint.resident_grads.items()},
+    )
