@@ -100,6 +100,5 @@ def pack_dropout_masks(joint):
     if not rewritten:
         return joint
     packed_bits.load_cpu_kernels()
-    gm.recompile()
     log.debug("%d dropout(s) with packed masks", rewritten)
     return joint_after_rewrite(joint, phase, renamed)

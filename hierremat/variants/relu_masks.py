@@ -53,8 +53,7 @@ def pack_relu_masks(joint):
     ``threshold_backward(grad, self, threshold)`` whose ``self`` is a floating forward value
     of grad's shape rewritten as described above (in place in ``joint.module``); returns the
     updated JointGraph."""
-    gm = joint.module
-    graph = gm.graph
+    graph = joint.module.graph
     phase = dict(joint.phase)
     renamed: dict[str, str] = {}
     bits_of: dict[tuple[str, float], fx.Node] = {}
@@ -97,6 +96,5 @@ def pack_relu_masks(joint):
             graph.erase_node(detach)
             del phase[detach.name]
     packed_bits.load_cpu_kernels()
-    gm.recompile()
     log.debug("%d ReLU backward(s) from packed masks", len(renamed))
     return joint_after_rewrite(joint, phase, renamed)

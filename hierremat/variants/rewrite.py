@@ -37,9 +37,11 @@ def replace_calls(gm: fx.GraphModule, targets, replacement: Callable, arguments:
 
 
 def joint_after_rewrite(joint, phase: dict, renamed: dict):
-    """``joint`` (a hierremat.blocks.joint.JointGraph) after a rewrite of its module in place:
-    the phases of the graph's nodes (``phase``: name -> phase, new nodes included) in graph
-    order, and every name the JointGraph gives renamed by ``renamed`` (old -> new)."""
+    """``joint`` (a hierremat.blocks.joint.JointGraph) after a rewrite of its module's graph in
+    place: the module recompiled, the phases of the graph's nodes (``phase``: name -> phase, new
+    nodes included) in graph order, and every name the JointGraph gives renamed by ``renamed``
+    (old -> new)."""
+    joint.module.recompile()
     rename = lambda name: renamed.get(name, name)
     return dataclasses.replace(
         joint,
