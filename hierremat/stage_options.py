@@ -69,7 +69,7 @@ COST_MODEL_VERSION = "nodes-2"
 #: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
 TIE_MARGIN = 1e-6
 #: Bump when the ILP formulation changes (invalidates cached menus).
-FORMULATION_VERSION = "staged-5"
+FORMULATION_VERSION = "staged-6"
 
 
 @dataclass(frozen=True)

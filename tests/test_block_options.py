@@ -173,12 +173,14 @@ def test_the_ilp_chooses_between_relu_outputs_and_their_packed_masks():
 
     assert least_peak(masked) <= least_peak(without) - relu_bytes // 4
     # what makes it smaller: options that keep the ReLU's mask, not its output
-    computed = [n for kind, n in masked.options[0].fwd_ops if kind == "compute"]
-    relu = next(n for n in computed if n.startswith("relu"))
-    bits = next(n for n in computed if n.startswith("above_bits"))
-    kept = [{n for kind, n in o.fwd_ops if kind == "compute"} - {n for kind, n in o.fwd_ops if kind == "free"}
-            for o in masked.options]
+    computed = [{n for kind, n in o.fwd_ops if kind == "compute"} for o in masked.options]
+    relu = next(n for n in computed[0] if n.startswith("relu"))
+    bits = next(n for n in set().union(*computed) if n.startswith("above_bits"))
+    kept = [c - {n for kind, n in o.fwd_ops if kind == "free"} for c, o in zip(computed, masked.options)]
     assert any(bits in k and relu not in k for k in kept)
+    # and options that do not keep the mask do not compute it in the forward either
+    assert all(bits in k or bits not in c for c, k in zip(computed, kept))
+    assert any(bits not in c for c in computed)
 
 
 def _step(model, args, kwargs, seed=1):

@@ -219,15 +219,19 @@ def brute_force_schedule(st, kept_budget, peak_budget):
     b = [g.out_bytes for g in G]
     y, n, K = cg.out_group, len(G), st.K
     bx, dy = b[0], cg.dy_bytes
-    fixed = sum(g.time for g in G) + sum(nd.time for nd in cg.bwd)
     best_total, best_dec = math.inf, None
     optional = [g for g in st.useful[0] if g != y] if K else []
+    # a group no forward group reads, possibly needed in the backward, neither y nor random, is
+    # computed in the forward only if kept
+    deferred = {g for g in optional if not G[g].random and not any(g in G[h].inputs for h in range(g + 1, n))}
+    fixed = sum(G[g].time for g in range(n) if g not in deferred) + sum(nd.time for nd in cg.bwd)
 
     def fwd_peak(S):
         live, peak = {}, bx + (G[0].peak_extra if G[0].steps else 0)
         for j in range(1, n):
-            peak = max(peak, bx + sum(live.values()) + G[j].peak_extra)
-            live[j] = b[j]
+            if j not in deferred or j in S:  # an unkept deferred group is not computed here
+                peak = max(peak, bx + sum(live.values()) + G[j].peak_extra)
+                live[j] = b[j]
             for g in list(live):
                 if cg.fwd_last_use[g] <= j and g != y and g not in S:
                     del live[g]
@@ -252,7 +256,7 @@ def brute_force_schedule(st, kept_budget, peak_budget):
                     first = cg.stages[0] if K else len(cg.bwd)
                     if not between_ok(0, first, S, pin):
                         continue
-                    states = {S: (0.0, ())}
+                    states = {S: (sum(G[g].time for g in S & deferred), ())}
                     for k in range(K):
                         t = cg.stages[k]
                         nxt_t = cg.stages[k + 1] if k + 1 < K else len(cg.bwd)
@@ -352,6 +356,31 @@ def test_cut_cones_stop_at_readers_of_random_values(monkeypatch):
     assert names(cut, cut.cone[0]) == {"d", "e"} and "a" in names(cut, cut.need[0])
     res = BlockIlp(graph, cut).solve(kept=5, peak=10**6, backend="highs")  # keep a and r, recompute d and e
     assert res.optimal and names(cut, res.decisions.kept) == {"a", "r"}
+
+
+def test_an_unkept_value_no_forward_op_reads_is_left_to_the_backward():
+    """x -> a -> y, and m = mask(a) read only by the backward (a ReLU's packed mask): kept, m is
+    computed in the forward; unkept, only where the backward needs it, once."""
+    nodes = (
+        GraphNode("a", "aten.relu", "forward", ("x",), 32, 1.0),
+        GraphNode("m", "hierremat.above_bits", "forward", ("a",), 1, 3.0),
+        GraphNode("y", "aten.op", "forward", ("a",), 32, 1.0),
+        GraphNode("g", "aten.grad", "backward", ("dy", "a"), 32, 1.0),
+        GraphNode("dx", "hierremat.where_bits", "backward", ("g", "m"), 32, 1.0),
+    )
+    graph = BlockGraph(nodes, "x", 32, "y", "dy", 32, "dx")
+    ilp = BlockIlp(graph)
+    st = ilp.structure
+    assert {st.cg.groups[g].name for g in st.deferred} == {"m"}
+    unbounded = ilp.solve(backend="highs")  # keeping the 1-byte mask costs its one forward pass either way
+    assert unbounded.objective == pytest.approx(7.0)
+    tight = ilp.solve(kept=32, backend="highs")  # room for a only: m recomputed from it, never in the forward
+    assert tight.optimal and tight.objective == pytest.approx(7.0) == brute_force(st, 32, 10**6)
+    option = make_option(st, tight.decisions, "tight", optimal=True)
+    assert ("compute", "m") not in option.fwd_ops and ("compute", "m") in option.bwd_ops
+    sim = simulate_option(graph, option)
+    assert sim.fwd_time == pytest.approx(2.0) and sim.fwd_time == pytest.approx(option.fwd_time)
+    assert sim.bwd_time == pytest.approx(5.0) and sim.fwd_peak_bytes == option.fwd_peak_bytes
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -37,6 +37,12 @@ Schedule family (what the ILP represents; the test's exhaustive search enumerate
 Forward phase: every group in order; a group is freed right after its last forward
 reader (or right after itself if it has none) unless it is kept (S_g = 1). x is held by
 the caller; the output y is held by the chain from its computation to the end.
+*Deferred* groups are the exception: a group that no forward group reads, that some
+backward stage may need, and that is neither y nor random (a ReLU's packed mask,
+hierremat.variants.relu_masks) is computed in the forward only if it is kept. Unkept,
+computing it there would be wasted (it would be freed at once and recomputed where it is
+needed), so its forward time and its forward peak row are paid only with S_g = 1. The
+values it reads are still freed at its place in the order, computed or not.
 
 Backward phase, stage k (consumer node c_k): first recompute the groups with
 R[k, g] = 1, in topological order, then run c_k. Values present in stage k are those
@@ -78,6 +84,7 @@ Constraints:
   (k, j), each an exact closed form of the memory at that moment (MONeT-style rows
   instead of Checkmate's U/FREE variables):
     forward j:  x + live non-optional values + sum_{g<j, dead by j} S_g b_g + peak_j
+                (S_j peak_j for a deferred j)
     backward t: dy + live backward values + b_t + ws_t + PX b_x + PY b_y
                 + sum_g (A[k,g] + R[k,g]) b_g   (t = c_k)  or  sum_g A[k,g] b_g (before c_k)
     recompute (k, j): dy + live backward values before c_k + PX b_x + PY b_y
@@ -88,7 +95,8 @@ Constraints:
   below row c_k, so the max over rows is exactly the peak: pv >= every row. Rows that
   can never bind are left out: (k, j) unless j's transient (peak_j - b_j) exceeds what
   c_k adds, and all but the largest non-consumer row between two stages (same terms).
-Objective: minimise tv = sum R[k,g] time_g (forward and backward times are constants).
+Objective: minimise tv = sum R[k,g] time_g + sum_{g deferred} S_g time_g (the other forward
+and backward times are constants).
 
 Budget parametrisation: kv <= K (bytes retained at the end of the forward, pins
 included) and pv <= P, one bound on the absolute peak of both phases, counting x
@@ -446,6 +454,7 @@ class Structure:
     x_needed: bool
     y_needed: bool
     forced: list  # per stage: groups that must be present at its start (backward-view holds)
+    deferred: frozenset = frozenset()  # groups the forward computes only when kept (module docstring)
     useful_sets: list = None  # useful as frozensets (membership tests)
 
     def __post_init__(self) -> None:
@@ -522,7 +531,17 @@ def structure(cg: CompactGraph, recompute_across_dropouts: bool = True) -> Struc
             forced[k].add(g)
     x_needed = any(0 in nd for nd in need)
     y_needed = any(cg.out_group in nd for nd in need)
-    return Structure(cg, need, cone, [sorted(u) for u in useful], live_before, x_needed, y_needed, forced)
+    deferred = frozenset(
+        g for g in useful[0]
+        if g != cg.out_group and not cg.groups[g].random and cg.fwd_last_use[g] == g
+    )
+    return Structure(cg, need, cone, [sorted(u) for u in useful], live_before, x_needed, y_needed, forced, deferred)
+
+
+def forward_groups(st: Structure, kept: frozenset) -> list[int]:
+    """The groups (not x) the forward computes, in order, when ``kept`` are kept: all but the
+    deferred groups left unkept."""
+    return [g for g in range(1, st.cg.n) if g not in st.deferred or g in kept]
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -562,17 +581,20 @@ def evaluate(st: Structure, d: Decisions) -> Evaluation:
     bx = b[0]
     why = ""
     # forward (running byte sums and expiry buckets: linear in the graph)
-    fwd_time = sum(g.time for g in G)
+    computed = set(forward_groups(st, d.kept))
+    fwd_time = G[0].time + sum(G[g].time for g in computed)
     live: set = set()
     live_bytes = 0
     expire: dict[int, list[int]] = {}
-    for g in range(1, len(G)):
+    for g in computed:
         expire.setdefault(cg.fwd_last_use[g], []).append(g)
     fwd_peak = bx + (G[0].peak_extra if G[0].steps else 0)
     for j in range(1, len(G)):
-        fwd_peak = max(fwd_peak, bx + live_bytes + G[j].peak_extra)
-        live.add(j)
-        live_bytes += b[j]
+        if j in computed:
+            fwd_peak = max(fwd_peak, bx + live_bytes + G[j].peak_extra)
+            live.add(j)
+            live_bytes += b[j]
+        # values are freed at their last reader's place, run or deferred
         for g in expire.pop(j, ()):
             if g in live and g != y and g not in d.kept:
                 live.discard(g)
@@ -669,7 +691,7 @@ class IlpModel:
     col_tv: int
     byte_scale: float
     time_scale: float
-    fixed_time: float  # forward + backward times (constants)
+    fixed_time: float  # forward (deferred groups aside) + backward times (constants)
 
     @property
     def n_vars(self) -> int:
@@ -720,6 +742,7 @@ def build_model(st: Structure) -> IlpModel:
     scale_b = float(max([1] + b_raw + [cg.dy_bytes] + [n.out_bytes + n.workspace_bytes for n in cg.bwd] + [g.peak_extra for g in G]))
     fwd_time = sum(g.time for g in G)
     scale_t = fwd_time if fwd_time > 0 else 1.0
+    fixed_fwd_time = fwd_time - sum(G[g].time for g in st.deferred)
     b = [v / scale_b for v in b_raw]
 
     names = []
@@ -814,8 +837,9 @@ def build_model(st: Structure) -> IlpModel:
                     row([(col_A[k, y], 1.0), (col_PY, 1.0)], -inf, 1.0)
     # kept budget
     row([(c, b[g]) for g, c in col_S.items()] + pin_terms + [(col_kv, -1.0)], -inf, 0.0)
-    # recompute time
-    row([(c, G[g].time / scale_t) for (k, g), c in col_R.items()] + [(col_tv, -1.0)], -inf, 0.0)
+    # recompute time, and the forward time of the deferred groups that are kept
+    row([(c, G[g].time / scale_t) for (k, g), c in col_R.items()]
+        + [(col_S[g], G[g].time / scale_t) for g in sorted(st.deferred)] + [(col_tv, -1.0)], -inf, 0.0)
 
     # forward peak rows: constant part + optional kept values already dead
     bx = b[0]
@@ -825,7 +849,10 @@ def build_model(st: Structure) -> IlpModel:
     for j in range(1, n):
         mandatory = sum(b[g] for g in range(1, j) if cg.fwd_last_use[g] >= j or g == y)
         opt = [(col_S[g], b[g]) for g in range(1, j) if cg.fwd_last_use[g] < j and g != y and g in col_S]
-        row(opt + [(col_pv, -1.0)], -inf, -(bx + mandatory + G[j].peak_extra / scale_b))
+        if j in st.deferred:  # only computed when kept
+            row(opt + [(col_S[j], G[j].peak_extra / scale_b), (col_pv, -1.0)], -inf, -(bx + mandatory))
+        else:
+            row(opt + [(col_pv, -1.0)], -inf, -(bx + mandatory + G[j].peak_extra / scale_b))
     end_mand = sum(b[g] for g in range(1, n) if g == y)
     row([(c, b[g]) for g, c in col_S.items()] + [(col_pv, -1.0)], -inf, -(bx + end_mand))
 
@@ -885,7 +912,7 @@ def build_model(st: Structure) -> IlpModel:
         col_tv=col_tv,
         byte_scale=scale_b,
         time_scale=scale_t,
-        fixed_time=fwd_time + sum(nd.time for nd in cg.bwd),
+        fixed_time=fixed_fwd_time + sum(nd.time for nd in cg.bwd),
     )
 
 
@@ -917,9 +944,13 @@ def op_lists(st: Structure, d: Decisions) -> tuple[tuple, tuple]:
                 continue
             out.append((FREE, nm))
 
+    x_views_live = bool(x_views) and not d.pin_input
+    computed = set(forward_groups(st, d.kept))
     for j in range(1, len(G)):
-        fwd_ops += list(G[j].steps)
-        alive.add(j)
+        # values are freed at their last reader's place, run or deferred
+        if j in computed:
+            fwd_ops += list(G[j].steps)
+            alive.add(j)
         for g in sorted(alive):
             if cg.fwd_last_use[g] <= j and g != y and g not in d.kept:
                 free_group(g, fwd_ops)

@@ -257,6 +257,9 @@ def _build_forward(joint: JointGraph, fwd_ops: tuple, pure: bool) -> _Forward:
     y = fwd.env.get(output_name)
     if not isinstance(y, fx.Node):
         raise ValueError(f"the forward does not leave the stage output {output_name} computed")
+    skipped = sorted(set(mutated) - {name for kind, name in fwd_ops if kind == COMPUTE})
+    if skipped:
+        raise ValueError(f"the forward skips {skipped}, whose values update buffers")
     computed = [n for n in fwd.env if n not in fwd.nodes or fwd.nodes[n].op != "placeholder"]
     kept_slots: list[tuple[str, int | None]] = []
     kept_values: list[fx.Node] = []
