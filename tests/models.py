@@ -169,8 +169,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
-def tiny_t5(layers: int = 3, d_model: int = 128):
-    """A randomly initialised T5 (``layers`` encoder and decoder layers, dropout 0.1): every decoder
+def tiny_t5(layers: int = 3, d_model: int = 128, dropout: float = 0.1):
+    """A randomly initialised T5 (``layers`` encoder and decoder layers, ``dropout``): every decoder
     layer reads the encoder's output, and the first layer of each stack makes the position bias
     the later ones read."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -178,7 +178,7 @@ def tiny_t5(layers: int = 3, d_model: int = 128):
     _quiet_transformers()
     config = T5Config(
         vocab_size=256, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=layers,
-        num_decoder_layers=layers, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+        num_decoder_layers=layers, num_heads=4, decoder_start_token_id=0, pad_token_id=0, dropout_rate=dropout,
     )
     return T5ForConditionalGeneration(config).train()
 

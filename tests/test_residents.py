@@ -68,9 +68,7 @@ def test_t5_layers_are_stages_of_their_own_reading_the_encoder_output_and_positi
     torch.manual_seed(0)
     chain = _chain(*_t5())
     names = [info.name for info in chain.infos]
-    for stack in ("encoder", "decoder"):
-        for k in range(3):
-            assert f"{stack}.block.{k}" in names, names
+    assert [n for n in names if n != "(top)"] == [f"{stack}.block.{k}" for stack in ("encoder", "decoder") for k in range(3)]
     signature = {info.name: info.signature for info in chain.infos}
     assert signature["encoder.block.1"] == signature["encoder.block.2"] != signature["encoder.block.0"]
     assert signature["decoder.block.1"] == signature["decoder.block.2"] != signature["decoder.block.0"]
@@ -82,6 +80,34 @@ def test_t5_layers_are_stages_of_their_own_reading_the_encoder_output_and_positi
     decoder_layers = tuple(at(f"decoder.block.{k}") for k in range(3))
     encoder_output = layout.readers.index(decoder_layers)
     assert layout.exported == (encoder_output,)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_two_layer_t5_cuts_between_its_layers(padded):
+    """A second layer is the last reader of both the first layer's output and the position bias
+    it made: the carry is the value shaped like the activation carried into the first layer,
+    the bias a resident. Unpadded batches (eager mode's mask shortcut, whose nodes capture
+    inserts) cut the same way."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    kwargs = seq2seq_call()
+    if not padded:
+        kwargs["attention_mask"] = torch.ones_like(kwargs["attention_mask"])
+    chain = _chain(tiny_t5(layers=2, d_model=64), (), kwargs)
+    names = [info.name for info in chain.infos if info.name != "(top)"]
+    assert names == [f"{stack}.block.{k}" for stack in ("encoder", "decoder") for k in range(2)]
+
+
+def test_menus_of_stages_with_residents_name_ops_the_same_in_every_process():
+    """A resident's gradient sum starts with hierremat's own function: its op name is its
+    qualified name, not a repr with this process's address (a cached menu would never match)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, args, kwargs = _t5()
+    plan = hr.plan(model, args, kwargs, budget="1GiB")
+    ops = {node["op"] for menu in plan.menus.values() for node in menu["graph"]["nodes"]}
+    assert "hierremat.blocks.joint.seeded_add" in ops
+    assert not any(" at 0x" in op for op in ops)
 
 
 def test_bart_layers_are_stages_of_their_own_with_the_encoder_output_carried_past_the_decoder_embedding():

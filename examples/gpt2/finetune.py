@@ -305,19 +305,10 @@ def run(args, ddp: Distributed) -> dict:
     if plan and ddp.main:
         remat_seconds = median_step_seconds(module, probe, args, device, optimizer)
     if ddp.enabled:
-        # static_graph=True is required with the rematerialized model. Its parameter gradients
-        # are accumulated by nested torch.autograd.backward calls inside the chain's autograd
-        # Function (one per stage), so a parameter used in two stages gets its AccumulateGrad
-        # hook called once per stage rather than once per step: GPT-2's tied wte/lm_head
-        # weight is used by the embedding (first stage) and by the head (last stage). The
-        # default reducer (with or without find_unused_parameters) then fails with "Expected
-        # to mark a variable ready only once"; with static_graph it counts the hook calls of
-        # the first iteration and all-reduces a parameter after its last one. The graph is
-        # static here (one input shape, one plan) and every parameter receives a gradient,
-        # so find_unused_parameters is not needed.
-        module = DistributedDataParallel(
-            module, device_ids=[device.index] if device.type == "cuda" else None, static_graph=True
-        )
+        # DDP's defaults: hierremat backpropagates stage by stage, and a parameter two stages read
+        # (GPT-2's tied embedding and LM head) still reaches DDP's reducer once per step
+        # (hierremat.runtime.tied).
+        module = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
     try:
         from tqdm import tqdm

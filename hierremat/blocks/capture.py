@@ -59,6 +59,13 @@ def _tensor_meta(node: fx.Node):
     return val if isinstance(val, torch.Tensor) else None
 
 
+def target_name(target) -> str:
+    """A node target's name, the same in every process (a Python function's repr has its address)."""
+    if callable(target) and not isinstance(target, torch._ops.OpOverload):
+        return fx.node._get_qualified_name(target)
+    return str(target)
+
+
 def module_stack(node: fx.Node) -> list[str]:
     """Module paths from outermost to innermost ('' for the root)."""
     return [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
@@ -85,7 +92,7 @@ def describe(node: fx.Node) -> NodeInfo:
     return NodeInfo(
         name=node.name,
         op=node.op,
-        target=str(node.target),
+        target=target_name(node.target),
         shape=tuple(int(d) for d in meta.shape) if meta is not None else None,
         dtype=str(meta.dtype) if meta is not None else None,
         nbytes=nbytes,

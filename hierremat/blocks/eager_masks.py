@@ -80,17 +80,19 @@ def _unpadded_first_row(gm: fx.GraphModule, cond: fx.Node, masks: list[fx.Node],
     for n in computed:
         if any(a in depends for a in n.all_input_nodes):
             depends.add(n)
+    # the new nodes belong to the module of the node they feed (segmentation reads the stack)
+    stack = {"nn_module_stack": before.meta["nn_module_stack"]} if "nn_module_stack" in before.meta else {}
     env: dict[fx.Node, fx.Node] = {}
     with graph.inserting_before(before):
         for m in masks:
             env[m] = graph.call_function(torch.ops.aten.ones_like.default, (m,))
-            env[m].meta = dict(m.meta)
+            env[m].meta = {**m.meta, **stack}
         for n in computed:
             if n in depends and n not in env:
                 env[n] = graph.node_copy(n, lambda a: env.get(a, a))
-                env[n].meta = dict(n.meta)
+                env[n].meta = {**n.meta, **stack}
         first = graph.call_function(torch.ops.aten.slice.Tensor, (env[cond], 0, 0, 1))
-    first.meta["val"] = cond.meta["val"][:1]
+    first.meta = {**stack, "val": cond.meta["val"][:1]}
     return first
 
 

@@ -51,6 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..block_graph import BACKWARD, FORWARD, BlockGraph, GraphNode
 from ..runtime.autocast import AutocastState
 from ..runtime.memory import allocated_bytes
+from .capture import target_name
 
 try:  # descriptor classes (torch >= 2.9)
     from torch._functorch._aot_autograd.descriptors import (
@@ -466,7 +467,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 def _op_name(node: fx.Node) -> str:
     if node.target is operator.getitem:
         return "getitem"
-    return str(node.target)
+    return target_name(node.target)
 
 
 @dataclass(frozen=True)

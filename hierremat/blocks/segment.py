@@ -35,7 +35,7 @@ import torch
 from torch import fx, nn
 
 from ..blocks_info import ResidentLayout, StageInfo
-from .capture import CapturedModel, is_random, module_stack
+from .capture import CapturedModel, is_random, module_stack, target_name
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 #: Name of the orchestrator's submodule that runs the chain.
@@ -88,11 +88,18 @@ class GraphStage(nn.Module):
         """Read every parameter from ``model`` again (after ``fully_shard`` replaced them, or while
         FSDP2 holds them gathered): the graph then computes with the model's current parameters."""
         for target in self.parameter_targets():
-            path, _, leaf = target.rpartition(".")
-            live = model.get_parameter(target)
-            holder = self.graph_module.get_submodule(path)
-            if getattr(holder, leaf) is not live:
-                setattr(holder, leaf, live)
+            self.substitute(target, model.get_parameter(target))
+
+    def parameter(self, target: str) -> nn.Parameter:
+        """The parameter the graph reads as ``target`` now."""
+        return self.graph_module.get_parameter(target)
+
+    def substitute(self, target: str, param: nn.Parameter) -> None:
+        """Compute with ``param`` where the graph reads the parameter ``target``."""
+        path, _, leaf = target.rpartition(".")
+        holder = self.graph_module.get_submodule(path)
+        if getattr(holder, leaf) is not param:
+            setattr(holder, leaf, param)
 
 
 def block_unit(model: nn.Module, stack: list[str]) -> str | None:
@@ -139,13 +146,6 @@ def _parameter_dependent(gm: fx.GraphModule) -> set[fx.Node]:
     return dependent
 
 
-def _target_name(target) -> str:
-    """A target's name, the same in every process (a Python function's repr has its address)."""
-    if callable(target) and not isinstance(target, torch._ops.OpOverload):
-        return fx.node._get_qualified_name(target)
-    return str(target)
-
-
 def signature_of(gm: fx.GraphModule, context: str = "") -> str:
     """Hash of a stage graph's structure: ops, argument wiring, shapes, dtypes, constants,
     which parameters need gradients (a frozen block traces to another joint graph), and
@@ -160,7 +160,7 @@ def signature_of(gm: fx.GraphModule, context: str = "") -> str:
             if isinstance(value, torch.Tensor):
                 meta = (tuple(value.shape), str(value.dtype), value.requires_grad)
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
-        target = "attr" if node.op in ("get_attr", "placeholder") else _target_name(node.target)
+        target = "attr" if node.op in ("get_attr", "placeholder") else target_name(node.target)
         parts.append(f"{node.op}|{target}|{args}|{meta}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -219,15 +219,19 @@ def _crossing(stages: list[list[fx.Node]], output: fx.Node):
     return stage_of, crossing, last_reader
 
 
-def _carry(b: int, crossing: list[fx.Node], stage_of: dict, last_reader: dict, residents: bool) -> fx.Node | None:
+def _carry(b: int, crossing: list[fx.Node], stage_of: dict, last_reader: dict, residents: bool,
+           previous: fx.Node | None = None) -> fx.Node | None:
     """The activation carried across cut ``b`` (after stage b), or None where the cut is not valid.
 
     Without ``residents``: the one value crossing, a tensor read by stage b + 1. With them,
     several tensors may cross: the carry is the one made by stage b whose last reader is stage
     b + 1, and every other crossing tensor is a resident (hierremat.blocks_info.ResidentLayout).
-    Where stage b + 1 reads nothing stage b made (a decoder's embedding after an encoder's last
-    layer), the one tensor stage b made that crosses is carried to it unread, and is a resident
-    too (stage b returns it twice)."""
+    Where several qualify (a 2-layer T5 stack: its second layer is the last reader of both the
+    first layer's output and the position bias it made), the carry is the one of the shape and
+    dtype of ``previous``, the carry into stage b, if only one has them. Where stage b + 1
+    reads nothing stage b made (a decoder's embedding after an encoder's last layer), the one
+    tensor stage b made that crosses is carried to it unread, and is a resident too (stage b
+    returns it twice)."""
 
     def tensor(n: fx.Node) -> bool:
         return isinstance(n.meta.get("val"), torch.Tensor)
@@ -242,31 +246,42 @@ def _carry(b: int, crossing: list[fx.Node], stage_of: dict, last_reader: dict, r
         made = [n for n in crossing if stage_of[n] == b]
         if not any(stage_of.get(u) == b + 1 for n in made for u in n.users):
             candidates = made
+    if residents and len(candidates) > 1 and previous is not None:
+        like = previous.meta["val"]
+        candidates = [n for n in candidates
+                      if n.meta["val"].shape == like.shape and n.meta["val"].dtype == like.dtype]
     return candidates[0] if len(candidates) == 1 else None
+
+
+def _cut_carries(stages: list[list[fx.Node]], output: fx.Node, residents: bool):
+    """(the carry of each cut in order, None from the first invalid one on; stage_of, crossing,
+    last_reader as :func:`_crossing` gives them)."""
+    stage_of, crossing, last_reader = _crossing(stages, output)
+    carries: list[fx.Node | None] = []
+    previous = None
+    for b in range(len(stages) - 1):
+        previous = _carry(b, crossing[b], stage_of, last_reader, residents, previous)
+        carries.append(previous)
+        if previous is None:
+            break
+    return carries, stage_of, crossing, last_reader
 
 
 def _merge_until_single_carry(stages: list[list[fx.Node]], output: fx.Node, residents: bool) -> list[list[fx.Node]]:
     """Merge neighbours until each cut has a carried activation (see :func:`_carry`)."""
     while True:
-        stage_of, crossing, last_reader = _crossing(stages, output)
-        bad = next(
-            (b for b in range(len(stages) - 1) if _carry(b, crossing[b], stage_of, last_reader, residents) is None),
-            None,
-        )
-        if bad is None:
+        carries = _cut_carries(stages, output, residents)[0]
+        if not carries or carries[-1] is not None:
             return stages
+        bad = len(carries) - 1
         stages = stages[:bad] + [stages[bad] + stages[bad + 1]] + stages[bad + 2 :]
 
 
 def _carries_and_residents(stages: list[list[fx.Node]], output: fx.Node, residents: bool):
     """(the carry into each stage after the first, the residents in graph order, the stage of each node)."""
-    stage_of, crossing, last_reader = _crossing(stages, output)
-    carries = []
-    for b in range(len(stages) - 1):
-        carry = _carry(b, crossing[b], stage_of, last_reader, residents)
-        if carry is None:
-            raise ValueError(f"no single activation crosses the cut after stage {b}")
-        carries.append(carry)
+    carries, stage_of, crossing, last_reader = _cut_carries(stages, output, residents)
+    if carries and carries[-1] is None:
+        raise ValueError(f"no single activation crosses the cut after stage {len(carries) - 1}")
     carried_to = {c: b + 1 for b, c in enumerate(carries)}
     # a carry read past the stage it is carried to (unread there: see _carry) is also a resident
     residents = list(dict.fromkeys(n for cut in crossing for n in cut if last_reader[n] > carried_to.get(n, -1)))

@@ -156,7 +156,8 @@ class CompiledOptionExecutor:
         with torch.no_grad(), AutocastState.off((dy.device.type,)).applied():
             dx, *grads = self.compiled.backward(args)
         del args
-        pairs = [(self.binding.params[t], g) for t, g in zip(self.program.param_grads, grads) if self.binding.params[t].requires_grad]
+        params = [self.binding.param(t) for t in self.program.param_grads]
+        pairs = [(p, g) for p, g in zip(params, grads) if p.requires_grad]
         del grads
         if pairs:  # through AccumulateGrad, so gradient hooks fire as in plain training
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])

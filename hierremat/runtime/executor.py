@@ -35,6 +35,7 @@ from .residents import (
     collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
 )
 from .rng import RngState, cuda_devices_of
+from .tied import TiedParameters
 
 
 #: For the runner's backward steps, which autograd calls from wherever ``backward()`` was called:
@@ -208,6 +209,10 @@ class ChainRunner:
         self.forward_executors = list(forward_executors or [None] * len(stages))
         self.schedule = schedule
         self.residents = residents
+        # under FSDP2 a shared parameter is reduced once per step by its module's hooks already
+        forms = [[stage, *(getattr(e, "stage", None) for e in executors if e is not None)]
+                 for stage, executors in zip(self.stages, self.option_executors)]
+        self.tied = TiedParameters(forms if sharded is None else ())
         #: How the caller used the output in the latest backward this runner executed (None before).
         self.observed_output_use: OutputUse | None = None
         self.loss_index = schedule.loss_index
@@ -281,6 +286,7 @@ class _Step:
         self.resident_grads: dict[int, torch.Tensor] = {}
         self.cuda_devices = cuda_devices_of(x0)
         self.autocast = AutocastState.capture((x0.device.type,))
+        self.stand_ins = runner.tied.stand_ins() if runner.tied else {}
 
     def run_forward(self) -> tuple:
         for op in self.runner.schedule.ops[: self.runner.loss_index]:
@@ -312,7 +318,8 @@ class _Step:
             x = self.x[i] if isinstance(op, FCk) else self.x.pop(i)
             if isinstance(op, FAll) and op.option > 0:
                 executor = self.runner.option_executors[i][op.option]
-                y, tape = self._forward(i, lambda: executor.forward(x, self._shared()))
+                with self.runner.tied.forward(i, self.stand_ins):
+                    y, tape = self._forward(i, lambda: executor.forward(x, self._shared()))
                 del x
                 self.tape[i] = ("option", executor, tape)
             elif isinstance(op, FAll):
@@ -320,7 +327,7 @@ class _Step:
                 inp, sink = tap_input(x, anchor)
                 del x
                 shared, taps = tap_read(self._shared(), self.layout, i, self.tap_anchor)
-                with torch.enable_grad():
+                with torch.enable_grad(), self.runner.tied.forward(i, self.stand_ins):
                     out = self._forward(i, lambda: self._call(i, inp, shared))
                 del inp, shared
                 self.tape[i] = ("autograd", gradient_edges(out), (sink, taps))
@@ -341,35 +348,38 @@ class _Step:
             if (i + 1) not in self.grad:
                 self.x[i + 1] = y
         elif isinstance(op, Backward):
-            i = op.stage
-            kind, first, second = self.tape.pop(i)
-            grad = self.grad.pop(i + 1)
-            if kind == "autograd":  # option 0: the stage's gradient edges, its input's and residents' sinks
-                sink, taps = second
-                made = self.layout.produced_by(i) if self.layout is not None else ()
-                edges, grads = read_roots(taps, self.resident_grads)
-                edges = [*first, *edges]
-                grads = [*as_tuple(grad), *(self.resident_grads.pop(r, None) for r in made), *grads]
-                backward_through(edges, tuple(grads))
-                del edges, grads
-                self.grad[i] = sink.grad if sink is not None else None
-                collect_reads(taps, self.resident_grads)
-                for r in made:  # every reader's backward has run
-                    del self.resident_values[r]
-                del sink, taps
-            else:  # a block option: its executor and the tape of its forward
-                dx = None
-                if grad is not None and self.layout is not None and self.layout.read_by(i):
-                    dx, sums = first.backward_with_sums(  # (handing over the only reference to the seeds)
-                        second, grad, self._shared(), pop_seeds(self.layout, i, self.resident_grads))
-                    keep_sums(self.layout, sums, self.resident_grads)
-                    del sums
-                elif grad is not None:
-                    dx = first.backward(second, grad, self._shared())
-                self.grad[i] = dx if i > 0 or self.input_requires_grad else None
-            del grad, first, second
+            with self.runner.tied.backward(op.stage, self.stand_ins):
+                self._backward(op.stage)
         else:
             raise TypeError(f"unexpected op {op!r}")
+
+    def _backward(self, i: int) -> None:
+        kind, first, second = self.tape.pop(i)
+        grad = self.grad.pop(i + 1)
+        if kind == "autograd":  # option 0: the stage's gradient edges, its input's and residents' sinks
+            sink, taps = second
+            made = self.layout.produced_by(i) if self.layout is not None else ()
+            edges, grads = read_roots(taps, self.resident_grads)
+            edges = [*first, *edges]
+            grads = [*as_tuple(grad), *(self.resident_grads.pop(r, None) for r in made), *grads]
+            backward_through(edges, tuple(grads))
+            del edges, grads
+            self.grad[i] = sink.grad if sink is not None else None
+            collect_reads(taps, self.resident_grads)
+            for r in made:  # every reader's backward has run
+                del self.resident_values[r]
+            del sink, taps
+        else:  # a block option: its executor and the tape of its forward
+            dx = None
+            if grad is not None and self.layout is not None and self.layout.read_by(i):
+                dx, sums = first.backward_with_sums(  # (handing over the only reference to the seeds)
+                    second, grad, self._shared(), pop_seeds(self.layout, i, self.resident_grads))
+                keep_sums(self.layout, sums, self.resident_grads)
+                del sums
+            elif grad is not None:
+                dx = first.backward(second, grad, self._shared())
+            self.grad[i] = dx if i > 0 or self.input_requires_grad else None
+        del grad, first, second
 
     def _shared(self) -> tuple:
         """What the stages are called with after x: the shared values, then the residents."""

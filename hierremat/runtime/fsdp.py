@@ -30,7 +30,7 @@ What FSDP2 holds is counted (:func:`with_gathered`, :func:`reserve_bytes`; the p
 shows it): each stage's gathered parameters while it runs (forward, recomputation,
 backward), its unsharded gradients and reduce-scatter buffers, the root module's
 parameters for the whole step, a group prefetched ahead of its backward. The model is
-measured with gloo on CPU (tests/test_fsdp.py) and errs on the safe side.
+measured with gloo on CPU (tests/test_distributed.py) and errs on the safe side.
 
 Constraints: block options of the per-block ILP are not used
 under FSDP2 (their op-by-op executor computes parameter gradients outside autograd, where
@@ -170,7 +170,7 @@ def _as_forward_of(module: nn.Module, forward: Callable) -> Callable:
 def with_gathered(costs: ChainCosts, gathered: GatheredBytes) -> ChainCosts:
     """The chain's costs under FSDP2: option 0 of each stage (see the module docstring), with
     what FSDP2 allocates while the stage runs added to its overheads (G: the unsharded
-    parameters of the stage's module; measured on CPU with gloo by tests/test_fsdp.py).
+    parameters of the stage's module; measured on CPU with gloo by tests/test_distributed.py).
 
     * Forward (and recomputation): the gathered parameters stay while the stage computes
       (G), and before it, the all-gather's output buffer and the parameters it is copied

@@ -86,13 +86,23 @@ class OptionProgram:
 
 
 class StageBinding:
-    """One stage's parameters and buffers by joint-graph placeholder: builds a program's inputs."""
+    """One stage's parameters and buffers by joint-graph placeholder: builds a program's inputs.
+
+    Parameters are read from their modules at each call, so a stand-in the runner puts in
+    their place for one call is what the program gets (hierremat.runtime.tied)."""
 
     def __init__(self, joint: JointGraph):
-        params = dict(joint.stage.named_parameters(remove_duplicate=False))
         buffers = dict(joint.stage.named_buffers(remove_duplicate=False))
-        self.params = {name: params[target] for name, target in joint.param_inputs.items()}
+        self._param_slots = {}
+        for name, target in joint.param_inputs.items():
+            path, _, leaf = target.rpartition(".")
+            self._param_slots[name] = (joint.stage.get_submodule(path), leaf)
         self.buffers = {name: buffers[target] for name, target in joint.buffer_inputs.items()}
+
+    def param(self, name: str) -> torch.nn.Parameter:
+        """The parameter the stage computes with now for the placeholder ``name``."""
+        holder, leaf = self._param_slots[name]
+        return getattr(holder, leaf)
 
     def args(self, sources: tuple[InputSource, ...], x, shared: tuple, dy=None, tape=None, seeds=None) -> list:
         """The input list for ``sources``; tape: the forward's (kept values, x and y if pinned);
@@ -100,7 +110,7 @@ class StageBinding:
         args = []
         for kind, key in sources:
             if kind == "param":
-                args.append(self.params[key])  # (programs run without grad)
+                args.append(self.param(key))  # (programs run without grad)
             elif kind == "buffer":
                 args.append(self.buffers[key])
             elif kind == "x":

@@ -1,0 +1,163 @@
+"""Train a tiny model with hierremat on several ranks (torchrun: FSDP2 or DDP), or plainly on one process.
+
+Used by tests/test_distributed.py. ``--model llama`` (a tiny Llama-style decoder) or ``t5`` (a tiny
+T5: every decoder layer reads the encoder's output and the position biases, residents whose
+gradients hierremat sums across the stages that read them). ``--parallel fsdp``: hierremat
+plans the whole model first, then ``fully_shard`` is applied to every encoder/decoder layer
+and to the model, and each rank trains on its share of every global batch; the first call
+re-plans for the shards. ``--parallel ddp``: the planned model is wrapped in
+DistributedDataParallel. Without ``--parallel``, one process trains plainly on the whole
+global batches. Both write the final parameters (rank 0) and a report per rank (peaks,
+budget, plan, all-gather counts, the peak of FSDP2 or DDP alone) to ``--out``. Peaks are CPU-allocator peaks (FSDP2 frees
+gathered parameters by resizing storages, which the live-tensor tracker does not see), or
+the CUDA allocator's on ``--device cuda``.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hierremat as hr  # noqa: E402
+from hierremat.runtime import CudaPeakMeter  # noqa: E402
+from hierremat.runtime.memory import CpuAllocatorMeter  # noqa: E402
+
+from models import seq2seq_call, tiny_llama, tiny_t5  # noqa: E402
+
+
+def new_model(name: str, device: torch.device):
+    torch.manual_seed(0)
+    # no dropout in the T5: the ranks' halves of a batch draw other masks than one process's whole batch
+    model = tiny_llama(n_layer=3, hidden_size=64) if name == "llama" else tiny_t5(layers=2, d_model=64, dropout=0.0)
+    return model.to(device)
+
+
+def layers(model) -> list:
+    if hasattr(model, "encoder"):  # T5
+        return [*model.encoder.block, *model.decoder.block]
+    return list(model.model.layers)
+
+
+def shard(model) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def global_batches(name: str, steps: int, device: torch.device) -> list[dict]:
+    """Each step's global batch of 8 (keyword arguments of the model's call)."""
+    if name == "llama":
+        ids = [torch.randint(0, 256, (8, 96), device=device) for _ in range(steps)]
+        return [{"input_ids": i, "labels": i} for i in ids]
+    return [{k: v.to(device) for k, v in seq2seq_call(8, 48, 24, seed=step).items()} for step in range(steps)]
+
+
+def meter(device: torch.device):
+    return CpuAllocatorMeter() if device.type == "cpu" else CudaPeakMeter(device)
+
+
+def plain_peak(name: str, parallel: str, batches: list[dict], device: torch.device) -> tuple[int, str | None]:
+    """The peak of the last of the steps on ``batches`` of the same model under FSDP2 or DDP alone
+    (no hierremat), and, for FSDP2, what hierremat says when asked to plan a model that is
+    already sharded."""
+    model = new_model(name, device)
+    if parallel == "fsdp":
+        shard(model)
+        runner = model
+    else:
+        runner = torch.nn.parallel.DistributedDataParallel(model)
+    for batch in batches:
+        with meter(device) as m:
+            runner(**batch).loss.backward()
+        for p in model.parameters():
+            p.grad.zero_()
+    if parallel != "fsdp":
+        return m.peak_bytes, None
+    try:  # the wrong order: hierremat plans the whole model before fully_shard
+        hr.remat(model, (), batches[0], budget="1GiB")
+        refusal = None
+    except hr.UnsupportedModelError as err:
+        refusal = str(err)
+    return m.peak_bytes, refusal
+
+
+def count_all_gathers(module, batch: dict) -> dict[str, int]:
+    """How often FSDP2 all-gathers each module's parameters in one more step (its profiler labels)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        module(**batch).loss.backward()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("FSDP::all_gather (") and event.name.endswith(")"):
+            name = event.name[len("FSDP::all_gather ("):-1]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=("llama", "t5"), default="llama")
+    p.add_argument("--parallel", choices=("fsdp", "ddp"), default=None)
+    p.add_argument("--budget", default="3.3MiB", help="every rank's budget (FSDP2's gathered parameters included)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=3, help="the last is a steady step: DDP rebuilds its buckets in the second")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(args.device)
+    if args.parallel:
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
+    model = new_model(args.model, device)
+    batches = global_batches(args.model, args.steps, device)
+    local = [{k: v[rank * len(v) // world : (rank + 1) * len(v) // world] for k, v in b.items()} for b in batches]
+    report = {"world": world}
+    runner = model
+    if args.parallel:
+        report["plain_peak"], report["sharded_first"] = plain_peak(args.model, args.parallel, local, device)
+    if args.parallel == "fsdp":
+        runner = hr.remat(model, (), local[0], budget=args.budget)  # plan first
+    elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
+        box = [hr.plan(model, (), local[0], budget=args.budget).to_json() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        runner = hr.remat(model, (), local[0], plan=hr.ModelPlan.from_json(box[0]))
+    if args.parallel:
+        report["budget"] = hr.parse_budget(args.budget)
+    if args.parallel == "fsdp":
+        shard(model)  # then shard: the first call re-plans for FSDP2
+    elif args.parallel == "ddp":
+        runner = torch.nn.parallel.DistributedDataParallel(runner)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    peaks = []
+    for batch in local if args.parallel else batches:
+        optimizer.zero_grad(set_to_none=False)
+        with meter(device) as m:
+            runner(**batch).loss.backward()
+        peaks.append(m.peak_bytes)
+        optimizer.step()
+    report["peaks"] = peaks
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
+    if args.parallel:
+        remat = runner.module if args.parallel == "ddp" else runner
+        report["plan"] = remat.plans[0].to_json()
+        report["summary"] = remat.plans[0].summary()
+    if args.parallel == "fsdp":
+        report["all_gathers"] = count_all_gathers(runner, local[0])
+    args.out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        torch.save(state, args.out / "params.pt")
+    (args.out / f"report{rank}.json").write_text(json.dumps(report))
+    if args.parallel:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""hierremat under FSDP2 and DDP: plan the whole model, then shard or wrap it.
+
+``torchrun --nproc_per_node 2`` (gloo, CPU) runs tests/distributed_train.py: each rank trains
+its half of every global batch for 3 AdamW steps; one process trains plainly on the whole
+batches. Models: a tiny Llama (3 layers) and a tiny T5 (2+2 layers, no dropout: the ranks'
+halves would draw other masks than one process), whose decoder layers read the encoder's
+output and whose layers read the position biases: residents, whose gradients hierremat sums
+across their readers. FSDP2: ``fully_shard`` on every layer and the model, budgets of 3.3 MiB
+(Llama; FSDP2's gathered parameters included: the smallest feasible is 3.06 MiB, FSDP2 alone
+peaks at about 6.5 MiB) and 3.1 MiB (T5; FSDP2 alone: about 3.6 MiB) per rank. DDP: the
+planned module wrapped in ``DistributedDataParallel`` with its defaults, although T5's tied
+embedding and LM head are read by two stages (hierremat.runtime.tied). Checked:
+
+* the parameters agree to float32 rounding (the tolerances of tests/test_example_ddp.py,
+  for the same reasons: the ranks' gradients are averaged where one process reduces inside
+  one batch);
+* the plan recomputes, every rank runs rank 0's plan, and FSDP2 gathers each layer for
+  each of its forwards before the loss and once more for its backward;
+* each rank's allocator-measured peak of a steady step (the last: gradients and optimizer
+  states allocated, DDP's buckets rebuilt) is within the budget and below FSDP2's or DDP's
+  alone. The CPU allocator meter is used because FSDP2 frees and refills gathered
+  parameters by resizing their storages, which the live-tensor tracker does not see.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import hierremat as hr  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "distributed_train.py"
+ATOL = 1e-4
+
+
+def _env(device: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(cmd: list[str], device: str = "cpu") -> str:
+    done = subprocess.run(cmd, cwd=HERE, env=_env(device), capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(cmd)} failed ({done.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def _train(tmp_path, ranks: int, device: str, model: str, parallel: str, budget: str) -> tuple[list[dict], dict, dict]:
+    spread, single = tmp_path / parallel, tmp_path / "single"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), str(SCRIPT),
+          "--model", model, "--parallel", parallel, "--budget", budget, "--device", device, "--out", str(spread)],
+         device)
+    _run([sys.executable, str(SCRIPT), "--model", model, "--device", device, "--out", str(single)], device)
+    reports = [json.loads((spread / f"report{r}.json").read_text()) for r in range(ranks)]
+    return reports, torch.load(spread / "params.pt"), torch.load(single / "params.pt")
+
+
+def _check(reports, spread_params, single_params, slack: int = 0) -> hr.ModelPlan:
+    """What every run checks (the module docstring); returns rank 0's plan."""
+    for rank, report in enumerate(reports):
+        steady = report["peaks"][-1]
+        assert steady <= report["budget"] + slack, (rank, steady, report["budget"])
+        assert steady < report["plain_peak"], (rank, steady, report["plain_peak"])
+    plan = hr.ModelPlan.from_json(reports[0]["plan"])
+    assert max(plan.chain.schedule.forward_counts()[1:-1]) > 1, "some layer must be recomputed"
+    chains = [{k: v for k, v in json.loads(report["plan"])["chain"].items() if k != "solve_seconds"} for report in reports]
+    assert all(chain == chains[0] for chain in chains), "every rank must run rank 0's plan"
+    assert spread_params.keys() == single_params.keys()
+    max_abs = max((spread_params[k] - single_params[k]).abs().max().item() for k in spread_params)
+    assert max_abs <= ATOL, max_abs
+    return plan
+
+
+def _check_fsdp(reports, sharded_params, single_params, slack: int = 0) -> hr.ModelPlan:
+    plan = _check(reports, sharded_params, single_params, slack)
+    assert all("before fully_shard" in report["sharded_first"] for report in reports)
+    assert plan.gathered_stage_bytes and max(plan.gathered_stage_bytes) > 0 and plan.sharded_reserve_bytes > 0
+    assert "FSDP2: gathers up to" in reports[0]["summary"]
+    # FSDP2 gathers a layer for each of its forwards before the loss and once more for its
+    # backward (with the recomputation that precedes it, or prefetched)
+    forwards = [0] * plan.chain.schedule.length
+    for op in plan.chain.schedule.ops[: plan.chain.schedule.loss_index]:
+        forwards[op.stage] += 1
+    gathers = reports[0]["all_gathers"]
+    layers = [(i, info.name) for i, info in enumerate(plan.stages) if info.name != "(top)"]  # (top): the root's
+    assert {name for _, name in layers} == gathers.keys(), (gathers, [info.name for info in plan.stages])
+    for i, name in layers:
+        assert gathers[name] == forwards[i] + 1, (name, gathers, str(plan.chain.schedule))
+    return plan
+
+
+@pytest.mark.parametrize("model, budget", [("llama", "3.3MiB"), ("t5", "3.1MiB")])
+def test_two_fsdp2_ranks_train_like_one_process_within_budget(tmp_path, model, budget):
+    reports, sharded_params, single_params = _train(tmp_path, 2, "cpu", model, "fsdp", budget)
+    assert all(report["world"] == 2 for report in reports)
+    plan = _check_fsdp(reports, sharded_params, single_params)
+    assert (plan.chain.costs.residents != ()) == (model == "t5")
+
+
+def test_two_ddp_ranks_train_a_t5_like_one_process_within_budget(tmp_path):
+    """DDP with its defaults: every parameter's gradient reaches the reducer once per step,
+    T5's tied embedding and LM head (read by the first and the last stage) included."""
+    reports, ddp_params, single_params = _train(tmp_path, 2, "cpu", "t5", "ddp", "2.5MiB")
+    assert all(report["world"] == 2 for report in reports)
+    plan = _check(reports, ddp_params, single_params)
+    assert plan.chain.costs.residents != ()
+
+
+@pytest.mark.cuda
+def test_cuda_fsdp2_trains_like_one_process_within_budget(tmp_path):
+    """One FSDP2 rank (nccl) on the GPU: the hooks, the re-plan and the accounting on CUDA."""
+    reports, sharded_params, single_params = _train(tmp_path, 1, "cuda", "llama", "fsdp", "3.3MiB")
+    _check_fsdp(reports, sharded_params, single_params, slack=512 * 64)  # the allocator rounds blocks up to 512 bytes
