@@ -358,12 +358,13 @@ def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.device.type for v in leaves if isinstance(v, torch.Tensor)))
 
 
-def _input_key(args: tuple, kwargs: dict, padding: bool) -> tuple:
-    """What a plan is specific to: the inputs' structure, shapes, dtypes, devices, the autocast setting, and
-    with ``padding``, which padding masks are all ones (hierremat.blocks.eager_masks)."""
+def _input_key(model: nn.Module, args: tuple, kwargs: dict, padding: bool) -> tuple:
+    """What a plan for ``model(*args, **kwargs)`` is specific to: the inputs' structure, shapes, dtypes,
+    devices, the autocast setting, and with ``padding``, which padding masks are all ones
+    (hierremat.blocks.eager_masks)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     autocast = AutocastState.capture(_device_types(args, kwargs)).key()
-    return (str(spec), autocast, padding_key(kwargs) if padding else ()) + tuple(
+    return (str(spec), autocast, padding_key(model, args, kwargs) if padding else ()) + tuple(
         (tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v) for v in leaves
     )
 
@@ -401,7 +402,7 @@ class RematModule(nn.Module):
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
             self._per_padding = True
             self._compiled.clear()  # (keyed without the padding state; planned again when called)
-        self._compiled[_input_key(args, kwargs, self._per_padding)] = compiled
+        self._compiled[_input_key(self.model, args, kwargs, self._per_padding)] = compiled
         return compiled
 
     def forward(self, *args, **kwargs):
@@ -416,7 +417,7 @@ class RematModule(nn.Module):
         Outside what ``torch.compile`` traces: planning runs eagerly, and the returned
         orchestrator is traced (and guarded on) by Dynamo like any module it is handed."""
         kwargs = call_kwargs(self.model, kwargs)
-        key = _input_key(args, kwargs, self._per_padding)
+        key = _input_key(self.model, args, kwargs, self._per_padding)
         compiled = self._compiled.get(key)
         if compiled is None or not compiled.sharded:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):

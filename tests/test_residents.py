@@ -194,30 +194,40 @@ def test_t5_under_bf16_autocast_trains_bitwise_within_budget():
         assert [k for k, g in grads.items() if not same_bits(g, grads_ref[k])] == []
 
 
-def test_t5_batches_without_padding_take_eager_modes_mask_shortcut_bitwise_under_bf16():
+@pytest.mark.parametrize("masks_by", ["keyword", "position"])
+def test_t5_batches_without_padding_take_eager_modes_mask_shortcut_bitwise_under_bf16(masks_by):
     """With no padding at all eager mode skips the padding masks, a branch on their values: the
-    captured graph takes it too (hierremat.blocks.eager_masks), plans are kept per all-ones state,
-    and padded and unpadded batches alternate, each bitwise equal to plain autocast."""
+    captured graph takes it too (hierremat.blocks.eager_masks), plans are kept per all-ones state
+    (the encoder's mask passed by keyword or by position), and padded and unpadded batches
+    alternate, each bitwise equal to plain autocast."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model, args, padded = _t5()
+    model, _, padded = _t5()
     unpadded = {**padded, "attention_mask": torch.ones_like(padded["attention_mask"]),
                 "decoder_attention_mask": torch.ones_like(padded["labels"])}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     reference = copy.deepcopy(model)
 
+    def call(kwargs):
+        if masks_by == "keyword":
+            return (), kwargs
+        # (the decoder's mask left out: the call's structure is then the same padded or not)
+        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "decoder_attention_mask")}
+        return (kwargs["input_ids"], kwargs["attention_mask"]), rest
+
     def grads_of(m, kwargs):
         for p in m.parameters():
             p.grad = torch.zeros_like(p)
         torch.manual_seed(3)
+        args, kwargs = call(kwargs)
         with autocast:
             loss = m(*args, **kwargs).loss
         loss.backward()
         return {n.removeprefix("model."): p.grad.clone() for n, p in m.named_parameters()}
 
     with autocast:
-        module = hr.remat(model, args, unpadded, budget="3MB")
-        assert has_value_branch(capture(model, args, call_kwargs(model, unpadded)).module)
+        module = hr.remat(model, *call(unpadded), budget="3MB")
+        assert has_value_branch(capture(model, (), call_kwargs(model, unpadded)).module)
     for kwargs in (unpadded, padded, unpadded):
         grads, grads_ref = grads_of(module, kwargs), grads_of(reference, kwargs)
         assert [k for k, g in grads.items() if not same_bits(g, grads_ref[k])] == []

@@ -24,6 +24,8 @@ it (no block options: their graphs are traced, and a trace cannot branch on valu
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import fx
 
@@ -45,10 +47,20 @@ def masked_bias(cond: torch.Tensor, first_row_unpadded: torch.Tensor, bias: torc
     return torch.where(cond, bias, fill)
 
 
-def padding_key(kwargs: dict) -> tuple:
-    """Which padding-mask arguments are all ones: part of the key a plan is cached under."""
+def padding_key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Which padding-mask arguments of ``model(*args, **kwargs)`` are all ones, by name, passed by
+    keyword or by position: part of the key a plan is cached under."""
+    named = dict(kwargs)
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature to bind to: the keyword arguments only
+        bound = {}
+    for name, value in bound.items():
+        if signature.parameters[name].kind is not inspect.Parameter.VAR_KEYWORD:  # (those are in kwargs)
+            named[name] = value
     return tuple(
-        (name, bool(value.all())) for name, value in sorted(kwargs.items())
+        (name, bool(value.all())) for name, value in sorted(named.items())
         if name.endswith(MASK_SUFFIX) and isinstance(value, torch.Tensor)
     )
 
