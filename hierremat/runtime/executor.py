@@ -8,7 +8,9 @@ zero-byte tap (``_GradTap``) rather than by a leaf: the executor holds only the 
 autograd node, never its input or output tensors, so x_i and x_{i+1} are freed as soon
 as the schedule drops them unless the stage's own saved tensors need them (the
 ``pins_input``/``pins_output`` of hierremat.costs). Parameter gradients are accumulated
-into ``.grad`` stage by stage, as plain autograd does.
+into ``.grad`` stage by stage, as plain autograd does; a parameter several stages read (a
+tied embedding and LM head) reaches its ``AccumulateGrad`` and its hooks once per step
+(hierremat.runtime.tied).
 
 Replays are exact: a stage that runs more than once restores the RNG state it first
 ran with, its mutated buffers (BatchNorm running stats) are put back to their state
