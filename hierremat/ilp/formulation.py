@@ -944,7 +944,6 @@ def op_lists(st: Structure, d: Decisions) -> tuple[tuple, tuple]:
                 continue
             out.append((FREE, nm))
 
-    x_views_live = bool(x_views) and not d.pin_input
     computed = set(forward_groups(st, d.kept))
     for j in range(1, len(G)):
         # values are freed at their last reader's place, run or deferred
