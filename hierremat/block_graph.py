@@ -67,6 +67,11 @@ class BlockGraph:
         needs no gradient).
     held_grad_names: other backward nodes whose results outlive the backward, as dx does
         (the gradient sums of residents the block reads: hierremat.blocks.joint).
+    seed_readers: for each held gradient, in order, the backward node that adds the block's
+        terms to the sum the resident's later readers made (hierremat.blocks.joint.seeded_add).
+        That sum, the seed, is held outside the block (the chain DP counts it), so it is no
+        input of the node here; :func:`concatenate` makes it one where the later reader is a
+        block of the concatenation. Empty where unknown (graphs stored by older versions).
     """
 
     nodes: tuple[GraphNode, ...]
@@ -77,6 +82,7 @@ class BlockGraph:
     output_grad_bytes: int
     input_grad_name: str = ""
     held_grad_names: tuple[str, ...] = ()
+    seed_readers: tuple[str, ...] = ()
     _index: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -103,9 +109,11 @@ class BlockGraph:
             self.input_grad_name not in index or self.nodes[index[self.input_grad_name]].phase != BACKWARD
         ):
             raise ValueError(f"input_grad_name {self.input_grad_name!r} is not a backward node")
-        for name in self.held_grad_names:
+        for name in self.held_grad_names + self.seed_readers:
             if name not in index or self.nodes[index[name]].phase != BACKWARD:
-                raise ValueError(f"held gradient {name!r} is not a backward node")
+                raise ValueError(f"held gradient or seed reader {name!r} is not a backward node")
+        if self.seed_readers and len(self.seed_readers) != len(self.held_grad_names):
+            raise ValueError("seed_readers needs one node per held gradient")
         object.__setattr__(self, "_index", index)
 
     def node(self, name: str) -> GraphNode:
@@ -132,6 +140,7 @@ class BlockGraph:
             "output_grad_bytes": self.output_grad_bytes,
             "input_grad_name": self.input_grad_name,
             "held_grad_names": list(self.held_grad_names),
+            "seed_readers": list(self.seed_readers),
         }
 
     @classmethod
@@ -146,6 +155,7 @@ class BlockGraph:
             output_grad_bytes=int(d["output_grad_bytes"]),
             input_grad_name=d.get("input_grad_name", ""),
             held_grad_names=tuple(d.get("held_grad_names", ())),
+            seed_readers=tuple(d.get("seed_readers", ())),
         )
 
 
@@ -158,11 +168,16 @@ def concatenate(graphs: "list[BlockGraph] | tuple[BlockGraph, ...]") -> BlockGra
     block order. Costs are the blocks' own, so the concatenation is the same cost model:
     its ILP is Checkmate's whole-graph problem over those blocks, the reference that the
     hierarchical plan (one ILP per block, composed by the chain DP) is measured against.
+
+    Blocks that read residents (held gradients) must all read the same ones, in the same order:
+    block i's seed reader then also reads block i+1's sum of the resident's gradient (its
+    seed), which is thereby no longer held; the concatenation holds block 0's sums.
     """
     if not graphs:
         raise ValueError("concatenate needs at least one graph")
-    if any(g.held_grad_names for g in graphs):
-        raise ValueError("concatenate takes blocks without held gradients (blocks reading no residents)")
+    held = {len(g.held_grad_names) for g in graphs}
+    if len(held) > 1 or any(len(g.seed_readers) != len(g.held_grad_names) for g in graphs):
+        raise ValueError("concatenate takes blocks that all read the same residents, with their seed readers known")
     for i, g in enumerate(graphs[1:], start=1):
         if not g.input_grad_name:
             raise ValueError(f"block {i} has no input gradient, so the blocks before it get no output gradient")
@@ -176,10 +191,16 @@ def concatenate(graphs: "list[BlockGraph] | tuple[BlockGraph, ...]") -> BlockGra
     last = len(graphs) - 1
     renames[last][graphs[last].output_grad_name] = f"b{last}.{graphs[last].output_grad_name}"
 
+    seeds = {}  # renamed seed reader -> the renamed sum of the later block it also reads
+    for i, g in enumerate(graphs[:-1]):
+        for reader, later_sum in zip(g.seed_readers, graphs[i + 1].held_grad_names):
+            seeds[renames[i][reader]] = renames[i + 1][later_sum]
+
     def renamed(i: int, node: GraphNode) -> GraphNode:
         r = renames[i]
+        seed = (seeds[r[node.name]],) if r[node.name] in seeds else ()
         return GraphNode(
-            name=r[node.name], op=node.op, phase=node.phase, inputs=tuple(r[a] for a in node.inputs),
+            name=r[node.name], op=node.op, phase=node.phase, inputs=(*seed, *(r[a] for a in node.inputs)),
             out_bytes=node.out_bytes, time=node.time, workspace_bytes=node.workspace_bytes, random=node.random,
             alias_of=r[node.alias_of] if node.alias_of else "",
         )
@@ -195,4 +216,6 @@ def concatenate(graphs: "list[BlockGraph] | tuple[BlockGraph, ...]") -> BlockGra
         output_grad_name=renames[last][end.output_grad_name],
         output_grad_bytes=end.output_grad_bytes,
         input_grad_name=renames[0][first.input_grad_name] if first.input_grad_name else "",
+        held_grad_names=tuple(renames[0][name] for name in first.held_grad_names),
+        seed_readers=tuple(renames[last][name] for name in end.seed_readers),
     )

@@ -108,8 +108,11 @@ class StageCosts:
 class ResidentCosts:
     """A value carried along the chain beside its activation (hierremat.blocks_info.ResidentLayout).
 
-    producer: the stage whose forward makes it; readers: the later stages that read it (none
-        for a value only the model returns, such as a key/value cache).
+    producer: the stage whose forward makes it, or -1 for a value made before the chain (an
+        encoder's output where the chain is the decoder): that value is the caller's, as x_0
+        is, and not counted (value_bytes 0), and its gradient sum stays to the end of the
+        backward; readers: the later stages that read it (none for a value only the model
+        returns, such as a key/value cache).
     value_bytes: its bytes, held from the producer's first forward until the producer's
         backward (to the end of the step when ``exported``: the caller holds it as an output).
         A forward with grad that recomputes the producer makes another copy, which its option's
@@ -167,8 +170,10 @@ class ChainCosts:
     def __post_init__(self) -> None:
         L = len(self.stages)
         for r in self.residents:
-            if not (0 <= r.producer < L and (r.readers or r.exported) and all(r.producer < j < L for j in r.readers)):
-                raise ValueError(f"resident {r}: its producer must be a stage, its readers later stages (or it exported)")
+            if not (-1 <= r.producer < L and (r.readers or r.exported) and all(r.producer < j < L for j in r.readers)):
+                raise ValueError(f"resident {r}: its producer must be a stage (or -1), its readers later stages (or it exported)")
+            if r.producer < 0 and (r.value_bytes or r.exported):
+                raise ValueError(f"resident {r}: a value made before the chain is the caller's: value_bytes 0, not exported")
             if min(r.value_bytes, r.grad_bytes) < 0:
                 raise ValueError(f"resident {r}: negative bytes")
         if L == 0:

@@ -11,17 +11,19 @@ from hierremat.schedule import Backward, FAll, FCk, FNone, Loss
 
 
 def random_residents(rng: np.random.Generator, L: int, max_bytes: int) -> tuple[ResidentCosts, ...]:
-    """Up to three values carried beside the activation: a random producer, later readers, some
-    returned by the model (exported, then perhaps read by no stage), some without a gradient."""
+    """Up to three values carried beside the activation: a random producer (or one made before
+    the chain: producer -1, its value the caller's, its gradient summed to the end), later readers,
+    some returned by the model (exported, then perhaps read by no stage), some without a gradient."""
     residents = []
     for _ in range(int(rng.integers(1, 4)) if L >= 2 else 0):
-        producer = int(rng.integers(0, L - 1))
+        producer = int(rng.integers(-1, L - 1))
         later = range(producer + 1, L)
-        exported = bool(rng.integers(0, 2))  # an exported one may have no reader (a returned cache)
+        exported = producer >= 0 and bool(rng.integers(0, 2))  # an exported one may have no reader (a returned cache)
         count = int(rng.integers(0 if exported else 1, len(later) + 1))
         readers = tuple(sorted(int(j) for j in rng.choice(later, size=count, replace=False)))
         value = int(rng.integers(1, max_bytes))
-        residents.append(ResidentCosts(producer, readers, value, value * int(rng.integers(0, 2)), exported))
+        grad = value * int(rng.integers(0, 2))
+        residents.append(ResidentCosts(producer, readers, 0 if producer < 0 else value, grad, exported))
     return tuple(residents)
 
 

@@ -7,13 +7,16 @@ plans the whole model first, then ``fully_shard`` is applied to every encoder/de
 and to the model, and each rank trains on its share of every global batch; the first call
 re-plans for the shards. ``--parallel ddp``: the planned model is wrapped in
 DistributedDataParallel. Without ``--parallel``, one process trains plainly on the whole
-global batches. Both write the final parameters (rank 0) and a report per rank (peaks,
+global batches. ``--autocast bf16``: every forward, and the planning, under bf16 autocast.
+Both write the final parameters and the first step's gradients (rank 0; with ``--parallel``
+also those of the first step of FSDP2 or DDP alone on the same batches) and a report per rank (peaks,
 budget, plan, all-gather counts, the peak of FSDP2 or DDP alone) to ``--out``. Peaks are CPU-allocator peaks (FSDP2 frees
 gathered parameters by resizing storages, which the live-tensor tracker does not see), or
 the CUDA allocator's on ``--device cuda``.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -64,35 +67,56 @@ def meter(device: torch.device):
     return CpuAllocatorMeter() if device.type == "cpu" else CudaPeakMeter(device)
 
 
-def plain_peak(name: str, parallel: str, batches: list[dict], device: torch.device) -> tuple[int, str | None]:
-    """The peak of the last of the steps on ``batches`` of the same model under FSDP2 or DDP alone
-    (no hierremat), and, for FSDP2, what hierremat says when asked to plan a model that is
-    already sharded."""
+def forward_context(device: torch.device, autocast: str):
+    """The context every forward (and every planning call) runs in: bf16 autocast, or none."""
+    if autocast == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole (a collective under FSDP2: every rank calls it)."""
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu().clone()
+            for name, p in model.named_parameters()}
+
+
+def plain_run(name: str, parallel: str, batches: list[dict], device: torch.device, autocast: str
+              ) -> tuple[int, str | None, dict]:
+    """The same model under FSDP2 or DDP alone (no hierremat), trained on ``batches`` without
+    optimizer steps: (the peak of the last step, for FSDP2 what hierremat says when asked to plan
+    a model that is already sharded, the gradients of the first step)."""
     model = new_model(name, device)
     if parallel == "fsdp":
         shard(model)
         runner = model
     else:
         runner = torch.nn.parallel.DistributedDataParallel(model)
+    first_grads = None
     for batch in batches:
         with meter(device) as m:
-            runner(**batch).loss.backward()
+            with forward_context(device, autocast):
+                loss = runner(**batch).loss
+            loss.backward()
+            del loss
+        first_grads = first_grads if first_grads is not None else full_grads(model)
         for p in model.parameters():
             p.grad.zero_()
     if parallel != "fsdp":
-        return m.peak_bytes, None
+        return m.peak_bytes, None, first_grads
     try:  # the wrong order: hierremat plans the whole model before fully_shard
         hr.remat(model, (), batches[0], budget="1GiB")
         refusal = None
     except hr.UnsupportedModelError as err:
         refusal = str(err)
-    return m.peak_bytes, refusal
+    return m.peak_bytes, refusal, first_grads
 
 
-def count_all_gathers(module, batch: dict) -> dict[str, int]:
+def count_all_gathers(module, batch: dict, context) -> dict[str, int]:
     """How often FSDP2 all-gathers each module's parameters in one more step (its profiler labels)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        module(**batch).loss.backward()
+        with context:
+            loss = module(**batch).loss
+        loss.backward()
     counts: dict[str, int] = {}
     for event in prof.events():
         if event.name.startswith("FSDP::all_gather (") and event.name.endswith(")"):
@@ -107,6 +131,7 @@ def main() -> None:
     p.add_argument("--parallel", choices=("fsdp", "ddp"), default=None)
     p.add_argument("--budget", default="3.3MiB", help="every rank's budget (FSDP2's gathered parameters included)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--autocast", choices=("off", "bf16"), default="off", help="bf16: forwards and planning under autocast")
     p.add_argument("--steps", type=int, default=3, help="the last is a steady step: DDP rebuilds its buckets in the second")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -120,14 +145,17 @@ def main() -> None:
     local = [{k: v[rank * len(v) // world : (rank + 1) * len(v) // world] for k, v in b.items()} for b in batches]
     report = {"world": world}
     runner = model
+    plain_grads = None
     if args.parallel:
-        report["plain_peak"], report["sharded_first"] = plain_peak(args.model, args.parallel, local, device)
-    if args.parallel == "fsdp":
-        runner = hr.remat(model, (), local[0], budget=args.budget)  # plan first
-    elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
-        box = [hr.plan(model, (), local[0], budget=args.budget).to_json() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        runner = hr.remat(model, (), local[0], plan=hr.ModelPlan.from_json(box[0]))
+        report["plain_peak"], report["sharded_first"], plain_grads = plain_run(
+            args.model, args.parallel, local, device, args.autocast)
+    with forward_context(device, args.autocast):  # plans are made for the autocast setting they run under
+        if args.parallel == "fsdp":
+            runner = hr.remat(model, (), local[0], budget=args.budget)  # plan first
+        elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
+            box = [hr.plan(model, (), local[0], budget=args.budget).to_json() if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            runner = hr.remat(model, (), local[0], plan=hr.ModelPlan.from_json(box[0]))
     if args.parallel:
         report["budget"] = hr.parse_budget(args.budget)
     if args.parallel == "fsdp":
@@ -135,12 +163,16 @@ def main() -> None:
     elif args.parallel == "ddp":
         runner = torch.nn.parallel.DistributedDataParallel(runner)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    peaks = []
+    peaks, first_grads = [], None
     for batch in local if args.parallel else batches:
         optimizer.zero_grad(set_to_none=False)
         with meter(device) as m:
-            runner(**batch).loss.backward()
+            with forward_context(device, args.autocast):
+                loss = runner(**batch).loss
+            loss.backward()
+            del loss
         peaks.append(m.peak_bytes)
+        first_grads = first_grads if first_grads is not None else full_grads(model)
         optimizer.step()
     report["peaks"] = peaks
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
@@ -149,10 +181,13 @@ def main() -> None:
         report["plan"] = remat.plans[0].to_json()
         report["summary"] = remat.plans[0].summary()
     if args.parallel == "fsdp":
-        report["all_gathers"] = count_all_gathers(runner, local[0])
+        report["all_gathers"] = count_all_gathers(runner, local[0], forward_context(device, args.autocast))
     args.out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         torch.save(state, args.out / "params.pt")
+        torch.save(first_grads, args.out / "grads.pt")
+        if plain_grads is not None:
+            torch.save(plain_grads, args.out / "plain_grads.pt")
     (args.out / f"report{rank}.json").write_text(json.dumps(report))
     if args.parallel:
         dist.barrier()

@@ -7,6 +7,7 @@ peak, gradients are bitwise those of plain autograd and the live-tensor peak is 
 budget. The resident gradients are summed in the order plain autograd sums them.
 """
 
+import contextlib
 import copy
 import json
 
@@ -21,6 +22,7 @@ from hierremat.blocks.hf import call_kwargs
 from hierremat.blocks.segment import build_chain_graph
 from hierremat.model_plan import ModelPlan
 from hierremat.runtime import memory_meter
+from hierremat.schedule import FCk, FNone
 
 from models import TinyUNet, same_bits, seq2seq_call, tiny_bart, tiny_t5
 
@@ -192,6 +194,34 @@ def test_t5_under_bf16_autocast_trains_bitwise_within_budget():
         grads, peak = step(module)
         assert peak <= budget
         assert [k for k, g in grads.items() if not same_bits(g, grads_ref[k])] == []
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_t5_without_dropout_checkpoints_with_the_kernels_of_its_forward_with_grad(autocast):
+    """Without dropout, CPU attention runs its fused kernel unless the mask needs a gradient (T5's
+    position bias does), and the two round differently: a checkpointed layer's forward without grad
+    must choose as its forward with grad does (hierremat.runtime.tapeless), else the recomputed
+    plan's gradients differ from plain autograd's (by 3e-8 in fp32, 2e-3 in bf16)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tiny_t5(layers=2, d_model=128, dropout=0.0)
+    kwargs = seq2seq_call(4, 48, 24)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    def grads_of(m):
+        for p in m.parameters():
+            p.grad = None
+        with context:
+            loss = m(**kwargs).loss
+        loss.backward()
+        return {n.removeprefix("model."): p.grad for n, p in m.named_parameters()}
+
+    reference = grads_of(copy.deepcopy(model))
+    with context:
+        module = hr.remat(model, (), kwargs, budget="2.5MiB")
+    grads = grads_of(module)
+    assert any(isinstance(op, (FNone, FCk)) for op in module.plans[0].chain.schedule.ops)
+    assert [k for k, g in grads.items() if not same_bits(g, reference[k])] == []
 
 
 @pytest.mark.parametrize("masks_by", ["keyword", "position"])

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hierremat.block_graph import BACKWARD, FORWARD, concatenate
 from hierremat.ilp import BlockIlp
@@ -39,13 +40,62 @@ def test_concatenate_rejects_what_it_cannot_chain():
         concatenate([g, no_dx])
 
 
-def test_bench_quality_runs_and_the_hierarchical_plan_is_never_worse_than_the_baselines(tmp_path):
-    pytest.importorskip("transformers")
+def _bench_quality():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_quality
 
+    return bench_quality
+
+
+def test_concatenated_readers_pass_each_residents_gradient_sum_on_and_cost_what_the_chain_counts():
+    """Blocks reading a value made before them (an encoder's output) with a gradient: in the
+    concatenation each block's seed reader also reads the later block's sum, which is thereby no
+    longer held; the whole graph holds the first block's. Keeping everything, the whole graph's
+    peak is the chain's (the DP counting the sum as a resident made before the chain)."""
+    from hierremat.blocks.joint import to_block_graph, trace_joint
+    from hierremat.blocks.node_profile import profile_nodes
+    from hierremat.dp.solve import solve_chain
+    from hierremat.ilp.options import keep_all_decisions, make_option
+    from hierremat.simulate import simulate
+
+    from test_resident_options import _Reader
+
+    bench_quality = _bench_quality()
+    torch.manual_seed(0)
+    x, context = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    graphs = []
+    for block in (_Reader(), _Reader(), _Reader()):
+        joint = trace_joint(block, x, (context,), input_requires_grad=True, resident_grads=(0,))
+        graphs.append(to_block_graph(joint, profile_nodes(joint, x, (context,), method="flops")))
+    g = graphs[0]
+    assert len(g.seed_readers) == len(g.held_grad_names) == 1
+    whole = concatenate(graphs)
+    for i in (0, 1):
+        reader = whole.node(f"b{i}.{g.seed_readers[0]}")
+        assert f"b{i + 1}.{g.held_grad_names[0]}" in reader.inputs
+    assert whole.held_grad_names == (f"b0.{g.held_grad_names[0]}",) and whole.seed_readers == (f"b2.{g.seed_readers[0]}",)
+
+    def keep_all(graph):
+        ilp = BlockIlp(graph)
+        return [make_option(ilp.structure, keep_all_decisions(ilp.structure), "keep_all", optimal=False)]
+
+    grad_bytes = context.numel() * context.element_size()
+    chain = bench_quality.chain_of(graphs, [bench_quality.stage_costs(b, keep_all(b)) for b in graphs], (grad_bytes,))
+    one = bench_quality.chain_of([whole], [bench_quality.stage_costs(whole, keep_all(whole))])
+    peaks = [simulate(c, solve_chain(c, 10**9).schedule).peak_bytes for c in (chain, one)]
+    assert peaks[0] == peaks[1]
+    with pytest.raises(ValueError, match="same residents"):
+        concatenate([graphs[0], transformer_block(seq=16, d=8)])
+
+
+@pytest.mark.parametrize("model", ["gpt2", "t5"])
+def test_bench_quality_runs_and_the_hierarchical_plan_is_never_worse_than_the_baselines(tmp_path, model):
+    pytest.importorskip("transformers")
+    bench_quality = _bench_quality()
+
     out = tmp_path / "quality.md"
-    assert bench_quality.main(["--n-embd", "64", "--seq", "32", "--budgets", "3", "--out", str(out)]) == 0
+    size = ["--n-embd", "64", "--seq", "32"] if model == "gpt2" else ["--t5-d-model", "64"]
+    assert bench_quality.main(["--models", model, *size, "--budgets", "3", "--out", str(out)]) == 0
     text = out.read_text()
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "MiB" not in line
             and line[2].isdigit()]

@@ -575,6 +575,8 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
         (nodes_fwd if graph_node.phase == FORWARD else nodes_bwd).append(graph_node)
     x_val = placeholders[joint.input_name].meta["val"]
     t_val = placeholders[tangent].meta["val"]
+    # the node adding the block's terms to each resident's sum so far: its seed's one reader
+    seed_readers = tuple(next(iter(placeholders[joint.resident_seeds[j]].users)).name for j in joint.resident_grads)
     return BlockGraph(
         nodes=tuple(nodes_fwd + nodes_bwd),
         input_name=joint.input_name,
@@ -584,6 +586,7 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
         output_grad_bytes=_tensor_bytes(t_val),
         input_grad_name=joint.input_grad_name,
         held_grad_names=tuple(joint.resident_grads.values()),
+        seed_readers=seed_readers,
     )
 
 

@@ -34,9 +34,10 @@ from ..errors import UnsupportedModelError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
 from .autocast import AutocastState
 from .residents import (
-    collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
+    as_in_training, collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
 )
 from .rng import RngState, cuda_devices_of
+from .tapeless import tapeless
 from .tied import TiedParameters
 
 
@@ -338,11 +339,15 @@ class _Step:
                 del out, made
             else:
                 forward = self.runner.forward_executors[i]
-                with torch.no_grad():
-                    if forward is not None:
+                if forward is not None:
+                    with torch.no_grad():
                         y = self._forward(i, lambda: forward(x, self._shared()))
-                    else:
-                        y = self._forward(i, lambda: self._call(i, x, self._shared()))
+                else:  # the stage itself, its kernels chosen as in its forward with grad (runtime/tapeless)
+                    with tapeless():
+                        inp = x.detach().requires_grad_(x.is_floating_point() and (i > 0 or self.input_requires_grad))
+                        shared = as_in_training(self._shared(), self.layout, i)
+                        y = detach_output(self._forward(i, lambda: self._call(i, inp, shared)))
+                    del inp, shared
                 del x
                 y, made = split_output(y, self.layout, i)
                 keep_made(self.resident_values, self.layout, i, made)

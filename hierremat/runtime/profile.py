@@ -28,13 +28,15 @@ import torch
 
 from ..costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
 from .executor import (
-    as_tuple, backward_through, check_stage_output, default_grad_mask, gradient_edges, tap_input, watch_storages,
+    as_tuple, backward_through, check_stage_output, default_grad_mask, detach_output, gradient_edges, tap_input,
+    watch_storages,
 )
 from .autocast import AutocastState
 from .memory import WeightCastCounter, allocated_bytes, memory_meter
 from .residents import keep_made, split_output, stage_shared, tap_read
 from .rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
+from .tapeless import tapeless
 
 #: Seconds of a stage's no-grad forward (measured with its memory) above which its times are
 #: those of the memory runs: one run each, its one-off costs a small share of it.
@@ -343,8 +345,8 @@ def _profile_stage(
         meter.reset_peak()
         base = meter.live_bytes
         started = time.perf_counter()
-        with torch.no_grad():
-            y = call(x)
+        with tapeless():  # as the runner runs F_none / F_ck of the stage itself
+            y = detach_output(call(x))
         _sync(device)
         nograd_time = time.perf_counter() - started
         slow = nograd_time > SLOW_STAGE_SECONDS
