@@ -34,7 +34,7 @@ from ..errors import UnsupportedModelError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
 from .autocast import AutocastState
 from .residents import (
-    as_in_training, collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
+    collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
 )
 from .rng import RngState, cuda_devices_of
 from .tapeless import tapeless
@@ -326,8 +326,7 @@ class _Step:
                 del x
                 self.tape[i] = ("option", executor, tape)
             elif isinstance(op, FAll):
-                anchor = self.tap_anchor if i > 0 or self.input_requires_grad else None
-                inp, sink = tap_input(x, anchor)
+                inp, sink = tap_input(x, self._input_anchor(i))
                 del x
                 shared, taps = tap_read(self._shared(), self.layout, i, self.tap_anchor)
                 with torch.enable_grad(), self.runner.tied.forward(i, self.stand_ins):
@@ -342,10 +341,10 @@ class _Step:
                 if forward is not None:
                     with torch.no_grad():
                         y = self._forward(i, lambda: forward(x, self._shared()))
-                else:  # the stage itself, its kernels chosen as in its forward with grad (runtime/tapeless)
-                    with tapeless():
-                        inp = x.detach().requires_grad_(x.is_floating_point() and (i > 0 or self.input_requires_grad))
-                        shared = as_in_training(self._shared(), self.layout, i)
+                else:  # the stage itself, its kernels chosen as in its forward with grad (runtime/tapeless):
+                    with tapeless():  # its input and residents tapped as there, so they require a gradient
+                        inp = tap_input(x, self._input_anchor(i))[0]
+                        shared = tap_read(self._shared(), self.layout, i, self.tap_anchor)[0]
                         y = detach_output(self._forward(i, lambda: self._call(i, inp, shared)))
                     del inp, shared
                 del x
@@ -387,6 +386,11 @@ class _Step:
                 dx = first.backward(second, grad, self._shared())
             self.grad[i] = dx if i > 0 or self.input_requires_grad else None
         del grad, first, second
+
+    def _input_anchor(self, i: int) -> torch.Tensor | None:
+        """The anchor that makes stage i's input require a gradient in a forward with grad (None
+        where it needs none: the first stage's input, unless the caller's requires one)."""
+        return self.tap_anchor if i > 0 or self.input_requires_grad else None
 
     def _shared(self) -> tuple:
         """What the stages are called with after x: the shared values, then the residents."""

@@ -66,20 +66,6 @@ def tap_read(shared: tuple, layout: ResidentLayout | None, stage: int, anchor: t
     return tuple(shared), taps
 
 
-def as_in_training(shared: tuple, layout: ResidentLayout | None, stage: int) -> tuple:
-    """``shared`` (from :func:`stage_shared`) with the floating residents stage ``stage`` reads as
-    leaves that require a gradient, as they do in a forward with grad: for a forward without a
-    tape (hierremat.runtime.tapeless), whose kernels must choose as that forward's do."""
-    if layout is None:
-        return shared
-    shared = list(shared)
-    for r in layout.read_by(stage):
-        j = layout.shared_count + r
-        if shared[j] is not None and shared[j].is_floating_point():
-            shared[j] = shared[j].detach().requires_grad_()
-    return tuple(shared)
-
-
 def read_roots(taps: list, grads: dict[int, torch.Tensor]) -> tuple[list, list]:
     """(edges, gradients) to feed a reader's backward besides its output's: at each tapped resident,
     the sum of its gradient so far (taken out of ``grads``; where there is none yet, no root)."""
