@@ -38,6 +38,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_compile.py
 	$(BIN)/python benchmarks/bench_lm_head.py
 	$(BIN)/python benchmarks/bench_relu_masks.py
+	$(BIN)/python benchmarks/bench_in_place.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -50,16 +51,20 @@ def resnet():
 
 
 @contextlib.contextmanager
-def relu_masks(on: bool):
-    """Planning with or without the ReLU rewrite (the other variants stay on)."""
-    real = stage_options.pack_relu_masks
+def rewrite_switched(name: str, on: bool):
+    """Planning with or without the rewrite ``hierremat.stage_options.<name>`` (the other
+    variants stay on)."""
+    real = getattr(stage_options, name)
     if not on:
-        stage_options.pack_relu_masks = lambda joint: joint
+        setattr(stage_options, name, lambda joint: joint)
     try:
         yield
     finally:
-        stage_options.pack_relu_masks = real
+        setattr(stage_options, name, real)
         hr.plan_cache.clear()  # plans are keyed by model, input and budget: not by this switch
+
+
+relu_masks = functools.partial(rewrite_switched, "pack_relu_masks")
 
 
 def step(model, x, budget=None):
@@ -72,18 +77,21 @@ def step(model, x, budget=None):
     return tracker.peak_bytes, [p.grad.clone() for p in model.parameters()]
 
 
-def main() -> None:
+def compare(models, switch, labels: tuple[str, str], column: str, title: str, results_name: str) -> None:
+    """For each (name, make) of ``models``: floors, a real step at each floor and predicted
+    overheads with one rewrite off and on (``switch(on)``, a context manager); the table goes to
+    benchmarks/results/``results_name`` under ``title``, rows labelled ``labels`` (off, on)."""
     rows = []
-    for name, make in (("relu-mlp", relu_mlp), ("resnet", resnet)):
+    for name, make in models:
         model, x = make()
         _, plain_grads = step(copy.deepcopy(model), x)
         floors = {}
         for on in (False, True):
-            with relu_masks(on):
+            with switch(on):
                 floors[on] = C.smallest_feasible_budget(lambda b: hr.plan_sequential(model, b, x))
         top = max(floors.values())
         for on in (False, True):
-            with relu_masks(on):
+            with switch(on):
                 hr.checkpoint_sequential(model, floors[on], x)  # plan outside the measured step
                 peak, grads = step(model, x, floors[on])
                 overheads = []
@@ -91,15 +99,15 @@ def main() -> None:
                     plan = hr.plan_sequential(model, int(top * factor), x)
                     overheads.append(plan.predicted_step_time / plan.no_remat_step_time - 1)
             rows.append([
-                name, "with masks" if on else "without", f"{floors[on] / MIB:.2f}",
+                name, labels[on], f"{floors[on] / MIB:.2f}",
                 f"{floors[on] / floors[False]:.3f}", f"{peak / MIB:.2f}", "yes" if peak <= floors[on] else "NO",
                 f"{C.max_abs_diff(grads, plain_grads):.1e}", *(f"{o:+.1%}" for o in overheads),
             ])
-    header = ["model", "ReLU masks", "floor MiB", "floor / without", "peak at floor MiB", "peak <= floor",
+    header = ["model", column, "floor MiB", "floor / without", "peak at floor MiB", "peak <= floor",
               "grad diff", "overhead at 1x", "at 1.5x", "at 2x"]
     info = C.device_info(torch.device("cpu"), torch.get_num_threads())
     text = (
-        "# ReLU backward from packed masks: floors and predicted overheads\n\n"
+        f"# {title}\n\n"
         f"Machine: {info['device_name']} ({info['cpu_count']} CPUs, {info['torch_threads']} torch threads); "
         f"torch {info['torch']}, hierremat {info['hierremat']} ({info['revision']}); {info['date']}.\n\n"
         "Floor: smallest feasible budget. Overheads: predicted step over keeping everything (profiled op costs), "
@@ -107,7 +115,12 @@ def main() -> None:
         "after one step at the floor.\n\n"
         + C.markdown_table(header, rows) + "\n"
     )
-    C.write_results(C.RESULTS_DIR / "bench_relu_masks.md", text)
+    C.write_results(C.RESULTS_DIR / results_name, text)
+
+
+def main() -> None:
+    compare((("relu-mlp", relu_mlp), ("resnet", resnet)), relu_masks, ("without", "with masks"), "ReLU masks",
+            "ReLU backward from packed masks: floors and predicted overheads", "bench_relu_masks.md")
 
 
 if __name__ == "__main__":

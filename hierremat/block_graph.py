@@ -36,6 +36,8 @@ class GraphNode:
     random: it draws random numbers (dropout), so it may only be recomputed with its
         RNG state replayed.
     alias_of: name of the node (or block input) whose storage the result shares, "" if none.
+    in_place: the result is its first input overwritten in place (hierremat.variants.in_place):
+        it shares ``alias_of``'s storage although it reads other values too.
     """
 
     name: str
@@ -47,6 +49,7 @@ class GraphNode:
     workspace_bytes: int = 0
     random: bool = False
     alias_of: str = ""
+    in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.phase not in (FORWARD, BACKWARD):
@@ -202,7 +205,7 @@ def concatenate(graphs: "list[BlockGraph] | tuple[BlockGraph, ...]") -> BlockGra
         return GraphNode(
             name=r[node.name], op=node.op, phase=node.phase, inputs=(*seed, *(r[a] for a in node.inputs)),
             out_bytes=node.out_bytes, time=node.time, workspace_bytes=node.workspace_bytes, random=node.random,
-            alias_of=r[node.alias_of] if node.alias_of else "",
+            alias_of=r[node.alias_of] if node.alias_of else "", in_place=node.in_place,
         )
 
     forward = [renamed(i, n) for i, g in enumerate(graphs) for n in g.forward_nodes]

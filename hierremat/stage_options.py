@@ -60,6 +60,7 @@ from .runtime.profile import ChainProfile, median_seconds, no_side_effects, scra
 from .runtime.residents import keep_made, split_output, stage_shared
 from .runtime.stage_cost_cache import ExecutorSpeeds, StageCostCache, device_name
 from .variants.dropout import pack_dropout_masks
+from .variants.in_place import run_in_place
 from .variants.relu_masks import pack_relu_masks
 
 log = logging.getLogger(__name__)
@@ -438,7 +439,8 @@ def build_menus(
     time_limit: seconds per ILP solve; deadline: a ``time.perf_counter()`` value no solve
     runs past (menus then hold what was found in time: hierremat.ilp.options.solve_menu).
     variants: rewrite the traced graphs with hierremat's operator variants
-    (hierremat.variants.dropout: packed dropout masks, recomputable dropout outputs).
+    (hierremat.variants: packed dropout and ReLU masks, recomputable dropout outputs, in-place
+    pointwise operators).
     residents: the chain's ResidentLayout (hierremat.blocks_info), or None. A stage that reads
     residents traces them as inputs with a gradient (hierremat.blocks.joint: its options add
     their terms to the gradient sums); a stage that makes residents gets no menu (option 0
@@ -486,7 +488,7 @@ def build_menus(
                 if autocast.enabled:
                     check_autocast_exact(joint, stage, xs[i], shareds[i], input_grad, autocast, reads)
                 if variants:
-                    joint = pack_relu_masks(pack_dropout_masks(joint))
+                    joint = run_in_place(pack_relu_masks(pack_dropout_masks(joint)))
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
                     raise ValueError("the stage returns several tensors")
                 output = to_block_graph(joint).node(joint.output_names[0])
@@ -592,7 +594,7 @@ def _progress_bar(description: str):
 
 def graph_structure(graph: BlockGraph) -> tuple:
     """Everything of a BlockGraph but its measured costs: equal structures, interchangeable menus."""
-    return tuple((n.name, n.op, n.phase, n.inputs, n.out_bytes, n.alias_of, n.random) for n in graph.nodes) + (
+    return tuple((n.name, n.op, n.phase, n.inputs, n.out_bytes, n.alias_of, n.random, n.in_place) for n in graph.nodes) + (
         graph.input_name, graph.output_name, graph.output_grad_name, graph.input_grad_name, graph.held_grad_names,
     )
 

@@ -147,14 +147,25 @@ def is_random_node(node: fx.Node) -> bool:
 
 
 def is_view_node(node: fx.Node) -> bool:
-    """Whether the op's schema says its (first) result aliases an input (views, getitem of a list of views)."""
+    """Whether the op's schema says its (first) result aliases an input without writing it
+    (views, getitem of a list of views; not in-place operators)."""
     target = node.target
     if target is operator.getitem:
         return False
     if isinstance(target, torch._ops.OpOverload):
         returns = target._schema.returns
-        return bool(returns) and returns[0].alias_info is not None
+        return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
     return False
+
+
+def overwritten_argument(node: fx.Node) -> fx.Node | None:
+    """The argument an in-place operator call overwrites and returns (its first), or None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+        return None
+    returns = target._schema.returns
+    info = returns[0].alias_info if returns else None
+    return node.args[0] if info is not None and info.is_write and isinstance(node.args[0], fx.Node) else None
 
 
 class _ForwardUnderAutocast(nn.Module):
@@ -483,8 +494,8 @@ def storage_layout(joint: JointGraph) -> NodeLayout:
     """Who owns which storage, from the fake tensors in ``meta["val"]``.
 
     A node whose result's storage already exists (a view, a getitem of a list of views,
-    ``_unsafe_view``, ``detach``) owns nothing and aliases the storage's owner (a node or
-    a placeholder). A tuple-valued node owns nothing either; its getitems own the elements.
+    ``_unsafe_view``, ``detach``, an in-place operator's result) owns nothing and aliases the
+    storage's owner (a node or a placeholder). A tuple-valued node owns nothing either; its getitems own the elements.
     """
     owner: dict[StorageWeakRef, str] = {}
     out_bytes, alias_of, unused = {}, {}, {}
@@ -499,6 +510,14 @@ def storage_layout(joint: JointGraph) -> NodeLayout:
         out_bytes[node.name] = 0
         if isinstance(val, torch.Tensor):
             key = StorageWeakRef(val.untyped_storage())
+            overwritten = overwritten_argument(node)
+            if overwritten is not None and key not in owner:
+                # an in-place result is its argument: its storage is the argument's, whatever
+                # storage the traced value had (hierremat.variants.in_place keeps the trace's)
+                arg_val = overwritten.meta.get("val")
+                arg_key = StorageWeakRef(arg_val.untyped_storage()) if isinstance(arg_val, torch.Tensor) else None
+                if arg_key in owner:
+                    owner[key] = owner[arg_key]
             if key in owner:
                 alias_of[node.name] = owner[key]
             else:
@@ -571,6 +590,7 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
             workspace_bytes=int(workspace) + layout.unused_bytes.get(name, 0),
             random=is_random_node(node),
             alias_of=alias,
+            in_place=bool(alias) and overwritten_argument(node) is not None,
         )
         (nodes_fwd if graph_node.phase == FORWARD else nodes_bwd).append(graph_node)
     x_val = placeholders[joint.input_name].meta["val"]

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..runtime.autocast import AutocastState
 from ..runtime.memory import allocated_bytes
-from .joint import JointGraph, is_view_node, joint_inputs
+from .joint import JointGraph, is_view_node, joint_inputs, overwritten_argument
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
 FLOPS_PER_S = 1e12
@@ -73,13 +73,16 @@ class _Profiler(fx.Interpreter):
             return super().run_node(node)
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         target = node.target
+        result = target(*args, **kwargs)
+        # the op runs again below: an in-place op on a copy of what it overwrote (its result)
+        again = (lambda: [args[0].clone(), *args[1:]]) if overwritten_argument(node) is not None else (lambda: args)
         if self.method == "flops":
-            result = target(*args, **kwargs)
-            self.costs[node.name] = (self._model_time(node, target, args, kwargs, result), 0)
-            return result
-        if self.cuda:
-            return self._cuda(node, target, args, kwargs)
-        return self._cpu(node, target, args, kwargs)
+            self.costs[node.name] = (self._model_time(node, target, again(), kwargs, result), 0)
+        elif self.cuda:
+            self.costs[node.name] = self._cuda(node, target, again, kwargs)
+        else:
+            self.costs[node.name] = self._cpu(target, again, kwargs)
+        return result
 
     def _model_time(self, node, target, args, kwargs, result) -> float:
         if _is_free(node):
@@ -91,25 +94,24 @@ class _Profiler(fx.Interpreter):
         moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + _tensors(result))
         return overhead + counter.get_total_flops() / flops_per_s + moved / bytes_per_s
 
-    def _cpu(self, node, target, args, kwargs):
-        result = target(*args, **kwargs)
+    def _cpu(self, target, again, kwargs) -> tuple[float, int]:
         for _ in range(self.warmup):
-            target(*args, **kwargs)
+            target(*again(), **kwargs)
         times = []
         for _ in range(self.repeats):
+            args = again()
             start = time.perf_counter()
             target(*args, **kwargs)
             times.append(time.perf_counter() - start)
-        self.costs[node.name] = (max(statistics.median(times), 1e-9), 0)
-        return result
+        return max(statistics.median(times), 1e-9), 0
 
-    def _cuda(self, node, target, args, kwargs):
+    def _cuda(self, node, target, again, kwargs) -> tuple[float, int]:
         stream = torch.cuda.current_stream()
-        result = target(*args, **kwargs)
         for _ in range(self.warmup):
-            target(*args, **kwargs)
+            target(*again(), **kwargs)
         pairs = []
         for _ in range(self.repeats):
+            args = again()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             target(*args, **kwargs)
@@ -119,14 +121,14 @@ class _Profiler(fx.Interpreter):
         seconds = statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
         workspace = 0
         if not _is_free(node):
+            args = again()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            again = target(*args, **kwargs)
+            result = target(*args, **kwargs)
             peak = torch.cuda.max_memory_allocated()
-            workspace = max(0, peak - before - _new_bytes(again, (args, kwargs)))
-            del again
-        self.costs[node.name] = (max(seconds, 1e-9), int(workspace))
-        return result
+            workspace = max(0, peak - before - _new_bytes(result, (args, kwargs)))
+            del result
+        return max(seconds, 1e-9), int(workspace)
 
 
 def profile_nodes(

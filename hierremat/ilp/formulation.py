@@ -18,7 +18,9 @@ Compaction (before the ILP)
 ---------------------------
 * Views are free and belong to their base (Checkmate and Rockmate treat aliases as
   the base tensor): a forward view joins its root's *group*; the group is computed as
-  base, then its views, and freed as a whole. A view of the block input x joins x's
+  base, then its views, and freed as a whole. An in-place result (``GraphNode.in_place``,
+  hierremat.variants.in_place) is such a member too, though it reads other values: they
+  become the group's inputs. A view of the block input x joins x's
   group (x is never recomputed). A view that reads values outside its alias chain is
   treated as a copy the size of its root (conservative) and logged.
 * Backward views keep their place in the backward (they run once), cost 0 bytes, and
@@ -204,7 +206,7 @@ def compact(graph: BlockGraph) -> CompactGraph:
             if n.alias_of not in root:
                 raise ValueError(f"forward view {n.name!r} aliases {n.alias_of!r}, which is not a forward value")
             r = root[n.alias_of]
-            if all(root.get(i) == r for i in n.inputs):
+            if n.in_place or all(root.get(i) == r for i in n.inputs):
                 root[n.name] = r
                 continue
             log.warning("view %s reads values outside its alias chain; modelled as a copy of its root", n.name)
@@ -253,8 +255,8 @@ def compact(graph: BlockGraph) -> CompactGraph:
     for n in bwd_nodes:
         # a view (no bytes of its own) shares its base's storage; an element of a multi-output
         # op (attached to the op through alias_of, with bytes) is a storage of its own
-        is_view = n.alias_of and n.out_bytes == 0
-        if is_view and n.alias_of in broot and all(broot.get(i) == broot[n.alias_of] for i in n.inputs if i in broot):
+        is_view = n.alias_of and n.out_bytes == 0 and n.alias_of in broot
+        if is_view and (n.in_place or all(broot.get(i) == broot[n.alias_of] for i in n.inputs if i in broot)):
             broot[n.name] = broot[n.alias_of]
         else:
             broot[n.name] = ("b", n.name)

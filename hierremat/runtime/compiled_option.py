@@ -42,6 +42,7 @@ from ..ilp.options import BlockOption, ForwardOnly
 from .autocast import AutocastState
 from .block_exec import OptionTape
 from .memory import CpuAllocatorMeter, CudaPeakMeter
+from ..variants.in_place import functional_joint
 from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
 from .profile import median_seconds, storage_bytes
 
@@ -95,6 +96,7 @@ class CompiledProgram:
         if joint.resident_seeds:  # (hierremat.stage_options.ChainMenus.compilable)
             raise ValueError("options of stages that read residents are not compiled: their seeds may be missing")
         self.option = option
+        joint = functional_joint(joint)  # Inductor places buffers itself
         self.program: OptionProgram = generate_option(joint, option)
         started = time.perf_counter()
         binding = StageBinding(joint)
@@ -206,6 +208,7 @@ class CompiledForward:
 
     def __init__(self, joint: JointGraph, forward: ForwardOnly, x: torch.Tensor, shared: tuple, cache_dir=None):
         self.forward = forward
+        joint = functional_joint(joint)  # Inductor places buffers itself
         self.program: ForwardProgram = generate_forward_only(joint, forward.ops, pure=True)
         started = time.perf_counter()
         args = StageBinding(joint).args(self.program.inputs, x.detach(), shared)

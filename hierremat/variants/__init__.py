@@ -13,6 +13,9 @@ Each variant computes bitwise what the operator it replaces computes, in less me
   never a dense ``[num_embeddings, dim]`` gradient (``grad_in_place``: where autograd's
   result would be the same, ``.grad`` allocated and no tensor hooks).
 
+* ``in_place``: pointwise operators overwrite their first argument where nothing else reads
+  it (the same kernels' in-place overloads), so the step allocates no new result.
+
 ``linear_cross_entropy`` is a variant of another kind: a language model's head fused with
 its loss, chunk by chunk, which never materializes the logits but computes the head's
 matmul once more and sums the weight gradient in another order (equal to fp32 rounding),
