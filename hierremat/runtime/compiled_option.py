@@ -39,10 +39,10 @@ import torch
 from ..blocks.joint import JointGraph
 from ..costs import OptionCosts
 from ..ilp.options import BlockOption, ForwardOnly
+from ..variants.in_place import functional_joint
 from .autocast import AutocastState
 from .block_exec import OptionTape
 from .memory import CpuAllocatorMeter, CudaPeakMeter
-from ..variants.in_place import functional_joint
 from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
 from .profile import median_seconds, storage_bytes
 

@@ -136,8 +136,7 @@ def functional_joint(joint):
     module (names and metadata kept, so option op lists still apply): what Inductor compiles.
     Inductor reuses buffers by its own analysis, and an option's compiled costs are measured
     on its compiled form (hierremat.runtime.compiled_option)."""
-    rewritten = [n for n in joint.module.graph.nodes if _functional_overload(n.target) is not None]
-    if not rewritten:
+    if not any(_functional_overload(n.target) is not None for n in joint.module.graph.nodes):
         return joint
     module = copy.deepcopy(joint.module)
     for node in module.graph.nodes:
