@@ -8,6 +8,8 @@
 //   masked_scale(x, bits, scale)         = x.mul(unpacked mask).mul_(scale)
 //   above_bits(x, threshold)             = the packed bytes of !(x <= threshold)
 //   where_bits(x, bits)                  = where(unpacked mask, x, 0), in x's layout
+// and their out= forms (masked_scale.out, where_bits.out), whose out may be x itself: every
+// loop reads an element before it writes it, and no pointer that may alias is __restrict__.
 // which for dropout is native_dropout's output (x, its mask) and native_dropout_backward
 // (the output gradient, the mask). float and double run fused loops; other dtypes run the
 // same ATen ops on the unpacked mask.
@@ -70,21 +72,26 @@ void masked_scale_loop(const scalar_t* x, const uint8_t* bits, scalar_t* out, in
   });
 }
 
-at::Tensor masked_scale_cpu(const at::Tensor& x, const at::Tensor& bits, double scale) {
+at::Tensor& masked_scale_out_cpu(const at::Tensor& x, const at::Tensor& bits, double scale, at::Tensor& out) {
   TORCH_CHECK(bits.scalar_type() == at::kByte, "masked_scale: bits must be uint8, got ", bits.scalar_type());
   TORCH_CHECK(bits.numel() == (x.numel() + 7) / 8, "masked_scale: ", bits.numel(), " bytes of mask for ", x.numel(), " elements");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "masked_scale.out: out must have x's shape and dtype");
   const auto b = bits.contiguous();
-  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble) {
-    return x.mul(unpack_mask(b, x.sizes())).mul_(scale);
+  if ((x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble) || !x.is_contiguous() || !out.is_contiguous()) {
+    return at::mul_out(out, x, unpack_mask(b, x.sizes())).mul_(scale);
   }
-  const auto xc = x.contiguous();
-  auto out = at::empty_like(xc, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES(xc.scalar_type(), "masked_scale_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_scale_cpu", [&] {
     // a Scalar multiplying a float tensor is applied in the tensor's dtype
-    masked_scale_loop<scalar_t>(xc.data_ptr<scalar_t>(), b.data_ptr<uint8_t>(), out.data_ptr<scalar_t>(), xc.numel(),
+    masked_scale_loop<scalar_t>(x.const_data_ptr<scalar_t>(), b.data_ptr<uint8_t>(), out.data_ptr<scalar_t>(), x.numel(),
                                 static_cast<scalar_t>(scale));
   });
   return out;
+}
+
+at::Tensor masked_scale_cpu(const at::Tensor& x, const at::Tensor& bits, double scale) {
+  const auto xc = x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble ? x.contiguous() : x;
+  auto out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  return masked_scale_out_cpu(xc, bits, scale, out);
 }
 
 template <typename scalar_t>
@@ -132,30 +139,29 @@ struct ByteLanes {
 };
 
 template <typename word_t>
-void where_bits_loop(const word_t* __restrict__ src, const uint8_t* __restrict__ mask, word_t* __restrict__ dst, int64_t n) {
+void where_bits_loop(const word_t* src, const uint8_t* __restrict__ mask, word_t* dst, int64_t n) {
   static const ByteLanes<word_t> table;
   const int64_t full = n / 8;
   at::parallel_for(0, full, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const word_t* __restrict__ lane = table.lanes[mask[b]];
-      const word_t* __restrict__ x = src + b * 8;
-      word_t* __restrict__ out = dst + b * 8;
+      const word_t* x = src + b * 8;
+      word_t* out = dst + b * 8;
       for (int j = 0; j < 8; ++j) out[j] = x[j] & lane[j];
     }
   });
   for (int64_t i = full * 8; i < n; ++i) dst[i] = src[i] & table.lanes[mask[full]][i - full * 8];
 }
 
-at::Tensor where_bits_cpu(const at::Tensor& x, const at::Tensor& bits) {
+at::Tensor& where_bits_out_cpu(const at::Tensor& x, const at::Tensor& bits, at::Tensor& out) {
   TORCH_CHECK(bits.scalar_type() == at::kByte, "where_bits: bits must be uint8, got ", bits.scalar_type());
   TORCH_CHECK(bits.numel() == (x.numel() + 7) / 8, "where_bits: ", bits.numel(), " bytes of mask for ", x.numel(), " elements");
   TORCH_CHECK(x.is_floating_point(), "where_bits: x must be floating point, got ", x.scalar_type());
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "where_bits.out: out must have x's shape and dtype");
   const auto b = bits.contiguous();
-  if (!x.is_contiguous()) {  // the mask is in logical order: let ATen place it in x's layout
-    auto out = at::empty_like(x);
+  if (!x.is_contiguous() || !out.is_contiguous()) {  // the mask is in logical order: let ATen place it
     return at::where_out(out, unpack_mask(b, x.sizes()), x, at::zeros({}, x.options()));
   }
-  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t n = x.numel();
   const uint8_t* mask = b.data_ptr<uint8_t>();
   switch (x.element_size()) {
@@ -174,6 +180,11 @@ at::Tensor where_bits_cpu(const at::Tensor& x, const at::Tensor& bits) {
   return out;
 }
 
+at::Tensor where_bits_cpu(const at::Tensor& x, const at::Tensor& bits) {
+  auto out = x.is_contiguous() ? at::empty_like(x, at::MemoryFormat::Contiguous) : at::empty_like(x);
+  return where_bits_out_cpu(x, bits, out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hierremat, CPU, m) {
@@ -181,4 +192,6 @@ TORCH_LIBRARY_IMPL(hierremat, CPU, m) {
   m.impl("masked_scale", &masked_scale_cpu);
   m.impl("above_bits", &above_bits_cpu);
   m.impl("where_bits", &where_bits_cpu);
+  m.impl("masked_scale.out", &masked_scale_out_cpu);
+  m.impl("where_bits.out", &where_bits_out_cpu);
 }

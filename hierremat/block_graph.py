@@ -36,7 +36,7 @@ class GraphNode:
     random: it draws random numbers (dropout), so it may only be recomputed with its
         RNG state replayed.
     alias_of: name of the node (or block input) whose storage the result shares, "" if none.
-    in_place: the result is its first input overwritten in place (hierremat.variants.in_place):
+    in_place: the result is one of its inputs overwritten in place (hierremat.variants.in_place):
         it shares ``alias_of``'s storage although it reads other values too.
     """
 

@@ -12,7 +12,7 @@ of an op is simply ``memory_before + overhead``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class StageCosts:
         Inductor); the nograd figures are that form's.
     autograd_nograd: (seconds, overhead bytes) of the stage called without grad, when
         nograd_form is another form: what plans that must call the stage itself use (FSDP2).
+    leaner_nograd: (form, seconds, overhead bytes) of a no-grad form that peaks lower than
+        nograd_form but runs slower, or None: what a plan uses where the faster form does not
+        fit (:meth:`with_leaner_forward`). The figures above are the fastest form's.
     """
 
     nograd_fwd_time: float
@@ -70,6 +73,21 @@ class StageCosts:
     weight_cast_bytes: int = 0
     nograd_form: str = "autograd"
     autograd_nograd: tuple[float, int] | None = None
+    leaner_nograd: tuple[str, float, int] | None = None
+
+    def with_leaner_forward(self) -> "StageCosts":
+        """These costs with F_none / F_ck in the leaner no-grad form, where there is one."""
+        if self.leaner_nograd is None:
+            return self
+        form, seconds, overhead = self.leaner_nograd  # (never "autograd": the fastest form peaks no higher)
+        autograd = (
+            (self.nograd_fwd_time, self.nograd_fwd_overhead_bytes) if self.nograd_form == "autograd"
+            else self.autograd_nograd
+        )
+        return replace(
+            self, nograd_fwd_time=seconds, nograd_fwd_overhead_bytes=overhead, nograd_form=form,
+            autograd_nograd=autograd, leaner_nograd=None,
+        )
 
     def called_as_module(self) -> "StageCosts":
         """These costs with the stage itself for every forward: option 0, autograd's no-grad forward."""
@@ -88,11 +106,12 @@ class StageCosts:
             "weight_cast_bytes": self.weight_cast_bytes,
             "nograd_form": self.nograd_form,
             "autograd_nograd": None if self.autograd_nograd is None else list(self.autograd_nograd),
+            "leaner_nograd": None if self.leaner_nograd is None else list(self.leaner_nograd),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageCosts":
-        autograd_nograd = d.get("autograd_nograd")
+        autograd_nograd, leaner = d.get("autograd_nograd"), d.get("leaner_nograd")
         return cls(
             nograd_fwd_time=float(d["nograd_fwd_time"]),
             nograd_fwd_overhead_bytes=int(d["nograd_fwd_overhead_bytes"]),
@@ -101,6 +120,7 @@ class StageCosts:
             weight_cast_bytes=int(d.get("weight_cast_bytes", 0)),
             nograd_form=d.get("nograd_form", "autograd"),
             autograd_nograd=None if autograd_nograd is None else (float(autograd_nograd[0]), int(autograd_nograd[1])),
+            leaner_nograd=None if leaner is None else (str(leaner[0]), float(leaner[1]), int(leaner[2])),
         )
 
 
@@ -203,6 +223,13 @@ class ChainCosts:
     @property
     def length(self) -> int:
         return len(self.stages)
+
+    def with_leaner_forwards(self) -> "ChainCosts":
+        """These costs with every stage's F_none / F_ck in its leaner no-grad form, where it has
+        one (StageCosts.leaner_nograd); ``self`` where none has."""
+        if all(st.leaner_nograd is None for st in self.stages):
+            return self
+        return replace(self, stages=tuple(st.with_leaner_forward() for st in self.stages))
 
     def grad_bytes(self, i: int) -> int:
         """Bytes of the gradient of x_i."""

@@ -10,11 +10,13 @@ from typing import Callable, Sequence
 import torch
 
 from .budget import parse_budget
+from .costs import ChainCosts
 from .dp import min_peak_schedule, solve_chain
 from .dp.baselines import keep_all_schedule, uniform_segments_schedule
 from .dp.solve import DEFAULT_SLOTS
 from .errors import InfeasibleBudgetError, UnsupportedModelError
 from .ilp.cache import default_cache
+from .schedule import ChainSchedule
 from .sequential_plan import SequentialPlan
 from .runtime.autocast import AutocastState
 from .runtime.executor import ChainRunner, OutputUse, run_plainly, stage_buffers
@@ -88,28 +90,41 @@ def fixed_schedule(costs, strategy: str):
     raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
 
 
-def _fastest_fitting(costs, budget_bytes: int, reserve: list[int], reserved: Callable, slots: int):
+def _fastest_fitting(
+    costs: ChainCosts, budget_bytes: int, reserve: list[int], reserved: Callable, slots: int,
+) -> tuple[ChainCosts, ChainSchedule]:
+    """The fastest schedule whose peak plus its replay reserve fits, and the costs it was planned
+    with: ``costs``, or ``costs`` with the stages' leaner no-grad forwards (ChainCosts.
+    with_leaner_forwards) where that plan is faster or the only one that fits. The smallest
+    budget reported is the leaner costs' least peak, which measured times do not move."""
     keep_all = keep_all_schedule(costs)
     fastest = all(st.options[0].fwd_time + st.options[0].bwd_time <= min(o.fwd_time + o.bwd_time for o in st.options)
                   for st in costs.stages)
     if fastest and keep_all.predicted_peak_bytes <= budget_bytes:
-        return keep_all  # no recomputation at all; it runs as plain autograd
-    for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - sum(reserve))):
-        if dp_budget <= 0:
-            continue
-        try:
-            candidate = solve_chain(costs, dp_budget, slots=slots).schedule
-        except InfeasibleBudgetError:
-            continue
-        if candidate.predicted_peak_bytes + reserved(candidate) <= budget_bytes:
-            return candidate
-    schedule = min_peak_schedule(costs)
+        return costs, keep_all  # no recomputation at all; it runs as plain autograd
+    lean = costs.with_leaner_forwards()
+    found = []
+    for planned in dict.fromkeys((costs, lean)):
+        for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - sum(reserve))):
+            if dp_budget <= 0:
+                continue
+            try:
+                candidate = solve_chain(planned, dp_budget, slots=slots).schedule
+            except InfeasibleBudgetError:
+                continue
+            if candidate.predicted_peak_bytes + reserved(candidate) <= budget_bytes:
+                found.append((candidate.predicted_time, planned, candidate))
+                break
+    if found:
+        _, planned, schedule = min(found, key=lambda f: f[0])
+        return planned, schedule
+    schedule = min_peak_schedule(lean)
     if schedule.predicted_peak_bytes + reserved(schedule) > budget_bytes:
         # The budget reported works whatever schedule of least peak a later plan picks: which
         # one (hence which stages hold a replay reserve) depends on measured times, and a plan
         # at peak + every stage's reserve finds one through the DP at ``budget - sum(reserve)``.
         raise InfeasibleBudgetError(budget_bytes, schedule.predicted_peak_bytes + sum(reserve))
-    return schedule
+    return lean, schedule
 
 
 def plan_from_profile(
@@ -148,18 +163,18 @@ def plan_from_profile(
         needed = schedule.predicted_peak_bytes + reserved(schedule)
         if needed > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, needed, what=f"budget for strategy={strategy!r}")
-        return schedule
+        return costs, schedule
 
     started = time.perf_counter()
     costs = replace(profile.costs, output_held_bytes=held_bytes(output_held, profile.costs))
     try:
-        schedule = solve(costs)
+        costs, schedule = solve(costs)
     except InfeasibleBudgetError as held:
         if output_held is not None:
             raise
         costs = replace(costs, output_held_bytes=least_held_bytes(profile))
         try:
-            schedule = solve(costs)
+            costs, schedule = solve(costs)
         except InfeasibleBudgetError as released:
             raise InfeasibleBudgetError(
                 budget_bytes, released.min_budget_bytes, released.what, min_budget_bytes_output_held=held.min_budget_bytes,

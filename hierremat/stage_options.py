@@ -11,7 +11,8 @@ generated code (hierremat.runtime.block_exec); the menu's first options keep wha
 autograd keeps, so option 0's work also runs as generated code wherever that is faster.
 The forward without grad (F_none / F_ck) runs as the generated forward of the stage's
 joint graph (hierremat.ilp.options.forward_only) where that is faster than calling the
-stage and peaks no higher (StageCosts.nograd_form).
+stage and peaks no higher (StageCosts.nograd_form), or where it peaks lower and the faster
+form does not fit the budget (StageCosts.leaner_nograd).
 
 Cost model: an option's times are sums of per-node times, measured one op at a time;
 the whole-stage profile of option 0 is measured as one call, under autograd. To put both
@@ -195,7 +196,9 @@ class ChainMenus:
     def extend(self, profile: ChainProfile) -> ChainProfile:
         """The profile with each stage's menu options appended after option 0, times calibrated;
         with ``compile``, followed by the same options compiled. A stage whose generated
-        no-grad forward is faster than autograd's, and peaks no higher, runs F_none / F_ck so.
+        no-grad forward is faster than autograd's, and peaks no higher, runs F_none / F_ck so;
+        one that peaks lower but is slower is kept as the stage's leaner form (plans use it
+        where the faster one does not fit: hierremat.sequential.plan_from_profile).
 
         A compiled option has the costs measured on its compiled form; one not compiled yet is
         priced at the ILP's memory and the speed its signature's compiled options showed
@@ -239,25 +242,32 @@ class ChainMenus:
             if self.compile and compiled_forward is not None and compiled_forward[1] is not None:
                 seconds, peak = compiled_forward[1]
                 forms["compiled"] = (seconds, max(peak, out_bytes))
-            stages.append(_with_fastest_forward(stage_costs, forms))
+            stages.append(_with_forward_forms(stage_costs, forms))
         return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
 
 
-def _with_fastest_forward(costs, forms: dict):
+def _with_forward_forms(costs, forms: dict):
     """``costs`` (StageCosts, measured with the stage called without grad) running F_none / F_ck
     in the fastest of ``forms`` (form -> (seconds, peak bytes)) that peaks no higher than the
-    stage called without grad: the chain DP has one no-grad forward per stage, so a faster
-    form never raises a plan's memory."""
+    stage called without grad, so that a faster form never raises a plan's memory; and with the
+    leanest form as ``leaner_nograd`` where it peaks lower than that but runs slower. Which form
+    is fastest is measured, so it may change between profiles; the leanest form is not, so the
+    smallest feasible budget (planned with the leaner forms) does not move with times."""
     if costs.nograd_form != "autograd":
         return costs
     autograd = (costs.nograd_fwd_time, costs.nograd_fwd_overhead_bytes)
     fitting = [(seconds, peak, form) for form, (seconds, peak) in forms.items() if peak <= autograd[1]]
-    if not fitting or min(fitting)[0] >= autograd[0]:
-        return costs
-    seconds, peak, form = min(fitting)
-    return replace(
-        costs, nograd_fwd_time=seconds, nograd_fwd_overhead_bytes=peak, nograd_form=form, autograd_nograd=autograd
-    )
+    fastest = min(fitting, default=None)
+    if fastest is not None and fastest[0] < autograd[0]:
+        seconds, peak, form = fastest
+        costs = replace(
+            costs, nograd_fwd_time=seconds, nograd_fwd_overhead_bytes=peak, nograd_form=form, autograd_nograd=autograd
+        )
+    leanest = min(fitting, key=lambda f: (f[1], f[0]), default=None)
+    if leanest is not None and leanest[1] < costs.nograd_fwd_overhead_bytes:
+        seconds, peak, form = leanest
+        costs = replace(costs, leaner_nograd=(form, seconds, peak))
+    return costs
 
 
 def _scaled(option: OptionCosts, scale: float) -> OptionCosts:
@@ -459,6 +469,7 @@ def build_menus(
         signatures = [f"{signatures[0]}-no-input-grad", *signatures[1:]]
     menus: dict[str, StageMenu] = {}
     joints: dict[str, JointGraph] = {}
+    graph_keys: dict[str, str] = {}
     executors: list[list] = [[None] for _ in range(L)]
     generated: dict[str, list[GeneratedOption]] = {}  # one program per (signature, option), made when first run
     forwards: dict[str, GeneratedForward] = {}  # one no-grad forward per signature, made when first run
@@ -475,9 +486,7 @@ def build_menus(
         if isinstance(getattr(stage, "graph_module", None), fx.GraphModule) and has_value_branch(stage.graph_module):
             log.info("stage %d (%s): no block options: it branches on tensor values (an attention mask)", i, signature)
             continue
-        graph_key = _graph_key(signature, variants)  # menus and executor speeds of the traced graph
-        menu_key = graph_key if recompute_across_dropouts else f"{graph_key}+cut-at-dropouts"
-        if signature not in joints and signature not in menus:
+        if signature not in joints:
             try:
                 if not isinstance(stage, torch.nn.Module):
                     raise TypeError("it is a plain callable, not an nn.Module")
@@ -491,7 +500,8 @@ def build_menus(
                     joint = run_in_place(pack_relu_masks(pack_dropout_masks(joint)))
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
                     raise ValueError("the stage returns several tensors")
-                output = to_block_graph(joint).node(joint.output_names[0])
+                graph = to_block_graph(joint)
+                output = graph.node(joint.output_names[0])
                 if output.op == "getitem" and output.alias_of:
                     # the output shares one value with the op's other results (a lone dropout's
                     # mask): the chain's model of a stage output as a value of its own breaks
@@ -501,6 +511,8 @@ def build_menus(
                 joints[signature] = None
                 continue
             joints[signature] = joint
+            graph_keys[signature] = _graph_key(signature, graph)  # menus and executor speeds of the traced graph
+            menu_key = graph_keys[signature] if recompute_across_dropouts else f"{graph_keys[signature]}+cut-at-dropouts"
             name = getattr(stage, "stage_name", type(stage).__name__)
             menu = _menu(joint, xs[i], shareds[i], signature, menu_key, cache, stored, time_limit, deadline, name,
                          recompute_across_dropouts)
@@ -520,12 +532,12 @@ def build_menus(
         ]
         forward_executors[i] = ForwardExecutor(forwards[signature], binding)
         if signature not in speeds:
-            speeds[signature] = cost_cache.get_speeds(graph_key, xs[i])
+            speeds[signature] = cost_cache.get_speeds(graph_keys[signature], xs[i])
             if speeds[signature] is None:
                 speeds[signature] = _executor_speeds(
                     executors[i][1:], forward_executors[i], stage, stages, xs[i], x0, shareds[i]
                 )
-                cost_cache.put_speeds(graph_key, xs[i], speeds[signature])
+                cost_cache.put_speeds(graph_keys[signature], xs[i], speeds[signature])
     output_option = None
     if variants and not (residents is not None and residents.touches(L - 1)):
         fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
@@ -599,9 +611,12 @@ def graph_structure(graph: BlockGraph) -> tuple:
     )
 
 
-def _graph_key(signature: str, variants: bool) -> str:
-    """The cache key of a stage's traced graph: its signature, and whether variants rewrote it."""
-    return signature if not variants else f"{signature}+variants"
+def _graph_key(signature: str, graph: BlockGraph) -> str:
+    """The cache key of a stage's traced graph (menus, executor speeds): its signature and a
+    digest of the graph's structure as the variants left it, so that graphs rewritten
+    differently (variants on or off, another torch) never share or overwrite an entry."""
+    digest = hashlib.sha256(repr(graph_structure(graph)).encode()).hexdigest()[:16]
+    return f"{signature}/{digest}"
 
 
 def _menu(

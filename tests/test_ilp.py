@@ -305,9 +305,10 @@ def brute_force_schedule(st, kept_budget, peak_budget):
 
 def with_in_place(graph: BlockGraph, rng) -> BlockGraph:
     """``graph`` with some nodes made in-place results (hierremat.variants.in_place's
-    conditions on the graph): a node overwrites its first input where that is a value of
-    its own phase owning its storage, of the node's size, read by nothing else, neither the
-    output nor dx, with no views; in the forward, its other inputs come before that value."""
+    conditions on the graph): a node overwrites one of its inputs where that is a value of
+    its own phase owning its storage, of the node's size, neither the output nor dx, with no
+    views, and read by no other node (backward: by none after it); in the forward, the node's
+    other inputs come before that value."""
     nodes = list(graph.nodes)
     readers: dict[str, list] = {}
     for n in nodes:
@@ -319,16 +320,21 @@ def with_in_place(graph: BlockGraph, rng) -> BlockGraph:
     for k, n in enumerate(nodes):
         if n.alias_of or n.random or not n.inputs or rng.random() < 0.4:
             continue
-        a = by_name.get(n.inputs[0])
-        if a is None or a.phase != n.phase or a.alias_of or a.in_place or a.out_bytes != n.out_bytes:
-            continue
-        if readers.get(a.name) != [n.name] or a.name in viewed or a.name in (graph.output_name, graph.input_grad_name):
-            continue
-        if n.phase == "forward" and any(position[i] > position[a.name] for i in n.inputs[1:] if i in position):
-            continue
-        nodes[k] = GraphNode(n.name, n.op + "_", n.phase, n.inputs, 0, n.time, n.workspace_bytes, False, a.name, True)
-        viewed.add(a.name)
-        by_name[n.name] = nodes[k]
+        for name in n.inputs:
+            a = by_name.get(name)
+            if a is None or a.phase != n.phase or a.alias_of or a.in_place or a.out_bytes != n.out_bytes:
+                continue
+            others = [r for r in readers.get(a.name, []) if r != n.name]
+            if n.phase == "forward" and others or any(position[r] > k for r in others):
+                continue
+            if a.name in viewed or a.name in (graph.output_name, graph.input_grad_name):
+                continue
+            if n.phase == "forward" and any(position[i] > position[a.name] for i in n.inputs if i in position and i != name):
+                continue
+            nodes[k] = GraphNode(n.name, n.op + "_", n.phase, n.inputs, 0, n.time, n.workspace_bytes, False, a.name, True)
+            viewed.add(a.name)
+            by_name[n.name] = nodes[k]
+            break
     return BlockGraph(tuple(nodes), graph.input_name, graph.input_bytes, graph.output_name, graph.output_grad_name,
                       graph.output_grad_bytes, graph.input_grad_name)
 

@@ -1,4 +1,4 @@
-"""In-place pointwise operators (hierremat.variants.in_place): bitwise results, less memory."""
+"""In-place operators (hierremat.variants.in_place): bitwise results, less memory."""
 
 import pytest
 import torch
@@ -9,7 +9,8 @@ from hierremat.blocks.node_profile import profile_nodes
 from hierremat.ilp import BlockIlp
 from hierremat.ilp.options import forward_only
 from hierremat.variants.dropout import pack_dropout_masks
-from hierremat.variants.in_place import in_place_overload, run_in_place
+from hierremat.variants.relu_masks import pack_relu_masks
+from hierremat.variants.in_place import functional_joint, in_place_overload, out_overload, run_in_place
 
 from models import same_bits, tiny_gpt2
 
@@ -49,6 +50,19 @@ def test_overloads_are_the_in_place_forms_of_pointwise_ops_only():
     assert in_place_overload(torch.ops.hierremat.masked_scale.default) is None  # not aten
 
 
+def test_out_overloads_of_pointwise_and_row_wise_ops_only():
+    aten, ours = torch.ops.aten, torch.ops.hierremat
+    assert out_overload(aten.gelu_backward.default) == (aten.gelu_backward.grad_input, "grad_input")
+    assert out_overload(aten.add.Tensor) == (aten.add.out, "out")
+    assert out_overload(aten.mul.Scalar) == (aten.mul.Scalar_out, "out")
+    assert out_overload(aten._softmax_backward_data.default) == (aten._softmax_backward_data.out, "grad_input")
+    assert out_overload(ours.masked_scale.default) == (ours.masked_scale.out, "out")
+    assert out_overload(ours.where_bits.default) == (ours.where_bits.out, "out")
+    assert out_overload(aten.mm.default) is None  # not pointwise: its output may not be an input
+    assert out_overload(aten._softmax.default) is None
+    assert out_overload(aten.add.out) is None
+
+
 def test_gpt2_block_runs_in_place_bitwise_in_less_memory():
     torch.manual_seed(0)
     block, x = _gpt2_block()
@@ -57,6 +71,10 @@ def test_gpt2_block_runs_in_place_bitwise_in_less_memory():
     changed = _in_place_nodes(rewritten)
     phases = {rewritten.phase[n.name] for n in changed}
     assert len(changed) >= 8 and phases == {"forward", "backward"}  # GELU's chain, the mask, residuals, grads
+    # backward kernels write over the gradient they read: attention's dropout and softmax, GELU's tanh
+    written = {n.target for n in changed}
+    aten, ours = torch.ops.aten, torch.ops.hierremat
+    assert {aten._softmax_backward_data.out, ours.masked_scale.out, aten.tanh_backward.grad_input} <= written
     tangent = torch.randn(2, 128, 64)
     a, b = _results(plain, x, tangent), _results(rewritten, x, tangent)
     assert same_bits(a.outputs[0], b.outputs[0]) and same_bits(a.input_grad, b.input_grad)
@@ -75,6 +93,14 @@ def test_gpt2_block_runs_in_place_bitwise_in_less_memory():
     for kept in (least, 4 * least):
         before, after = (ilp.solve(kept=kept, objective="peak", backend="highs") for ilp in ilps)
         assert before.optimal and after.optimal and after.objective <= before.objective
+    # keeping what it likes, the block's backward peaks lower: attention's gradient steps
+    before, after = (ilp.solve(kept=10**12, objective="peak", backend="highs").objective for ilp in ilps)
+    assert after < 0.95 * before
+    # what Inductor compiles is the functional graph again
+    functional = functional_joint(rewritten)
+    assert not any(overwritten_argument(n) is not None for n in functional.module.graph.nodes)
+    c = _results(functional, x, tangent)
+    assert same_bits(a.input_grad, c.input_grad)
 
 
 class _Reads(nn.Module):
@@ -92,17 +118,45 @@ class _Reads(nn.Module):
         return again + own.sum() + part.sum()
 
 
+def test_activation_backwards_write_over_their_gradient_bitwise():
+    """Each activation's backward kernel writes the input gradient over the output gradient it
+    reads (its out= form); the ReLU's from a packed mask too (hierremat::where_bits.out). Every
+    overwritten backward value has no reader after the call."""
+    torch.manual_seed(0)
+    block = nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 32), nn.Sigmoid(),
+        nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 16),
+    )
+    x, tangent = torch.randn(8, 16), torch.randn(8, 16)
+    plain = pack_relu_masks(trace_joint(block, x))
+    rewritten = run_in_place(pack_relu_masks(trace_joint(block, x)))
+    aten = torch.ops.aten
+    written = {n.target for n in _in_place_nodes(rewritten)}
+    assert {aten.gelu_backward.grad_input, aten.silu_backward.grad_input, aten.sigmoid_backward.grad_input,
+            aten.tanh_backward.grad_input, torch.ops.hierremat.where_bits.out} <= written
+    order = {n: i for i, n in enumerate(rewritten.module.graph.nodes)}
+    for node in _in_place_nodes(rewritten):
+        readers = set(overwritten_argument(node).users) - {node}
+        assert all(order[r] < order[node] for r in readers), node.name
+        assert not readers or rewritten.phase[node.name] == "backward", node.name
+    a, b = _results(plain, x, tangent), _results(rewritten, x, tangent)
+    assert same_bits(a.outputs[0], b.outputs[0]) and same_bits(a.input_grad, b.input_grad)
+    for name, grad in a.param_grads.items():
+        assert same_bits(grad, b.param_grads[name]), name
+
+
 def test_values_read_again_inputs_and_slices_are_not_overwritten():
     torch.manual_seed(0)
     block, x = _Reads(), torch.randn(4, 16)
     rewritten = run_in_place(trace_joint(block, x))
     inputs = set(rewritten.module.graph.find_nodes(op="placeholder"))
-    overwritten = {n.args[0] for n in _in_place_nodes(rewritten)}
+    overwritten = {overwritten_argument(n) for n in _in_place_nodes(rewritten)}
     for node in rewritten.module.graph.nodes:
         if node.op == "call_function" and node.target in (
             torch.ops.aten.tanh_.default, torch.ops.aten.sigmoid_.default, torch.ops.aten.exp_.default,
+            torch.ops.aten.tanh.out, torch.ops.aten.sigmoid.out, torch.ops.aten.exp.out,
         ):
-            pytest.fail(f"{node.name} overwrites {node.args[0].name}")
+            pytest.fail(f"{node.name} overwrites {overwritten_argument(node).name}")
     assert not overwritten & inputs
     plain = trace_joint(block, x)
     tangent = torch.randn(4, 16)

@@ -257,23 +257,64 @@ def test_a_slow_stage_is_timed_by_the_runs_that_measure_its_memory(monkeypatch):
     assert b.fwd_time > 0 and b.bwd_time > 0 and slow.nograd_fwd_time > 0
 
 
-def test_relu_masks_lower_the_floor_of_a_relu_dropout_chain_and_train_exactly(monkeypatch):
-    """Feed-forward blocks with ReLU then dropout: with ReLU's backward from a packed mask
-    (a choice of the block ILP, hierremat.variants.relu_masks) the smallest feasible budget
-    drops, and the plans from it up still give plain autograd's gradients within budget."""
-    from hierremat import stage_options
-
+def _relu_dropout_chain():
     torch.manual_seed(4)
     layers = [nn.Linear(32, 128)]
     for _ in range(3):
         layers += [nn.LayerNorm(128), nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 128))]
     layers.append(nn.Linear(128, 16))  # (the last stage runs autograd's option only)
-    model, x = nn.Sequential(*layers), torch.randn(256, 32)
+    return nn.Sequential(*layers), torch.randn(256, 32)
+
+
+def test_relu_masks_lower_the_floor_of_a_relu_dropout_chain_and_train_exactly(monkeypatch):
+    """Feed-forward blocks with ReLU then dropout: with ReLU's backward from a packed mask
+    (a choice of the block ILP, hierremat.variants.relu_masks) the smallest feasible budget
+    drops, and the plans from it up still give plain autograd's gradients within budget.
+    (In-place operators are off for the comparison: they let the ReLU backward write over its
+    gradient, which saves memory in another step of the same block.)"""
+    from hierremat import stage_options
+
+    model, x = _relu_dropout_chain()
     with monkeypatch.context() as patch:
+        patch.setattr(stage_options, "run_in_place", lambda joint: joint)
+        with pytest.raises(hr.InfeasibleBudgetError) as masked:
+            hr.plan_sequential(model, "1KiB", x)
         patch.setattr(stage_options, "pack_relu_masks", lambda joint: joint)
         with pytest.raises(hr.InfeasibleBudgetError) as without:
             hr.plan_sequential(model, "1KiB", x)
-    with pytest.raises(hr.InfeasibleBudgetError) as masked:
-        hr.plan_sequential(model, "1KiB", x)
     assert masked.value.min_budget_bytes < 0.97 * without.value.min_budget_bytes
     _check_model(model, x)
+
+
+def test_smallest_budget_does_not_move_with_which_no_grad_forward_is_measured_faster(monkeypatch, tmp_path):
+    """F_none / F_ck run in the faster of the stage called without grad and its generated forward,
+    as measured; here the generated one peaks lower (packed masks, in-place ops). The smallest
+    feasible budget is planned with the leaner form (StageCosts.leaner_nograd), so it is the same
+    whichever form is measured faster, and the plan there runs the leaner form, exactly and
+    within the budget."""
+    from hierremat import stage_options
+    from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
+
+    model, x = _relu_dropout_chain()
+    reference = copy.deepcopy(model)
+    floors = []
+    for forward_seconds in (1e-9, 10.0):  # the generated forward priced faster, then slower
+        monkeypatch.setenv("HIERREMAT_CACHE_DIR", str(tmp_path / str(forward_seconds)))
+        monkeypatch.setattr(stage_options, "_executor_speeds", lambda *a, s=forward_seconds, **k: ExecutorSpeeds(1.0, s))
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan_sequential(model, "1KiB", x)
+        floors.append(err.value.min_budget_bytes)
+    assert floors[0] == floors[1]
+    loose = hr.plan_sequential(model, "64GiB", x).costs.stages
+    assert {st.nograd_form for st in loose} == {"autograd"} and any(st.leaner_nograd for st in loose)
+    budget = f"{floors[1]}B"
+    assert "generated" in [st.nograd_form for st in hr.plan_sequential(model, budget, x).costs.stages]
+    sequential.plan_cache.clear()
+    hr.checkpoint_sequential(model, budget, x)  # plans outside the measured step
+    y_ref, _, g_ref, _ = _step(reference, x)
+    y, _, g, peak = _step(model, x, budget)
+    _assert_same(y, y_ref)
+    for a, b in zip(g, g_ref):
+        _assert_same(a, b)
+    assert peak <= floors[1]
+

@@ -219,7 +219,15 @@ def _dropout_cases(device):
     yield torch.randn(8, 64, device=device, dtype=torch.bfloat16), 0.2
 
 
-def _check_dropout_ops(device, masked_scale):
+def _check_out_form(out_form, expected, x, *args):
+    """``out_form(x, *args, out=...)`` writes ``expected`` into a fresh tensor and over ``x`` itself."""
+    fresh = torch.empty_like(x)
+    assert out_form(x, *args, out=fresh) is fresh and _same_bits(fresh, expected)
+    written = x.clone()
+    assert out_form(written, *args, out=written) is written and _same_bits(written, expected)
+
+
+def _check_dropout_ops(device, masked_scale, masked_scale_out):
     for x, p in _dropout_cases(device):
         torch.manual_seed(7)
         out, mask = torch.ops.aten.native_dropout(x, p, True)
@@ -232,23 +240,25 @@ def _check_dropout_ops(device, masked_scale):
         scale = 1.0 / (1.0 - p)
         assert _same_bits(masked_scale(x, bits, scale), out)
         grad = torch.randn_like(x)
-        assert _same_bits(masked_scale(grad, bits, scale), torch.ops.aten.native_dropout_backward(grad, mask, scale))
+        expected = torch.ops.aten.native_dropout_backward(grad, mask, scale)
+        assert _same_bits(masked_scale(grad, bits, scale), expected)
+        _check_out_form(masked_scale_out, expected, grad, bits, scale)
 
 
 def test_packed_dropout_ops_are_bitwise_native_dropout_cpp_kernels():
     assert packed_bits.load_cpu_kernels(), "the C++ kernels (csrc/packed_bits.cpp) did not build; see the log"
-    _check_dropout_ops("cpu", torch.ops.hierremat.masked_scale)
+    _check_dropout_ops("cpu", torch.ops.hierremat.masked_scale, torch.ops.hierremat.masked_scale.out)
     mask = torch.rand(1001) < 0.5
     assert torch.equal(torch.ops.hierremat.pack_mask(mask), packed_bits.pack_mask_reference(mask))
 
 
 def test_packed_dropout_ops_are_bitwise_native_dropout_reference_kernels():
-    _check_dropout_ops("cpu", packed_bits.masked_scale_reference)
+    _check_dropout_ops("cpu", packed_bits.masked_scale_reference, packed_bits.masked_scale_out_reference)
 
 
 @pytest.mark.cuda
 def test_packed_dropout_ops_are_bitwise_native_dropout_on_cuda():
-    _check_dropout_ops("cuda", torch.ops.hierremat.masked_scale)
+    _check_dropout_ops("cuda", torch.ops.hierremat.masked_scale, torch.ops.hierremat.masked_scale.out)
 
 
 class DropoutBlock(torch.nn.Module):
@@ -303,7 +313,7 @@ def _relu_cases(device):
         yield torch.randn(8, 67, device=device, dtype=dtype), 0.0
 
 
-def _check_relu_ops(device, above_bits, where_bits):
+def _check_relu_ops(device, above_bits, where_bits, where_bits_out):
     for self_, threshold in _relu_cases(device):
         bits = above_bits(self_, threshold)
         assert torch.equal(bits, packed_bits.pack_mask_reference(~(self_ <= threshold)))
@@ -316,27 +326,37 @@ def _check_relu_ops(device, above_bits, where_bits):
         if self_.element_size() == 2:  # ATen's 16-bit kernel goes through fp32: a NaN's payload changes
             assert torch.equal(out.isnan(), expected.isnan())
             out, expected = out.nan_to_num(0.0), expected.nan_to_num(0.0)
+            grad = grad.nan_to_num(0.0)
         assert _same_bits(out, expected)
+        _check_out_form(where_bits_out, expected, grad, bits)
 
 
 def test_relu_mask_ops_are_bitwise_threshold_backward_cpp_kernels():
     assert packed_bits.load_cpu_kernels(), "the C++ kernels (csrc/packed_bits.cpp) did not build; see the log"
-    _check_relu_ops("cpu", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits)
+    _check_relu_ops("cpu", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits, torch.ops.hierremat.where_bits.out)
 
 
 def test_relu_mask_ops_are_bitwise_threshold_backward_reference_kernels():
-    _check_relu_ops("cpu", packed_bits.above_bits_reference, packed_bits.where_bits_reference)
+    _check_relu_ops(
+        "cpu", packed_bits.above_bits_reference, packed_bits.where_bits_reference, packed_bits.where_bits_out_reference,
+    )
 
 
 @pytest.mark.cuda
 def test_relu_mask_ops_are_bitwise_threshold_backward_on_cuda():
-    _check_relu_ops("cuda", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits)
+    _check_relu_ops("cuda", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits, torch.ops.hierremat.where_bits.out)
 
 
 def test_relu_mask_ops_pass_opcheck():
     x, grad = torch.randn(6, 11), torch.randn(6, 11)
     torch.library.opcheck(torch.ops.hierremat.above_bits.default, (x, 0.0))
-    torch.library.opcheck(torch.ops.hierremat.where_bits.default, (grad, torch.ops.hierremat.above_bits(x, 0.0)))
+    bits = torch.ops.hierremat.above_bits(x, 0.0)
+    torch.library.opcheck(torch.ops.hierremat.where_bits.default, (grad, bits))
+    # the out= forms only run in hierremat's own graphs: AOTAutograd never traces them (compiled
+    # forms get the functional graph back, hierremat.variants.in_place.functional_joint)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for op, args in ((torch.ops.hierremat.where_bits.out, (grad, bits)), (torch.ops.hierremat.masked_scale.out, (grad, bits, 2.0))):
+        torch.library.opcheck(op, args, {"out": torch.empty_like(grad)}, test_utils=checks)
 
 
 class ConvReluBlock(torch.nn.Module):

@@ -159,13 +159,20 @@ def is_view_node(node: fx.Node) -> bool:
 
 
 def overwritten_argument(node: fx.Node) -> fx.Node | None:
-    """The argument an in-place operator call overwrites and returns (its first), or None."""
+    """The argument an in-place or ``out=`` operator call overwrites and returns (``add_``'s
+    first, ``gelu_backward.grad_input``'s ``grad_input``), or None."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None
     returns = target._schema.returns
     info = returns[0].alias_info if returns else None
-    return node.args[0] if info is not None and info.is_write and isinstance(node.args[0], fx.Node) else None
+    if info is None or not info.is_write:
+        return None
+    for i, a in enumerate(target._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+            return value if isinstance(value, fx.Node) else None
+    return None
 
 
 class _ForwardUnderAutocast(nn.Module):

@@ -73,15 +73,17 @@ class _Profiler(fx.Interpreter):
             return super().run_node(node)
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         target = node.target
+        overwritten = overwritten_argument(node)
+        written = self.env[overwritten] if overwritten is not None else None
         result = target(*args, **kwargs)
         # the op runs again below: an in-place op on a copy of what it overwrote (its result)
-        again = (lambda: [args[0].clone(), *args[1:]]) if overwritten_argument(node) is not None else (lambda: args)
+        again = (lambda: _with_copy_of(written, args, kwargs)) if written is not None else (lambda: (args, kwargs))
         if self.method == "flops":
-            self.costs[node.name] = (self._model_time(node, target, again(), kwargs, result), 0)
+            self.costs[node.name] = (self._model_time(node, target, *again(), result), 0)
         elif self.cuda:
-            self.costs[node.name] = self._cuda(node, target, again, kwargs)
+            self.costs[node.name] = self._cuda(node, target, again)
         else:
-            self.costs[node.name] = self._cpu(target, again, kwargs)
+            self.costs[node.name] = self._cpu(target, again)
         return result
 
     def _model_time(self, node, target, args, kwargs, result) -> float:
@@ -94,24 +96,26 @@ class _Profiler(fx.Interpreter):
         moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + _tensors(result))
         return overhead + counter.get_total_flops() / flops_per_s + moved / bytes_per_s
 
-    def _cpu(self, target, again, kwargs) -> tuple[float, int]:
+    def _cpu(self, target, again) -> tuple[float, int]:
         for _ in range(self.warmup):
-            target(*again(), **kwargs)
+            args, kwargs = again()
+            target(*args, **kwargs)
         times = []
         for _ in range(self.repeats):
-            args = again()
+            args, kwargs = again()
             start = time.perf_counter()
             target(*args, **kwargs)
             times.append(time.perf_counter() - start)
         return max(statistics.median(times), 1e-9), 0
 
-    def _cuda(self, node, target, again, kwargs) -> tuple[float, int]:
+    def _cuda(self, node, target, again) -> tuple[float, int]:
         stream = torch.cuda.current_stream()
         for _ in range(self.warmup):
-            target(*again(), **kwargs)
+            args, kwargs = again()
+            target(*args, **kwargs)
         pairs = []
         for _ in range(self.repeats):
-            args = again()
+            args, kwargs = again()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             target(*args, **kwargs)
@@ -121,7 +125,7 @@ class _Profiler(fx.Interpreter):
         seconds = statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
         workspace = 0
         if not _is_free(node):
-            args = again()
+            args, kwargs = again()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             result = target(*args, **kwargs)
@@ -129,6 +133,16 @@ class _Profiler(fx.Interpreter):
             workspace = max(0, peak - before - _new_bytes(result, (args, kwargs)))
             del result
         return max(seconds, 1e-9), int(workspace)
+
+
+def _with_copy_of(written: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every occurrence of ``written`` replaced by one copy of it."""
+    copy = written.clone()
+
+    def swap(a):
+        return copy if a is written else a
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
 
 
 def profile_nodes(

@@ -17,6 +17,9 @@ Operators (schemas defined here with ``torch.library``):
   ``x``'s layout: bitwise ``threshold_backward(x, self, threshold)`` given ``above_bits(self,
   threshold)`` (the ReLU variant, hierremat.variants.relu_masks), except a 16-bit NaN's
   payload, which ATen's kernel changes on its way through fp32 and this one keeps.
+* ``masked_scale.out`` and ``where_bits.out`` (``*, Tensor(a!) out``): the same, written into
+  ``out``, which may be ``x`` itself (each element is read before it is written): the in-place
+  forms hierremat.variants.in_place uses where nothing reads ``x`` after.
 
 Kernels: the CPU ones are C++ (``csrc/packed_bits.cpp``), compiled on first use with
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; the build is cached by
@@ -45,6 +48,8 @@ _LIBRARY.define("masked_scale(Tensor x, Tensor bits, float scale) -> Tensor")
 _LIBRARY.define("dropout_bits(Tensor x, float p) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 _LIBRARY.define("above_bits(Tensor x, float threshold) -> Tensor")
 _LIBRARY.define("where_bits(Tensor x, Tensor bits) -> Tensor")
+_LIBRARY.define("masked_scale.out(Tensor x, Tensor bits, float scale, *, Tensor(a!) out) -> Tensor(a!)")
+_LIBRARY.define("where_bits.out(Tensor x, Tensor bits, *, Tensor(a!) out) -> Tensor(a!)")
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "packed_bits.cpp"
 _SHIFTS = {}
@@ -89,7 +94,17 @@ def above_bits_reference(x: torch.Tensor, threshold: float) -> torch.Tensor:
 
 def where_bits_reference(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The pure-torch ``where_bits``."""
-    return torch.where(unpack_mask(bits, x.shape), x, x.new_zeros(()), out=torch.empty_like(x))
+    return where_bits_out_reference(x, bits, out=torch.empty_like(x))
+
+
+def masked_scale_out_reference(x: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torch.Tensor) -> torch.Tensor:
+    """The pure-torch ``masked_scale.out`` (``out`` may be ``x``: ATen's pointwise kernels allow it)."""
+    return torch.mul(x, unpack_mask(bits, x.shape), out=out).mul_(scale)
+
+
+def where_bits_out_reference(x: torch.Tensor, bits: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """The pure-torch ``where_bits.out`` (``out`` may be ``x``)."""
+    return torch.where(unpack_mask(bits, x.shape), x, x.new_zeros(()), out=out)
 
 
 @functools.cache
@@ -122,6 +137,8 @@ torch.library.impl(_LIBRARY, "masked_scale", "CompositeExplicitAutograd")(masked
 torch.library.impl(_LIBRARY, "dropout_bits", "CompositeExplicitAutograd")(_dropout_bits)
 torch.library.impl(_LIBRARY, "above_bits", "CompositeExplicitAutograd")(above_bits_reference)
 torch.library.impl(_LIBRARY, "where_bits", "CompositeExplicitAutograd")(where_bits_reference)
+torch.library.impl(_LIBRARY, "masked_scale.out", "CompositeExplicitAutograd")(masked_scale_out_reference)
+torch.library.impl(_LIBRARY, "where_bits.out", "CompositeExplicitAutograd")(where_bits_out_reference)
 
 
 @torch.library.register_fake("hierremat::pack_mask", lib=_LIBRARY)
@@ -147,6 +164,16 @@ def _above_bits_fake(x, threshold):
 @torch.library.register_fake("hierremat::where_bits", lib=_LIBRARY)
 def _where_bits_fake(x, bits):
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("hierremat::masked_scale.out", lib=_LIBRARY)
+def _masked_scale_out_fake(x, bits, scale, *, out):
+    return out
+
+
+@torch.library.register_fake("hierremat::where_bits.out", lib=_LIBRARY)
+def _where_bits_out_fake(x, bits, *, out):
+    return out
 
 
 def _masked_scale_setup(ctx, inputs, output) -> None:
