@@ -13,8 +13,10 @@ Each variant computes bitwise what the operator it replaces computes, in less me
   never a dense ``[num_embeddings, dim]`` gradient (``grad_in_place``: where autograd's
   result would be the same, ``.grad`` allocated and no tensor hooks).
 
-* ``in_place``: pointwise operators overwrite their first argument where nothing else reads
-  it (the same kernels' in-place overloads), so the step allocates no new result.
+* ``in_place``: pointwise operators, and backward kernels that read an element before
+  writing it (activation, softmax and dropout backwards), write their result over an argument
+  that nothing reads after them (the same kernels' in-place or ``out=`` overloads), so the
+  step allocates no new result.
 
 ``linear_cross_entropy`` is a variant of another kind: a language model's head fused with
 its loss, chunk by chunk, which never materializes the logits but computes the head's

@@ -51,6 +51,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..block_graph import FORWARD
+from ..blocks.joint import overwritten_argument
 
 log = logging.getLogger(__name__)
 
@@ -179,14 +180,14 @@ def run_in_place(joint):
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
         in_place = in_place_overload(node.target)
         if in_place is not None and node.args and isinstance(node.args[0], fx.Node) and overwritable(node, node.args[0]):
             arg = node.args[0]
             node.target = in_place
         else:
             out = out_overload(node.target)
-            arg = next((a for a in tensor_args if overwritable(node, a)), None) if out is not None else None
+            candidates = (a for a in node.args if isinstance(a, fx.Node))
+            arg = next((a for a in candidates if overwritable(node, a)), None) if out is not None else None
             if arg is None:
                 continue
             node.target, node.kwargs = out[0], {**node.kwargs, out[1]: arg}
@@ -218,9 +219,9 @@ def functional_joint(joint):
 
 def _functional_form(node: fx.Node) -> tuple[torch._ops.OpOverload, dict] | None:
     """(target, kwargs) of the functional call that :func:`run_in_place` rewrote into ``node``."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if overwritten_argument(node) is None:
         return None
+    target = node.target
     namespace, _, name = target._schema.name.partition("::")
     if namespace == "aten" and name.endswith("_"):
         functional = getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
