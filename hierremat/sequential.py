@@ -44,13 +44,16 @@ def as_stages(functions) -> list[Callable]:
     return stages
 
 
-def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: torch.device) -> list[int]:
-    """Bytes the runtime holds for each stage if it is recomputed (RNG state, buffer snapshots)."""
+def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: torch.device) -> tuple[list[int], int]:
+    """Bytes the runtime holds for each stage if it is recomputed (RNG state, buffer snapshots),
+    and once if any stage is: the caller's RNG state, kept through the backward and restored
+    after the replays (runtime.executor). RNG states are CPU tensors: they count on CPU only."""
     rng = CPU_RNG_STATE_BYTES if device.type == "cpu" else 0
-    return [
+    per_stage = [
         rng + 2 * sum(b.untyped_storage().nbytes() for b in stage_buffers(stage, names))
         for stage, names in zip(stages, profile.mutated_buffers)
     ]
+    return per_stage, rng
 
 
 #: Default bound on planning, seconds (capture, profiling, block ILPs, compiling).
@@ -91,12 +94,13 @@ def fixed_schedule(costs, strategy: str):
 
 
 def _fastest_fitting(
-    costs: ChainCosts, budget_bytes: int, reserve: list[int], reserved: Callable, slots: int,
+    costs: ChainCosts, budget_bytes: int, reserve_bytes: int, reserved: Callable, slots: int,
 ) -> tuple[ChainCosts, ChainSchedule]:
     """The fastest schedule whose peak plus its replay reserve fits, and the costs it was planned
     with: ``costs``, or ``costs`` with the stages' leaner no-grad forwards (ChainCosts.
     with_leaner_forwards) where that plan is faster or the only one that fits. The smallest
-    budget reported is the leaner costs' least peak, which measured times do not move."""
+    budget reported is the leaner costs' least peak plus ``reserve_bytes`` (what the runtime
+    holds for replays if every stage is recomputed), which measured times do not move."""
     keep_all = keep_all_schedule(costs)
     fastest = all(st.options[0].fwd_time + st.options[0].bwd_time <= min(o.fwd_time + o.bwd_time for o in st.options)
                   for st in costs.stages)
@@ -105,7 +109,7 @@ def _fastest_fitting(
     lean = costs.with_leaner_forwards()
     found = []
     for planned in dict.fromkeys((costs, lean)):
-        for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - sum(reserve))):
+        for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - reserve_bytes)):
             if dp_budget <= 0:
                 continue
             try:
@@ -122,8 +126,8 @@ def _fastest_fitting(
     if schedule.predicted_peak_bytes + reserved(schedule) > budget_bytes:
         # The budget reported works whatever schedule of least peak a later plan picks: which
         # one (hence which stages hold a replay reserve) depends on measured times, and a plan
-        # at peak + every stage's reserve finds one through the DP at ``budget - sum(reserve)``.
-        raise InfeasibleBudgetError(budget_bytes, schedule.predicted_peak_bytes + sum(reserve))
+        # at peak + every stage's reserve finds one through the DP at ``budget - reserve_bytes``.
+        raise InfeasibleBudgetError(budget_bytes, schedule.predicted_peak_bytes + reserve_bytes)
     return lean, schedule
 
 
@@ -151,14 +155,16 @@ def plan_from_profile(
     only a plan that assumes it released fits the budget; the runtime checks the
     assumption on every backward (PlannedChain).
     """
-    reserve = _replay_reserve(stages, profile, device)
+    reserve, caller_rng = _replay_reserve(stages, profile, device)
 
     def reserved(schedule) -> int:
-        return sum(r for r, c in zip(reserve, schedule.forward_counts()) if c > 1)
+        counts = schedule.forward_counts()
+        replays = any(c > 1 for c in counts)
+        return sum(r for r, c in zip(reserve, counts) if c > 1) + (caller_rng if replays else 0)
 
     def solve(costs):
         if strategy == "optimal":
-            return _fastest_fitting(costs, budget_bytes, reserve, reserved, slots)
+            return _fastest_fitting(costs, budget_bytes, sum(reserve) + caller_rng, reserved, slots)
         schedule = fixed_schedule(costs, strategy)
         needed = schedule.predicted_peak_bytes + reserved(schedule)
         if needed > budget_bytes:

@@ -9,6 +9,7 @@ from torch import nn
 import hierremat as hr
 from hierremat import sequential
 from hierremat.runtime import LiveTensorTracker
+from hierremat.runtime.memory import CpuAllocatorMeter
 
 from models import conv_chain, random_mlp_chain
 
@@ -103,6 +104,34 @@ def test_batchnorm_running_stats_updated_once_and_rng_stream_unchanged():
         assert torch.equal(a, b), name
     for a, b in zip(model.parameters(), reference.parameters()):
         _assert_same(a.grad, b.grad)
+
+
+def test_rng_states_the_runtime_keeps_are_within_the_budget():
+    """The tracker cannot see RNG states (torch.get_rng_state makes them below the dispatcher);
+    the CPU allocator meter does. At the smallest budget, with stages replayed, what the meter
+    sees beyond the tracker (the recomputed stages' states and the caller's, held through the
+    backward) is within what the plan reserves, and the step within the budget."""
+    torch.manual_seed(9)
+    width = 256
+    model = nn.Sequential(*[
+        nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.2)) for _ in range(6)
+    ])
+    x = torch.randn(64, width, requires_grad=True)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x, output_held=False)
+    budget = f"{err.value.min_budget_bytes}B"
+    plan = hr.plan_sequential(model, budget, x, output_held=False)
+    assert max(plan.schedule.forward_counts()) > 1
+    peaks = {}
+    for meter in (LiveTensorTracker(), LiveTensorTracker(), CpuAllocatorMeter()):  # the first step warms up
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # accumulated into in place: not part of the step's peak
+        with meter:
+            hr.checkpoint_sequential(model, budget, x, output_held=False).sum().backward()
+        peaks[type(meter)] = meter.peak_bytes
+    hidden = peaks[CpuAllocatorMeter] - peaks[LiveTensorTracker]
+    assert 0 < hidden <= plan.reserved_bytes, (hidden, plan.summary())
+    assert peaks[CpuAllocatorMeter] <= plan.predicted_peak_bytes <= err.value.min_budget_bytes
 
 
 def test_plan_cache_hit_does_not_resolve(monkeypatch):

@@ -307,12 +307,16 @@ class _Step:
             grad_outputs = grad_outputs[:count]
         self.runner.observed_output_use = self.output_watch.use(grad_outputs)
         self.grad[len(self.runner.stages)] = grad_outputs
-        outer_rng = RngState.capture(self.cuda_devices)
+        # the caller's RNG state, restored after the replays (held only where some stage is
+        # replayed: the plan reserves its bytes then, sequential._replay_reserve)
+        replays = any(c > 1 for c in self.runner.forward_counts)
+        outer_rng = RngState.capture(self.cuda_devices) if replays else None
         try:
             for op in self.runner.schedule.ops[self.runner.loss_index + 1 :]:
                 self._execute(op)
         finally:
-            outer_rng.restore()
+            if outer_rng is not None:
+                outer_rng.restore()
         return self.grad.pop(0)
 
     def _execute(self, op) -> None:
