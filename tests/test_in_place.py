@@ -174,3 +174,34 @@ def test_profiling_an_in_place_node_times_it_on_copies():
     assert all(costs[n.name][0] > 0 for n in _in_place_nodes(joint))
     after = _results(joint, x, tangent)  # profiling changed nothing the graph reads
     assert same_bits(before.input_grad, after.input_grad)
+
+
+class _ReadsResident(nn.Module):
+    """``head(h + x * mask)`` with ``h`` a resident read with a gradient: its gradient sum is
+    seeded_add(seed, term), which returns the term itself when there is no sum yet."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x, h, mask):
+        return self.head(h + x * mask)
+
+
+def test_a_resident_gradient_sum_is_never_overwritten_by_a_later_call():
+    """The backward term of ``h`` (the head's input gradient) is also the input gradient's
+    factor: ``mul(term, mask)`` may not write over the term, which seeded_add returned as the
+    sum itself where there was no sum yet (that overwrote the resident's gradient)."""
+    torch.manual_seed(0)
+    block, x, h = _ReadsResident(), torch.randn(4, 16), torch.randn(4, 16)
+    mask = (torch.randn(4, 1) > 0).float()
+    plain = trace_joint(block, x, (h, mask), resident_grads=(0,))
+    rewritten = run_in_place(trace_joint(block, x, (h, mask), resident_grads=(0,)))
+    overwritten = {overwritten_argument(n) for n in _in_place_nodes(rewritten)}
+    for node in rewritten.module.graph.nodes:
+        if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload):
+            assert not overwritten & set(node.all_input_nodes), node.name
+    tangent = torch.randn(4, 16)
+    runs = [run_joint(j, x, (h, mask), (tangent,), apply_mutations=False, seeds={0: None}) for j in (plain, rewritten)]
+    assert same_bits(runs[0].resident_grads[0], runs[1].resident_grads[0])
+    assert same_bits(runs[0].input_grad, runs[1].input_grad)

@@ -23,7 +23,9 @@ The overwritten argument must be
 * read by no other node after the call (in the forward, by no other node at all: the block
   ILP may recompute forward values, and computes a storage's values together, at its first
   one's place, so the call's other inputs must also come before that), nor returned, nor
-  in a storage that a later value shares;
+  in a storage that a later value shares; a backward reader before the call is an ATen
+  operator, whose schema says whether its result aliases (a Python function such as
+  ``hierremat.blocks.joint.seeded_add`` may return its argument itself);
 * passed once, and no other argument shares its storage.
 
 The result then owns no bytes and shares the argument's storage (the block graph's
@@ -171,8 +173,11 @@ def run_in_place(joint):
             return False  # another argument is a view of the storage written
         if phase == FORWARD and any(order[a] > order[family[0]] for a in node.all_input_nodes if a not in members):
             return False  # the block ILP computes a storage's values together, at its first one's place
+        # in the backward, readers may come before the call; not a Python function's
+        # (hierremat.blocks.joint.seeded_add returns its term itself when there is no sum yet)
         return all(
-            u is node or u in members or (phase != FORWARD and order[u] < order[node])
+            u is node or u in members
+            or (phase != FORWARD and order[u] < order[node] and isinstance(u.target, torch._ops.OpOverload))
             for m in family for u in m.users
         )
 
