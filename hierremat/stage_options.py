@@ -27,10 +27,14 @@ Under autocast, joint graphs are traced with the forward under the caller's sett
 every cast autocast makes (weights included) is an explicit node of the graph, and options
 run with autocast off (hierremat.runtime.autocast).
 
-Stages whose joint graph cannot be traced, that return several tensors (the model's
-last stage), whose output is one result of a multi-output operator (a lone dropout), in
+Stages whose joint graph cannot be traced, that return several tensors (a model's output
+stage), whose output is one result of a multi-output operator (a lone dropout), in
 which autocast casts one parameter more than once, or whose backward autocast would
-change (check_autocast_exact) keep option 0 only; the reason is logged.
+change (check_autocast_exact) keep option 0 only; the reason is logged. The last stage
+gets a menu like any other where it has no fused LM head (hierremat.output_stage) and the
+chain's output, and the gradient that arrives for it, are the one tensor its graph
+returns (ChainMenus._output_fits_menu): in a chain of identical blocks, the last block's
+menu is the others'.
 """
 
 from __future__ import annotations
@@ -147,8 +151,8 @@ class ChainMenus:
     def menu_size(self, stage: int) -> int:
         """n: the number of options of stage ``stage``'s menu (0 without one)."""
         menu = self.menus.get(self.signatures[stage])
-        last = stage == len(self.executors) - 1
-        return len(menu.options) if menu is not None and len(self.executors[stage]) > 1 and not last else 0
+        fused_head = stage == len(self.executors) - 1 and self.output_option is not None
+        return len(menu.options) if menu is not None and len(self.executors[stage]) > 1 and not fused_head else 0
 
     def option(self, stage: int, k: int) -> BlockOption:
         """The menu option that option k >= 1 of stage ``stage`` runs (eager or compiled)."""
@@ -193,6 +197,24 @@ class ChainMenus:
             return CompiledForwardExecutor(compiled[0], executor.binding)
         raise ValueError(f"stage {stage} has no {form!r} forward without grad: plan it again")
 
+    def _output_fits_menu(self, stage: int, costs) -> bool:
+        """Whether the chain sees stage ``stage``'s output as its menu does: always but for the
+        last stage, whose output is the chain's (ChainCosts.activation_bytes[-1], which holds
+        what it exports beside it) and whose gradient may be partial (output_grad_bytes); its
+        menu options apply where both are the one tensor its graph returns (the output's
+        storage: an in-place result's is its argument's)."""
+        if stage < len(self.executors) - 1 or self.menu_size(stage) == 0:
+            return True
+        graph = self.menus[self.signatures[stage]].graph
+        owner = graph.node(graph.output_name)
+        names = {n.name for n in graph.nodes}
+        while owner.alias_of:
+            if owner.alias_of not in names:
+                return False  # the output shares the stage input's storage
+            owner = graph.node(owner.alias_of)
+        grad_bytes = costs.activation_bytes[-1] if costs.output_grad_bytes is None else costs.output_grad_bytes
+        return costs.activation_bytes[-1] == owner.out_bytes and grad_bytes == graph.output_grad_bytes
+
     def extend(self, profile: ChainProfile) -> ChainProfile:
         """The profile with each stage's menu options appended after option 0, times calibrated;
         with ``compile``, followed by the same options compiled. A stage whose generated
@@ -205,7 +227,7 @@ class ChainMenus:
         (hierremat.stage_compile compiles it if the plan then picks it, and plans again)."""
         stages = []
         for i, (stage_costs, signature) in enumerate(zip(profile.costs.stages, self.signatures)):
-            n = self.menu_size(i)
+            n = self.menu_size(i) if self._output_fits_menu(i, profile.costs) else 0
             if n == 0:  # no menu, or none runnable here (the last stage: its other form, if any)
                 output = self.output_option if i == len(self.executors) - 1 else None
                 if output is not None and output[1] == profile.output_grad_mask:
@@ -477,8 +499,15 @@ def build_menus(
     speeds: dict[str, ExecutorSpeeds] = {}
     solves_before = solve_count()
     autocast = AutocastState.capture((x0.device.type,))
-    for i, (stage, signature) in enumerate(zip(stages[:-1], signatures)):
-        # (the last stage returns the model's outputs, often several: option 0 only)
+    output_option = None
+    if variants and not (residents is not None and residents.touches(L - 1)):
+        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
+        if fused is not None:
+            output_option, executors[-1] = fused[:2], [None, fused[2]]
+    # the last stage gets a menu too where it returns one tensor and has no fused head (a
+    # chain of identical blocks: the last block's menu is the others')
+    menu_stages = stages if output_option is None else stages[:-1]
+    for i, (stage, signature) in enumerate(zip(menu_stages, signatures)):
         if residents is not None and residents.produced_by(i):
             log.info("stage %d (%s): no block options: it makes values carried beside the chain", i, signature)
             continue
@@ -538,11 +567,6 @@ def build_menus(
                     executors[i][1:], forward_executors[i], stage, stages, xs[i], x0, shareds[i]
                 )
                 cost_cache.put_speeds(graph_keys[signature], xs[i], speeds[signature])
-    output_option = None
-    if variants and not (residents is not None and residents.touches(L - 1)):
-        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
-        if fused is not None:
-            output_option, executors[-1] = fused[:2], [None, fused[2]]
     solves = solve_count() - solves_before
     return ChainMenus(
         menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,

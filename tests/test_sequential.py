@@ -347,3 +347,45 @@ def test_smallest_budget_does_not_move_with_which_no_grad_forward_is_measured_fa
         _assert_same(a, b)
     assert peak <= floors[1]
 
+
+
+class _Residual(nn.Module):
+    """``x + mlp(x)``: the sum is written over the MLP's output (hierremat.variants.in_place), so
+    the block's output is an in-place result, its storage the MLP output's."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def test_the_last_block_of_a_chain_offers_its_block_options(monkeypatch):
+    """A chain of identical blocks: the last block returns one tensor, so it offers the others'
+    menu too (the chain's output is the one tensor its graph returns). Its floor was autograd's
+    whole stage; with the options the smallest feasible budget drops, the plan there runs an
+    option on the last block, and steps from it up give plain autograd's gradients within
+    budget."""
+    from hierremat.stage_options import ChainMenus
+
+    torch.manual_seed(11)
+    width = 128
+    model = nn.Sequential(*[_Residual(width) for _ in range(3)])
+    x = torch.randn(64, width, requires_grad=True)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan_sequential(model, "1KiB", x)
+    floor = err.value.min_budget_bytes
+    with monkeypatch.context() as patch:  # the last stage on option 0 only, as before
+        fits = ChainMenus._output_fits_menu
+        patch.setattr(ChainMenus, "_output_fits_menu",
+                      lambda self, i, costs: i < len(self.executors) - 1 and fits(self, i, costs))
+        sequential.plan_cache.clear()
+        with pytest.raises(hr.InfeasibleBudgetError) as before:
+            hr.plan_sequential(model, "1KiB", x)
+    sequential.plan_cache.clear()
+    assert floor < 0.9 * before.value.min_budget_bytes
+    plan = hr.plan_sequential(model, f"{floor}B", x)
+    last = len(model) - 1
+    assert any(op.stage == last and getattr(op, "option", 0) > 0 for op in plan.schedule.ops), plan.summary()
+    _check_model(model, x)

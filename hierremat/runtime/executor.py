@@ -381,6 +381,8 @@ class _Step:
             del sink, taps
         else:  # a block option: its executor and the tape of its forward
             dx = None
+            if i == len(self.runner.stages) - 1:  # the chain's output gradients: its one output's
+                (grad,) = grad
             if grad is not None and self.layout is not None and self.layout.read_by(i):
                 dx, sums = first.backward_with_sums(  # (handing over the only reference to the seeds)
                     second, grad, self._shared(), pop_seeds(self.layout, i, self.resident_grads))
