@@ -334,3 +334,24 @@ def test_exported_resident_gets_the_callers_gradient_too():
         grads, dx = step(module)
         assert same_bits(dx, dx_ref)
         assert all(same_bits(g, grads_ref[k]) for k, g in grads.items())
+
+
+def test_gradients_held_past_a_backward_own_their_storage():
+    """cat's backward hands out slices of its incoming gradient. A resident's gradient sum and a
+    stage input's gradient outlive the backward that made them, and the models count them at their
+    own bytes: held as slices, they kept the whole concatenated gradient alive (a U-Net's skip
+    gradient held three times its bytes until its producer's backward, over budget)."""
+    from hierremat.blocks.joint import seeded_add
+    from hierremat.runtime.executor import tap_input
+
+    whole = torch.randn(2, 6, 4)
+    term = whole[:, :2]
+    held = seeded_add(None, term)
+    assert held.untyped_storage().nbytes() == term.numel() * term.element_size() and torch.equal(held, term)
+    owned = torch.randn(2, 2, 4)
+    assert seeded_add(None, owned) is owned
+
+    x = torch.randn(2, 2, 4)
+    tapped, sink = tap_input(x, torch.empty(0, requires_grad=True))
+    torch.cat([tapped, torch.randn(2, 4, 4, requires_grad=True)], dim=1).backward(whole)
+    assert sink.grad.untyped_storage().nbytes() == x.untyped_storage().nbytes() and torch.equal(sink.grad, term)

@@ -175,6 +175,33 @@ def test_post_accumulate_hooks_see_the_complete_grad_of_a_tied_embedding():
     assert seen and _same_bits(seen[-1], reference.transformer.wte.weight.grad)
 
 
+def test_a_table_read_three_times_keeps_autograds_sum_in_one_backward_call():
+    """A table read by two embeddings and a head (BART's tying): rows added into .grad first would
+    sum (dec + enc) + head where autograd sums (head + dec) + enc, so the table keeps aten's
+    embedding; run as one graph the gradients are bitwise plain autograd's."""
+
+    class ThreeReaders(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(64, 16)
+
+        def forward(self, enc_ids, dec_ids):
+            memory = self.table(enc_ids).mean(1, keepdim=True)
+            hidden = torch.tanh(self.table(dec_ids) + memory)
+            return (hidden @ self.table.weight.t()).logsumexp(-1).sum()
+
+    torch.manual_seed(0)
+    model, ids = ThreeReaders(), (torch.randint(0, 64, (4, 40)), torch.randint(0, 64, (4, 30)))
+    gm = capture(model, ids).module
+    assert use_grad_in_place_embeddings(gm) == 0
+    assert not any(n.target is embedding for n in gm.graph.nodes)
+    reference = copy.deepcopy(model)
+    for m in (gm, reference):
+        m.table.weight.grad = torch.zeros_like(m.table.weight)
+        m(*ids).backward()
+    assert _same_bits(gm.table.weight.grad, reference.table.weight.grad)
+
+
 def test_embedding_variant_passes_opcheck():
     table = torch.randn(50, 8, requires_grad=True)
     for args in ((table, torch.randint(0, 50, (3, 7)), -1, False), (table, torch.randint(0, 50, (9,)), 2, True)):

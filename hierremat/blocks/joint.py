@@ -50,7 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..block_graph import BACKWARD, FORWARD, BlockGraph, GraphNode
 from ..runtime.autocast import AutocastState
-from ..runtime.memory import allocated_bytes
+from ..runtime.memory import allocated_bytes, owning
 from .capture import target_name
 
 try:  # descriptor classes (torch >= 2.9)
@@ -216,8 +216,11 @@ class _TappedResidents(nn.Module):
 
 def seeded_add(seed: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
     """A resident's gradient sum after one reader's first term: ``seed + term``, or the term
-    alone when no later reader contributed (there is no sum yet), as plain autograd forms it."""
-    return term if seed is None else torch.add(seed, term)
+    alone when no later reader contributed (there is no sum yet), as plain autograd forms it;
+    copied where the term is a slice of a larger gradient (cat's backward), which the sum,
+    held until the resident's producer runs its backward, would otherwise keep alive: the
+    models count the sum at its own bytes (the traced node is an addition)."""
+    return owning(term) if seed is None else torch.add(seed, term)
 
 
 def trace_joint(

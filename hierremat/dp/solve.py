@@ -211,8 +211,10 @@ def solve_chain(
 
     Memory is discretised into ``slots`` units of ceil(budget / slots) bytes. Raises
     InfeasibleBudgetError (with the exact smallest feasible budget) when no schedule
-    fits; when one fits but the discretisation loses it, retries with 4x finer slots
-    and then falls back to the min-peak schedule.
+    fits. Where sizes rounded up to slots make every schedule look too big at M (a budget
+    at or near the minimum), the schedules of the tables filled beyond M whose exact peak
+    fits are taken; where none fits, retries with 4x finer slots and then falls back to
+    the min-peak schedule.
     """
     budget_bytes = int(budget_bytes)
     if slots < 1:
@@ -230,19 +232,17 @@ def solve_chain(
         M_fill = M + 2 * L + 2
         arrays = discretize(costs, unit, prune=prune)
         C, D = _fill(arrays, M_fill, kernel)
-        if math.isfinite(C[0, 0, L - 1, M]):
-            choose = _dp_chooser(arrays, D, M_fill, L)
-            for m in dict.fromkeys((M_fill, M + (M_fill - M) // 2, M + (M_fill - M) // 4, M)):
-                if not math.isfinite(C[0, 0, L - 1, m]):
-                    continue
-                schedule = _schedule(costs, choose, m, budget_bytes, unit)
-                if schedule.predicted_peak_bytes <= budget_bytes:
-                    break
-                if m == M:
-                    raise AssertionError("DP schedule exceeds its budget: memory rounding is broken")
-            return ChainSolution(
-                schedule, time.perf_counter() - started, attempt_slots, n_options, int(arrays.nk.sum()), False
-            )
+        choose = _dp_chooser(arrays, D, M_fill, L)
+        for m in dict.fromkeys((M_fill, M + (M_fill - M) // 2, M + (M_fill - M) // 4, M)):
+            if not math.isfinite(C[0, 0, L - 1, m]):
+                continue
+            schedule = _schedule(costs, choose, m, budget_bytes, unit)
+            if schedule.predicted_peak_bytes <= budget_bytes:
+                return ChainSolution(
+                    schedule, time.perf_counter() - started, attempt_slots, n_options, int(arrays.nk.sum()), False
+                )
+            if m == M:
+                raise AssertionError("DP schedule exceeds its budget: memory rounding is broken")
         fallback = min_peak_schedule(costs)
         if fallback.predicted_peak_bytes > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)

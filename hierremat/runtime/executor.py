@@ -33,6 +33,7 @@ from ..budget import format_bytes
 from ..errors import UnsupportedModelError
 from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
 from .autocast import AutocastState
+from .memory import owning
 from .residents import (
     collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
 )
@@ -140,7 +141,9 @@ def backward_through(edges: list, grads: tuple) -> None:
 
 
 class GradSink:
-    """Receives the gradient that flows into a tapped stage input."""
+    """Receives the gradient that flows into a tapped stage input (or resident): a copy of it
+    where it is a view into a larger storage, as it outlives the backward that made it
+    (hierremat.runtime.memory.owning)."""
 
     grad: torch.Tensor | None = None
 
@@ -160,7 +163,7 @@ class _GradTap(torch.autograd.Function):
     @eager_only
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        ctx.sink.grad = grad
+        ctx.sink.grad = owning(grad)
         return None, None, None
 
 

@@ -37,6 +37,18 @@ def allocated_bytes(nbytes: int, device: torch.device | str) -> int:
     return -(-nbytes // CUDA_ALLOCATION_ROUNDING_BYTES) * CUDA_ALLOCATION_ROUNDING_BYTES
 
 
+def owning(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is a view into a larger storage.
+
+    A gradient that outlives the backward that made it (a stage input's, a resident's sum)
+    is counted at its own bytes by the cost models; cat's backward hands out slices of its
+    incoming gradient, and such a slice would keep the whole of that gradient alive.
+    """
+    if t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+        return t
+    return t.clone()
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Live and peak bytes of the tensors created while the mode is active.
 

@@ -13,9 +13,16 @@ sums the same terms in the same order) and adds each row into ``.grad`` once
 the other rows keep their values (adding a dense zero would only turn a ``-0.0`` into
 ``+0.0``). Where the gradient cannot go into ``.grad`` directly
 (hierremat.variants.grad_in_place: no ``.grad`` yet, tensor hooks, create_graph, tracing),
-the backward is ``embedding_dense_backward`` itself. ``padding_idx`` and
-``scale_grad_by_freq`` are honoured as aten does; sparse embeddings are not rewritten. On
-CUDA ``torch.unique`` synchronizes the host once per embedding backward.
+the backward is ``embedding_dense_backward`` itself.
+
+A table read by more than two operators of the graph keeps ``aten.embedding``: BART ties its
+encoder's and decoder's embeddings and its head. Autograd sums the three gradients before
+adding them into ``.grad``, ``(head + dec) + enc``; rows added into ``.grad`` first would give
+``(dec + enc) + head`` where one backward call runs all three (a plan that keeps everything runs
+the model as one graph). With two readers the sums are the same: addition commutes.
+
+``padding_idx`` and ``scale_grad_by_freq`` are honoured as aten does; sparse embeddings are
+not rewritten. On CUDA ``torch.unique`` synchronizes the host once per embedding backward.
 """
 
 from __future__ import annotations
@@ -74,9 +81,12 @@ def embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1
 
 
 def _embedding_arguments(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
-    """The variant's arguments for a dense embedding of a 2-d floating table, else None."""
+    """The variant's arguments for a dense embedding of a 2-d floating table that at most one
+    other operator reads, else None."""
     call = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
     if call is None or call.kwargs.get("sparse", False):
+        return None
+    if isinstance(call.kwargs["weight"], fx.Node) and len(call.kwargs["weight"].users) > 2:
         return None
     call = call.kwargs
     table = call["weight"].meta.get("val") if isinstance(call["weight"], fx.Node) else None
