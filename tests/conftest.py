@@ -19,3 +19,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session")
+def _interpreted_triton_module():
+    pytest.importorskip("triton")
+    import importlib.util
+
+    from hierremat import variants
+
+    source = os.path.join(os.path.dirname(variants.__file__), "triton_kernels.py")
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("hierremat_triton_kernels_interpreted", source)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
+@pytest.fixture
+def interpreted_triton_kernels(_interpreted_triton_module, monkeypatch):
+    """hierremat.variants.triton_kernels built by Triton's interpreter, so that its launchers run
+    on CPU tensors (a copy of the module: the one the library imports is untouched).
+    ``TRITON_INTERPRET=1`` is set while the kernels are decorated and during the test, when
+    the interpreter reads it again."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return _interpreted_triton_module

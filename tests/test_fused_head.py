@@ -100,6 +100,54 @@ def test_fused_op_adds_an_fp32_weights_gradient_into_grad(grad_state, monkeypatc
         assert peaks[1] < table / 2 < peaks[0], peaks
 
 
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_fused_op_with_the_triton_row_kernels_equals_linear_then_cross_entropy(reduction, interpreted_triton_kernels, monkeypatch):
+    """The chunks' row passes as the Triton kernels CUDA runs (here by Triton's interpreter on
+    CPU tensors): the same loss and gradients to fp32 rounding, ignored rows and an
+    ignore_index that is a valid column included; bf16 hidden states get bf16 gradients."""
+    monkeypatch.setattr(lce, "_row_kernels", lambda h: interpreted_triton_kernels)
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 1500 * 4 * 16)  # chunks of 16 rows
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    torch.manual_seed(reduction)
+    for dtype, ignore_index, with_bias in ((torch.float32, -100, True), (torch.float32, 0, False), (torch.bfloat16, -100, False)):
+        h = torch.randn(40, 24, dtype=dtype, requires_grad=True)
+        weight = (0.3 * torch.randn(1500, 24)).to(dtype).requires_grad_()
+        bias = torch.randn(1500, dtype=dtype, requires_grad=True) if with_bias else None
+        target = torch.randint(1, 1500, (40,))
+        target[::5] = ignore_index
+        inputs = [t for t in (h, weight, bias) if t is not None]
+        loss = lce.linear_cross_entropy(h, weight, bias, target, reduction, ignore_index)
+        ref = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(h, weight, bias).float(), target,
+            reduction=["none", "mean", "sum"][reduction], ignore_index=ignore_index,
+        )
+        torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
+        g = torch.rand(loss.shape)
+        # bf16: the interpreter rounds fp32 to bf16 by truncation, up to one bf16 step off
+        rtol, atol = (RTOL, ATOL) if dtype == torch.float32 else (2e-2, 2e-3)
+        for a, b in zip(torch.autograd.grad(loss, inputs, g), torch.autograd.grad(ref, inputs, g)):
+            assert a.dtype == b.dtype == dtype
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.cuda
+def test_fused_op_on_cuda_runs_the_triton_row_kernels_and_equals_linear_then_cross_entropy():
+    h = torch.randn(300, 64, device="cuda")
+    assert lce._row_kernels(h) is not None, "Triton is not importable on this CUDA machine"
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        h = torch.randn(300, 64, device="cuda", dtype=dtype, requires_grad=True)
+        weight = (0.2 * torch.randn(5000, 64, device="cuda")).to(dtype).requires_grad_()
+        target = torch.randint(0, 5000, (300,), device="cuda")
+        target[::7] = -100
+        loss = lce.linear_cross_entropy(h, weight, None, target)
+        ref = _reference(h, weight, None, target, 1)
+        torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
+        rtol, atol = (RTOL, ATOL) if dtype == torch.float32 else (2e-2, 1e-4)
+        for a, b in zip(torch.autograd.grad(loss, (h, weight)), torch.autograd.grad(ref, (h, weight))):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
 def test_fused_op_passes_opcheck():
     torch.manual_seed(0)
     h = torch.randn(40, 16, requires_grad=True)

@@ -254,8 +254,10 @@ def _check_out_form(out_form, expected, x, *args):
     assert out_form(written, *args, out=written) is written and _same_bits(written, expected)
 
 
-def _check_dropout_ops(device, masked_scale, masked_scale_out):
+def _check_dropout_ops(device, masked_scale, masked_scale_out, dtypes=None):
     for x, p in _dropout_cases(device):
+        if dtypes is not None and x.dtype not in dtypes:
+            continue
         torch.manual_seed(7)
         out, mask = torch.ops.aten.native_dropout(x, p, True)
         after = torch.rand(3, device=device)
@@ -372,6 +374,46 @@ def test_relu_mask_ops_are_bitwise_threshold_backward_reference_kernels():
 @pytest.mark.cuda
 def test_relu_mask_ops_are_bitwise_threshold_backward_on_cuda():
     _check_relu_ops("cuda", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits, torch.ops.hierremat.where_bits.out)
+
+
+class _CountingKernels:
+    """A kernels module whose launchers count their calls (so a test sees the kernels ran, not
+    only the references they fall back to)."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self.module, name)
+        if name == "supports" or not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+        return counted
+
+
+def test_triton_packed_mask_kernels_equal_the_references_interpreted(interpreted_triton_kernels, monkeypatch):
+    """The CUDA kernels (Triton), run by Triton's interpreter on CPU tensors through the CUDA
+    registrations' own code: bitwise the references, contiguous fp16/bf16/fp32 by Triton, the
+    other cases by the references. bf16 ``masked_scale`` is left to the CUDA test: the
+    interpreter rounds fp32 to bf16 by truncation where the GPU rounds to nearest even."""
+    kernels = _CountingKernels(interpreted_triton_kernels)
+    monkeypatch.setattr(packed_bits, "cuda_kernels", lambda: kernels)
+    _check_relu_ops("cpu", packed_bits._above_bits_cuda, packed_bits._where_bits_cuda, packed_bits._where_bits_out_cuda)
+    _check_dropout_ops("cpu", packed_bits._masked_scale_cuda, packed_bits._masked_scale_out_cuda,
+                       dtypes=(torch.float32, torch.float64))
+    for numel in (1, 8, 1001, 40_000):
+        mask = torch.rand(numel) < 0.5
+        assert torch.equal(packed_bits._pack_mask_cuda(mask), packed_bits.pack_mask_reference(mask))
+        assert torch.equal(packed_bits._pack_mask_cuda(mask[::2]), packed_bits.pack_mask_reference(mask[::2]))
+    half = torch.randn(300, dtype=torch.float16)
+    bits = packed_bits.pack_mask_reference(torch.rand(300) < 0.8)
+    assert _same_bits(packed_bits._masked_scale_cuda(half, bits, 1.25), packed_bits.masked_scale_reference(half, bits, 1.25))
+    assert set(kernels.calls) == {"above_bits", "where_bits_out", "masked_scale_out", "pack_mask"}, kernels.calls
+    with pytest.raises(ValueError, match="bits: expected 38 uint8 bytes for 300 elements"):
+        packed_bits._masked_scale_cuda(half, bits[:-1], 1.25)
 
 
 def test_relu_mask_ops_pass_opcheck():

@@ -16,6 +16,10 @@ never materializes them:
   ``.grad`` where autograd's result would be the same (hierremat.variants.grad_in_place),
   so no ``[vocabulary, width]`` tensor exists either.
 
+On CUDA the per-chunk row passes (log-sum-exp and loss; softmax minus one-hot, scaled and cast)
+are Triton kernels of one pass each (hierremat.variants.triton_kernels); the matmuls are
+cuBLAS's either way.
+
 It is a time-for-memory trade-off: the head's matmul runs once more (a third more of the
 head's FLOPs). So it is not applied unconditionally: the model's last stage offers it as
 an option beside the materialized head (hierremat.output_stage), and the chain DP picks
@@ -38,6 +42,7 @@ import torch
 from torch import fx
 
 from .grad_in_place import added_gradient, grad_to_add_into
+from .packed_bits import cuda_kernels
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,15 @@ def _valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return target != ignore_index
 
 
+def _row_kernels(h: torch.Tensor):
+    """hierremat.variants.triton_kernels where h is a CUDA tensor Triton can take, else None
+    (the chunks' row passes then run as torch ops)."""
+    if not h.is_cuda:
+        return None
+    kernels = cuda_kernels()
+    return kernels if kernels is not None and kernels.supports(h) else None
+
+
 @torch.library.custom_op("hierremat::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, reduction: int,
@@ -72,15 +86,19 @@ def _linear_cross_entropy(
     step = chunk_rows(rows, vocabulary)
     lse = torch.empty(rows, dtype=torch.float32, device=h.device)
     per_row = torch.empty(rows, dtype=torch.float32, device=h.device)
+    kernels = _row_kernels(h)
     with torch.autocast(h.device.type, enabled=False):
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             logits = _chunk_logits(h[start:stop], weight, bias)
-            torch.logsumexp(logits, 1, out=lse[start:stop])
             t = target[start:stop]
-            valid = _valid(t, ignore_index)
-            picked = logits.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
-            per_row[start:stop] = torch.where(valid, lse[start:stop] - picked, 0.0)
+            if kernels is not None:  # one pass: log-sum-exp and loss per row
+                kernels.cross_entropy_rows(logits, t.contiguous(), ignore_index, lse[start:stop], per_row[start:stop])
+            else:
+                torch.logsumexp(logits, 1, out=lse[start:stop])
+                valid = _valid(t, ignore_index)
+                picked = logits.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+                per_row[start:stop] = torch.where(valid, lse[start:stop] - picked, 0.0)
             del logits
     if reduction == 0:
         return per_row, lse
@@ -129,16 +147,21 @@ def _backward(ctx, grad_loss, _grad_lse):
     else:
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_weight else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if need_bias and bias is not None else None
+    kernels = _row_kernels(h)
     with torch.autocast(h.device.type, enabled=False):
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             h_chunk = h[start:stop]
             grad = _chunk_logits(h_chunk, weight, bias)  # the chunk's logits, then their gradient in place
-            grad.sub_(lse[start:stop].unsqueeze(1)).exp_()
             t = target[start:stop]
-            grad[torch.arange(stop - start, device=h.device), torch.where(valid[start:stop], t, 0)] -= 1.0
-            grad.mul_(scale[start:stop].unsqueeze(1))
-            grad = grad.to(h.dtype)
+            if kernels is not None:  # one pass, written in h's dtype (over the logits in fp32)
+                out = grad if h.dtype == torch.float32 else torch.empty(grad.shape, dtype=h.dtype, device=h.device)
+                grad = kernels.cross_entropy_grad(grad, lse[start:stop], t.contiguous(), scale[start:stop].contiguous(), out)
+            else:
+                grad.sub_(lse[start:stop].unsqueeze(1)).exp_()
+                grad[torch.arange(stop - start, device=h.device), torch.where(valid[start:stop], t, 0)] -= 1.0
+                grad.mul_(scale[start:stop].unsqueeze(1))
+                grad = grad.to(h.dtype)
             if grad_h is not None:
                 torch.mm(grad, weight, out=grad_h[start:stop])
             if grad_weight is not None:

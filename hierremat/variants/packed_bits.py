@@ -23,9 +23,12 @@ Operators (schemas defined here with ``torch.library``):
 
 Kernels: the CPU ones are C++ (``csrc/packed_bits.cpp``), compiled on first use with
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; the build is cached by
-torch); every device also has the pure-torch reference below, which the CPU uses when
-the extension cannot be built (logged once) or ``HIERREMAT_NO_EXTENSION=1`` is set.
-Both compute the same bits, checked by tests/test_variants.py.
+torch); the CUDA ones are Triton (hierremat.variants.triton_kernels, compiled by Triton on
+first use; fp16/bf16/fp32 contiguous tensors); every device also has the pure-torch
+reference below, which runs where the extension or Triton cannot be used (logged once), for
+other dtypes and layouts, or everywhere with ``HIERREMAT_NO_EXTENSION=1``. All compute the
+same bits, checked by tests/test_variants.py (the Triton kernels through Triton's
+interpreter on CPU, and on CUDA under ``pytest.mark.cuda``).
 """
 
 from __future__ import annotations
@@ -132,13 +135,84 @@ def _dropout_bits(x: torch.Tensor, p: float) -> torch.Tensor:
     return torch.ops.hierremat.pack_mask(mask)
 
 
-torch.library.impl(_LIBRARY, "pack_mask", "CompositeExplicitAutograd")(pack_mask_reference)
-torch.library.impl(_LIBRARY, "masked_scale", "CompositeExplicitAutograd")(masked_scale_reference)
-torch.library.impl(_LIBRARY, "dropout_bits", "CompositeExplicitAutograd")(_dropout_bits)
-torch.library.impl(_LIBRARY, "above_bits", "CompositeExplicitAutograd")(above_bits_reference)
-torch.library.impl(_LIBRARY, "where_bits", "CompositeExplicitAutograd")(where_bits_reference)
-torch.library.impl(_LIBRARY, "masked_scale.out", "CompositeExplicitAutograd")(masked_scale_out_reference)
-torch.library.impl(_LIBRARY, "where_bits.out", "CompositeExplicitAutograd")(where_bits_out_reference)
+def _register(kernels: dict, dispatch_key: str) -> None:
+    for name, kernel in kernels.items():
+        torch.library.impl(_LIBRARY, name, dispatch_key)(kernel)
+
+
+_register({
+    "pack_mask": pack_mask_reference, "masked_scale": masked_scale_reference, "dropout_bits": _dropout_bits,
+    "above_bits": above_bits_reference, "where_bits": where_bits_reference,
+    "masked_scale.out": masked_scale_out_reference, "where_bits.out": where_bits_out_reference,
+}, "CompositeExplicitAutograd")
+
+
+@functools.cache
+def cuda_kernels():
+    """hierremat.variants.triton_kernels, or None, with one log line saying why, where Triton
+    cannot be imported or ``HIERREMAT_NO_EXTENSION`` is set (the reference kernels run instead)."""
+    if os.environ.get("HIERREMAT_NO_EXTENSION"):
+        log.info("HIERREMAT_NO_EXTENSION is set: CUDA variants use the pure-torch kernels")
+        return None
+    try:
+        from . import triton_kernels
+    except ImportError as err:
+        log.warning("Triton is not importable (%s): CUDA variants use the pure-torch kernels", err)
+        return None
+    return triton_kernels
+
+
+def _check_bits(x: torch.Tensor, bits: torch.Tensor) -> None:
+    if bits.dtype != torch.uint8 or bits.numel() != packed_size(x.numel()):
+        raise ValueError(f"bits: expected {packed_size(x.numel())} uint8 bytes for {x.numel()} elements, "
+                         f"got {bits.numel()} of {bits.dtype}")
+
+
+def _pack_mask_cuda(mask: torch.Tensor) -> torch.Tensor:
+    kernels = cuda_kernels()
+    if kernels is None or not mask.is_contiguous():
+        return pack_mask_reference(mask)
+    return kernels.pack_mask(mask)
+
+
+def _above_bits_cuda(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    kernels = cuda_kernels()
+    if kernels is None or not x.is_floating_point() or not kernels.supports(x):
+        return above_bits_reference(x, threshold)
+    return kernels.above_bits(x, threshold)
+
+
+def _masked_scale_out_cuda(x: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torch.Tensor) -> torch.Tensor:
+    _check_bits(x, bits)
+    kernels = cuda_kernels()
+    if kernels is None or not x.is_floating_point() or out.shape != x.shape or out.dtype != x.dtype or not kernels.supports(x, bits, out):
+        return masked_scale_out_reference(x, bits, scale, out=out)
+    return kernels.masked_scale_out(x, bits, scale, out)
+
+
+def _masked_scale_cuda(x: torch.Tensor, bits: torch.Tensor, scale: float) -> torch.Tensor:
+    if not x.is_contiguous():
+        return masked_scale_reference(x, bits, scale)
+    return _masked_scale_out_cuda(x, bits, scale, out=torch.empty_like(x))
+
+
+def _where_bits_out_cuda(x: torch.Tensor, bits: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    _check_bits(x, bits)
+    kernels = cuda_kernels()
+    if kernels is None or not x.is_floating_point() or out.shape != x.shape or out.dtype != x.dtype or not kernels.supports(x, bits, out):
+        return where_bits_out_reference(x, bits, out=out)
+    return kernels.where_bits_out(x, bits, out)
+
+
+def _where_bits_cuda(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    return _where_bits_out_cuda(x, bits, out=torch.empty_like(x))
+
+
+# (dropout_bits on CUDA: native_dropout's own mask, packed by the pack_mask kernel)
+_register({
+    "pack_mask": _pack_mask_cuda, "above_bits": _above_bits_cuda, "masked_scale": _masked_scale_cuda,
+    "where_bits": _where_bits_cuda, "masked_scale.out": _masked_scale_out_cuda, "where_bits.out": _where_bits_out_cuda,
+}, "CUDA")
 
 
 @torch.library.register_fake("hierremat::pack_mask", lib=_LIBRARY)
