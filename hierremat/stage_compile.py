@@ -79,8 +79,10 @@ def compile_options(
     todo: dict[tuple[str, str], tuple[int, int]] = {}
     tried = 0
     for i, k in sorted(wanted):
+        if not menus.is_compiled_index(i, k):
+            continue
         key = menus.option_key(i, k)
-        if menus.is_compiled_index(i, k) and not _tried(menus, key) and key not in todo:
+        if not _tried(menus, key) and key not in todo:
             todo[key] = (i, k)
     if todo:
         xs, shareds = stage_arguments(stages, x0, shared, menus.residents)
@@ -113,8 +115,9 @@ def compile_options(
             )
         del xs, shareds
     for i, row in enumerate(menus.executors):
-        n = menus.menu_size(i)
-        for k in range(n + 1, len(row)):
+        for k in range(len(row)):
+            if not menus.is_compiled_index(i, k):
+                continue
             entry = menus.compiled.get(menus.option_key(i, k))
             if entry is not None and not isinstance(row[k], CompiledOptionExecutor):
                 row[k] = CompiledOptionExecutor(row[k].joint, entry[0], row[k].binding)

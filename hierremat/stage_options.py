@@ -166,7 +166,10 @@ class ChainMenus:
         return self.menu_size(stage) > 0 and not executors[1].joint.resident_seeds
 
     def is_compiled_index(self, stage: int, k: int) -> bool:
-        return k > self.menu_size(stage)
+        """Whether option k of stage ``stage`` is a menu option's compiled form (never where the
+        stage has no menu: the fused head, the output stage's option 1, is not one)."""
+        n = self.menu_size(stage)
+        return n > 0 and k > n
 
     def option_key(self, stage: int, k: int) -> tuple[str, str]:
         """(signature, option name): what ``compiled`` and ``compile_failed`` are keyed by."""

@@ -134,13 +134,27 @@ def _prefer_compiled(monkeypatch):
     monkeypatch.setattr(CompiledForwardExecutor, "measure", faster_forward)
 
 
+def _trained_exactly_within(module, reference, model, ids, meter, budget, plan):
+    """One warm-up step of ``module``, then one step of it and of ``reference`` (given the
+    model's weights): gradients equal to compile's tolerance and the peak within ``budget``;
+    returns (gradients, peak)."""
+    _step(module, ids, meter())
+    reference.load_state_dict(model.state_dict())
+    grads_ref, _ = _step(reference, ids, meter())
+    grads, peak = _step(module, ids, meter())
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert peak <= budget, (budget, peak, plan.summary())
+    return grads, peak
+
+
 def _check_whole_model(device, tmp_path, monkeypatch, meter):
     _prefer_compiled(monkeypatch)
     torch.manual_seed(2)
     model = tiny_gpt2(n_layer=3).to(device)
     ids = torch.randint(0, 256, (2, 64), device=device)
     reference = copy.deepcopy(model)
-    grads_ref, plain_peak = _step(reference, ids, meter())
+    _, plain_peak = _step(reference, ids, meter())
     kwargs = {"labels": ids, "use_cache": False}
     cache = str(tmp_path)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
@@ -160,13 +174,7 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
         else:
             used = options_used(plan.chain.schedule)
             assert any(plan.chain.costs.stages[i].options[k].name.endswith("+compiled") for i, k in used), plan.summary()
-        _step(module, ids, meter())  # warm-up
-        reference.load_state_dict(model.state_dict())
-        grads_ref, _ = _step(reference, ids, meter())
-        grads, peak = _step(module, ids, meter())
-        for a, b in zip(grads, grads_ref):
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-        assert peak <= budget, (budget, peak, plan.summary())
+        grads, peak = _trained_exactly_within(module, reference, model, ids, meter, budget, plan)
         assert abs(peak - plan.predicted_peak_bytes) <= max(0.05 * plan.predicted_peak_bytes, 64 * 1024)
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.compiled and again.compile_seconds == plan.compile_seconds
@@ -185,6 +193,34 @@ def test_whole_model_compiled_within_budget_and_exact(tmp_path, monkeypatch):
 def test_whole_model_compiled_within_budget_and_exact_cuda(tmp_path, monkeypatch):
     device = torch.device("cuda")
     _check_whole_model(device, tmp_path, monkeypatch, lambda: CudaPeakMeter(device))
+
+
+def test_compiled_options_with_the_fused_head_train_at_their_minimum(tmp_path, monkeypatch):
+    """compile=True with outputs="loss": the output stage's fused head (option 1, no menu of its
+    own) beside compiled block options (planning once raised a KeyError taking the fused head
+    for a compiled form); at the smallest budget and a third of the way to plain's peak the
+    plan trains with plain autograd's gradients within the budget (the fused head used at the
+    minimum, compiled forms above it)."""
+    _prefer_compiled(monkeypatch)
+    torch.manual_seed(5)
+    model = tiny_gpt2(n_layer=2, vocab_size=2048)
+    ids = torch.randint(0, 2048, (2, 64))
+    reference = copy.deepcopy(model)
+    kwargs = {"labels": ids, "use_cache": False}
+    _, plain_peak = _step(reference, ids, CpuAllocatorMeter())
+    cache = str(tmp_path)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=cache, outputs="loss", compile=True)
+    lo = err.value.min_budget_bytes
+    for budget in (lo, lo + (plain_peak - lo) // 3):
+        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=cache, outputs="loss", compile=True)
+        (plan,) = module.plans
+        costs, used = plan.chain.costs.stages, options_used(plan.chain.schedule)
+        if budget == lo:  # (above it the DP picks the head by time)
+            assert any(costs[i].options[k].name == "fused_head" for i, k in used), plan.summary()
+        else:
+            assert any(costs[i].options[k].name.endswith("+compiled") for i, k in used), plan.summary()
+        _trained_exactly_within(module, reference, model, ids, CpuAllocatorMeter, budget, plan)
 
 
 def test_checkpoint_sequential_compiled_keeps_dropout_exact(tmp_path, monkeypatch):

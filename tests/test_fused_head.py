@@ -148,6 +148,28 @@ def test_fused_op_on_cuda_runs_the_triton_row_kernels_and_equals_linear_then_cro
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
 
+def test_fused_op_forward_chunk_is_counted_by_the_tracker_as_the_allocator_counts_it(monkeypatch):
+    """The chunk's logits live inside the op's forward, where the tracker's dispatch mode is
+    off: the op hands them to it (track_hidden), so the tracker's peak is the allocator's
+    (before: the outputs' bytes only; the logsumexp's temporary, a second chunk, is gone)."""
+    from hierremat.runtime.memory import CpuAllocatorMeter
+
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 4096 * 4 * 64)  # chunks of 64 rows: 1 MiB
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    torch.manual_seed(0)
+    h, weight = torch.randn(256, 32), torch.randn(4096, 32)
+    target = torch.randint(0, 4096, (256,))
+    peaks = []
+    for meter in (LiveTensorTracker(), CpuAllocatorMeter()):
+        with meter:
+            loss = lce.linear_cross_entropy(h, weight, None, target)
+        peaks.append(meter.peak_bytes)
+        del loss
+    chunk = 64 * 4096 * 4
+    assert chunk <= peaks[0] <= chunk + 16 * 1024, peaks
+    assert abs(peaks[0] - peaks[1]) <= 16 * 1024, peaks
+
+
 def test_fused_op_passes_opcheck():
     torch.manual_seed(0)
     h = torch.randn(40, 16, requires_grad=True)

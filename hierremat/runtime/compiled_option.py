@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -185,13 +186,15 @@ class CompiledOptionExecutor:
         with _peak_meter(device) as bwd_meter:
             self.backward(tape, dy, shared)
         fwd_time = median_seconds(lambda: self.forward(x, shared), repeats, device)
-
-        def both():
+        # the backward timed on its own after each (untimed) forward: a difference of two noisy
+        # medians (forward + backward, forward) once came out 0 on a busy machine
+        bwd_times = []
+        for _ in range(repeats):
             y, tape = self.forward(x, shared)
             del y
-            self.backward(tape, dy, shared)
-
-        bwd_time = max(median_seconds(both, repeats, device) - fwd_time, 0.0)
+            bwd_times.append(median_seconds(lambda: self.backward(tape, dy, shared), 1, device))
+        del tape
+        bwd_time = statistics.median(bwd_times)
         return CompiledCosts(fwd_time, bwd_time, kept_bytes, int(fwd_meter.peak_bytes), int(bwd_meter.peak_bytes))
 
 

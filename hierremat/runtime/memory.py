@@ -7,6 +7,10 @@ when a weakref finaliser on the storage fires, i.e. when the storage is really f
 (PyTorch preserves a storage's Python object while the storage lives). Storages that
 existed before tracking started (parameters, inputs, ``.grad``) are never counted.
 This is what the budget counts (see DESIGN.md, "What a budget counts").
+
+A dispatch mode is switched off while an operator's own implementation runs, so the
+tensors a ``torch.library`` operator makes inside it (hierremat's fused LM head's chunk
+logits) are invisible to it; such an operator hands them to :func:`track_hidden`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,24 @@ def owning(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
+_ACTIVE = threading.local()  # .trackers: the LiveTensorTrackers entered on this thread
+
+
+def _active_trackers() -> list:
+    if not hasattr(_ACTIVE, "trackers"):
+        _ACTIVE.trackers = []
+    return _ACTIVE.trackers
+
+
+def track_hidden(tensor: torch.Tensor) -> None:
+    """Count ``tensor`` in every LiveTensorTracker active on this thread, while its storage
+    lives: for a tensor an operator's implementation makes below the dispatcher, where the
+    tracker's dispatch mode is off. Nothing happens without an active tracker, and a storage
+    already counted is not counted twice."""
+    for tracker in _active_trackers():
+        tracker._track(tensor)
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Live and peak bytes of the tensors created while the mode is active.
 
@@ -70,6 +92,14 @@ class LiveTensorTracker(TorchDispatchMode):
         self._lock = threading.Lock()
         self.record_timeline = record_timeline
         self.timeline: list[tuple[str, int]] = []
+
+    def __enter__(self) -> "LiveTensorTracker":
+        _active_trackers().append(self)
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        _active_trackers().remove(self)
+        return super().__exit__(exc_type, exc_val, exc_tb)
 
     def reset_peak(self) -> None:
         with self._lock:

@@ -41,6 +41,7 @@ import operator
 import torch
 from torch import fx
 
+from ..runtime.memory import track_hidden
 from .grad_in_place import added_gradient, grad_to_add_into
 from .packed_bits import cuda_kernels
 
@@ -58,8 +59,22 @@ def chunk_rows(rows: int, vocabulary: int) -> int:
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The chunk's logits in fp32, counted by the live-tensor tracker also where it cannot see
+    them (inside the op's forward: hierremat.runtime.memory.track_hidden)."""
     logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-    return logits.float()
+    track_hidden(logits)
+    logits = logits.float()
+    track_hidden(logits)
+    return logits
+
+
+def _logsumexp_(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """``torch.logsumexp(logits, 1, out=out)``, ATen's operations in ATen's order, but with
+    ``(logits - max).exp()`` formed over the logits themselves rather than in a second chunk."""
+    maxes = logits.amax(1)
+    maxes.masked_fill_(maxes.abs() == float("inf"), 0.0)
+    torch.sum(logits.sub_(maxes.unsqueeze(1)).exp_(), 1, out=out)
+    out.log_().add_(maxes)
 
 
 def _valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -86,6 +101,8 @@ def _linear_cross_entropy(
     step = chunk_rows(rows, vocabulary)
     lse = torch.empty(rows, dtype=torch.float32, device=h.device)
     per_row = torch.empty(rows, dtype=torch.float32, device=h.device)
+    track_hidden(lse)
+    track_hidden(per_row)
     kernels = _row_kernels(h)
     with torch.autocast(h.device.type, enabled=False):
         for start in range(0, rows, step):
@@ -95,9 +112,9 @@ def _linear_cross_entropy(
             if kernels is not None:  # one pass: log-sum-exp and loss per row
                 kernels.cross_entropy_rows(logits, t.contiguous(), ignore_index, lse[start:stop], per_row[start:stop])
             else:
-                torch.logsumexp(logits, 1, out=lse[start:stop])
                 valid = _valid(t, ignore_index)
                 picked = logits.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+                _logsumexp_(logits, out=lse[start:stop])  # (over the logits: picked first)
                 per_row[start:stop] = torch.where(valid, lse[start:stop] - picked, 0.0)
             del logits
     if reduction == 0:
