@@ -32,7 +32,7 @@ def _interpreted_triton_module():
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        spec = importlib.util.spec_from_file_location("hierremat_triton_kernels_interpreted", source)
+        spec = importlib.util.spec_from_file_location("hierremat.variants.triton_kernels_interpreted", source)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:

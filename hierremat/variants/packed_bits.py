@@ -168,6 +168,18 @@ def _check_bits(x: torch.Tensor, bits: torch.Tensor) -> None:
                          f"got {bits.numel()} of {bits.dtype}")
 
 
+def _kernels_for(x: torch.Tensor, *others: torch.Tensor, out: torch.Tensor | None = None):
+    """The Triton kernels where they take floating ``x`` (with ``others`` and an ``out`` of x's
+    shape and dtype), else None: the reference runs."""
+    kernels = cuda_kernels()
+    if kernels is None or not x.is_floating_point():
+        return None
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        return None
+    tensors = (x, *others) if out is None else (x, *others, out)
+    return kernels if kernels.supports(*tensors) else None
+
+
 def _pack_mask_cuda(mask: torch.Tensor) -> torch.Tensor:
     kernels = cuda_kernels()
     if kernels is None or not mask.is_contiguous():
@@ -176,16 +188,16 @@ def _pack_mask_cuda(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _above_bits_cuda(x: torch.Tensor, threshold: float) -> torch.Tensor:
-    kernels = cuda_kernels()
-    if kernels is None or not x.is_floating_point() or not kernels.supports(x):
+    kernels = _kernels_for(x)
+    if kernels is None:
         return above_bits_reference(x, threshold)
     return kernels.above_bits(x, threshold)
 
 
 def _masked_scale_out_cuda(x: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torch.Tensor) -> torch.Tensor:
     _check_bits(x, bits)
-    kernels = cuda_kernels()
-    if kernels is None or not x.is_floating_point() or out.shape != x.shape or out.dtype != x.dtype or not kernels.supports(x, bits, out):
+    kernels = _kernels_for(x, bits, out=out)
+    if kernels is None:
         return masked_scale_out_reference(x, bits, scale, out=out)
     return kernels.masked_scale_out(x, bits, scale, out)
 
@@ -198,8 +210,8 @@ def _masked_scale_cuda(x: torch.Tensor, bits: torch.Tensor, scale: float) -> tor
 
 def _where_bits_out_cuda(x: torch.Tensor, bits: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     _check_bits(x, bits)
-    kernels = cuda_kernels()
-    if kernels is None or not x.is_floating_point() or out.shape != x.shape or out.dtype != x.dtype or not kernels.supports(x, bits, out):
+    kernels = _kernels_for(x, bits, out=out)
+    if kernels is None:
         return where_bits_out_reference(x, bits, out=out)
     return kernels.where_bits_out(x, bits, out)
 

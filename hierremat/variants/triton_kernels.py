@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .packed_bits import packed_size
+
 #: Packed bytes per program of the mask kernels (8x as many elements).
 MASK_BLOCK = 512
 #: Vocabulary entries per program step of the cross-entropy kernels.
@@ -40,8 +42,9 @@ def supports(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and (not t.is_floating_point() or t.dtype in _FLOATS) for t in tensors)
 
 
-def _grid(bytes_: int) -> tuple[int]:
-    return (triton.cdiv(max(bytes_, 1), MASK_BLOCK),)
+def _grid(count: int, per_program: int) -> tuple[int]:
+    """One program per ``per_program`` of ``count`` items (at least one program)."""
+    return (triton.cdiv(max(count, 1), per_program),)
 
 
 # Reductions combine with these rather than tl.sum / tl.max, which are jit functions of
@@ -99,8 +102,8 @@ def _where_bits_kernel(word_ptr, bits_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """``hierremat::pack_mask`` of a contiguous bool mask."""
     numel = mask.numel()
-    bits = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=mask.device)
-    _pack_kernel[_grid(bits.numel())](mask.view(torch.uint8), bits, numel, 0.0, COMPARE=False, BLOCK=MASK_BLOCK)
+    bits = torch.empty(packed_size(numel), dtype=torch.uint8, device=mask.device)
+    _pack_kernel[_grid(bits.numel(), MASK_BLOCK)](mask.view(torch.uint8), bits, numel, 0.0, COMPARE=False, BLOCK=MASK_BLOCK)
     return bits
 
 
@@ -108,16 +111,16 @@ def above_bits(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """``hierremat::above_bits``: the threshold rounded to x's dtype first, as threshold_backward
     compares (exact in fp32, so the fp32 comparison in the kernel decides the same)."""
     numel = x.numel()
-    bits = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=x.device)
+    bits = torch.empty(packed_size(numel), dtype=torch.uint8, device=x.device)
     rounded = float(torch.tensor(threshold, dtype=x.dtype))
-    _pack_kernel[_grid(bits.numel())](x, bits, numel, rounded, COMPARE=True, BLOCK=MASK_BLOCK)
+    _pack_kernel[_grid(bits.numel(), MASK_BLOCK)](x, bits, numel, rounded, COMPARE=True, BLOCK=MASK_BLOCK)
     return bits
 
 
 def masked_scale_out(x: torch.Tensor, bits: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """``hierremat::masked_scale.out`` (``out`` may be ``x``: each element is read before it is written)."""
     numel = x.numel()
-    _masked_scale_kernel[(triton.cdiv(max(numel, 1), MASK_BLOCK * 8),)](x, bits, out, numel, scale, BLOCK=MASK_BLOCK * 8)
+    _masked_scale_kernel[_grid(numel, MASK_BLOCK * 8)](x, bits, out, numel, scale, BLOCK=MASK_BLOCK * 8)
     return out
 
 
@@ -125,9 +128,7 @@ def where_bits_out(x: torch.Tensor, bits: torch.Tensor, out: torch.Tensor) -> to
     """``hierremat::where_bits.out`` on the bit patterns of x (``out`` may be ``x``)."""
     word = _WORDS[x.element_size()]
     numel = x.numel()
-    _where_bits_kernel[(triton.cdiv(max(numel, 1), MASK_BLOCK * 8),)](
-        x.view(word), bits, out.view(word), numel, BLOCK=MASK_BLOCK * 8
-    )
+    _where_bits_kernel[_grid(numel, MASK_BLOCK * 8)](x.view(word), bits, out.view(word), numel, BLOCK=MASK_BLOCK * 8)
     return out
 
 
@@ -186,8 +187,8 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, ignore_index:
 def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
                        out: torch.Tensor) -> torch.Tensor:
     """``(softmax(logits) - one_hot(target)) * scale[:, None]`` into ``out`` (which may be the
-    fp32 logits themselves); rows whose scale is 0 (ignored targets) come out 0. The target
-    of an ignored row must be a valid column index or any value outside [0, vocabulary)."""
+    fp32 logits themselves); rows whose scale is 0 (ignored targets, whatever their target
+    value) come out 0."""
     rows, vocabulary = logits.shape
     if rows:
         grid = (rows, triton.cdiv(vocabulary, VOCAB_BLOCK))
