@@ -19,8 +19,10 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python examples/gpt2/finetune.py --steps 20 --out runs/gpt2
 
-# Two workers (pytest-xdist): the suite is mostly single-threaded planning, 23 -> 15 min on 2 cores.
+# The import-linter contracts first (pyproject.toml: layers, the torch-free side, no cycles), then the
+# suite on two workers (pytest-xdist): it is mostly single-threaded planning, 23 -> 15 min on 2 cores.
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
 
 # `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~25 min on 2 CPU cores, the small models ~15).

@@ -7,7 +7,7 @@ Methods, all on the same model, batch and seed:
   - hierremat compiled: ``torch.compile(hr.remat(model, budget=B))``: Dynamo compiles the code
     around hierremat's two graph breaks (planning, the chain runner), the chain runs eagerly;
   - hierremat compile=True: ``hr.remat(model, budget=B, compile=True)``: block options also
-    offered compiled by Inductor, chosen with their measured compiled costs (hierremat.stage_compile).
+    offered compiled by Inductor, chosen with their measured compiled costs (hierremat.planning.compiled).
 B is 0.6x plain's live-tensor peak. Reported per method: the median step time over
 interleaved rounds and its ratio to plain; the first call's seconds (compile and/or plan);
 the CPU allocator's peak (torch.profiler memory events: it sees compiled code's buffers,
@@ -28,7 +28,7 @@ import torch
 
 import common as C
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 
 RESULTS = C.RESULTS_DIR / "bench_compile.md"
 

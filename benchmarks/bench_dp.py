@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hierremat.costs import ChainCosts, OptionCosts, StageCosts
+from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.dp import min_peak_schedule, solve_chain
 from hierremat.dp.discretize import ceil_div, discretize
 from hierremat.dp.kernel import fill_tables

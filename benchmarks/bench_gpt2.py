@@ -14,7 +14,7 @@ Methods:
       of (b) and of every (c), plus the smallest feasible budget (``InfeasibleBudgetError.min_budget_bytes``).
 
 Measured per method: the peak bytes of the tensors created during one step
-(``hierremat.runtime.LiveTensorTracker``; parameters, inputs and preallocated ``.grad`` excluded; in
+(``hierremat.device.LiveTensorTracker``; parameters, inputs and preallocated ``.grad`` excluded; in
 a separate step), the median wall time of a step over 3 interleaved rounds (round-robin), the
 deterministic number of stage forwards per step (plain 14, HF 14 + 12 = 26, hierremat
 ``sum(plan.chain.schedule.forward_counts())``), and the max abs difference of the tied
@@ -45,7 +45,7 @@ import torch
 
 import hierremat
 from hierremat import InfeasibleBudgetError
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MIB, RESULTS_DIR as RESULTS, zero_grads  # noqa: E402  (shared with run_all.py)

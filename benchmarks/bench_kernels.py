@@ -1,7 +1,7 @@
 """hierremat's operator-variant kernels against their pure-torch references, per operator.
 
 On CPU the kernels are the C++ extension (csrc/packed_bits.cpp); on CUDA they are Triton
-(hierremat/variants/triton_kernels.py), and the fused LM head's row passes run as Triton
+(hierremat/ops/triton_kernels.py), and the fused LM head's row passes run as Triton
 kernels too. Each operator runs both ways on the same inputs, interleaved over rounds
 (median wall time; CUDA: synchronized around each call), checked equal (bitwise for the
 masks; the fused head to fp32 rounding), with the bytes each mask operator must read
@@ -24,8 +24,8 @@ import time
 import torch
 
 import common as C
-from hierremat.variants import linear_cross_entropy as lce
-from hierremat.variants import packed_bits as pb
+from hierremat.ops import linear_cross_entropy as lce
+from hierremat.ops import packed_bits as pb
 
 MIB = 2**20
 

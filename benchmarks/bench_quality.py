@@ -4,14 +4,14 @@
     python benchmarks/bench_quality.py --layers 4 --budgets 8 --models gpt2
 
 What is compared. A chain of identical blocks, every block's joint forward+backward ATen graph captured
-(AOTAutograd) and costed by a deterministic FLOP/byte model (``hierremat.blocks.node_profile``, method
+(AOTAutograd) and costed by a deterministic FLOP/byte model (``hierremat.runtime.node_profile``, method
 "flops"), so every planner below sees exactly the same node costs and the comparison is of *plans*, not
 of timing noise:
 
 - **gpt2**: the decoder blocks of a Hugging Face GPT-2 (random init, dropout on);
 - **t5**: the decoder layers of a Hugging Face T5 after its first (random init, dropout on, a padded
   batch): each reads the encoder's output and the position bias with a gradient (residents made
-  before this chain, hierremat.costs.ResidentCosts with producer -1), and adds its terms to their
+  before this chain, hierremat.plans.costs.ResidentCosts with producer -1), and adds its terms to their
   gradient sums, which the chain DP counts from the last layer's backward on.
 
 The planners:
@@ -19,7 +19,7 @@ The planners:
 - **hierarchical** (hierremat): each distinct block solved by its ILP into a menu of options
   (``hierremat.ilp.options.solve_menu``), the menus composed by the Rotor chain DP;
 - **whole-graph ILP** (Checkmate on the full graph): ONE ILP over the concatenated graph of all
-  blocks (``hierremat.block_graph.concatenate``, which routes each block's resident gradient sum
+  blocks (``hierremat.plans.block_graph.concatenate``, which routes each block's resident gradient sum
   into the block before it), its menu plus targeted solves at each budget (peak budget = the
   budget, retained bytes free; each solve limited to ``--whole-time-limit`` seconds: a stopped
   solve keeps its incumbent), composed by the same DP (one stage);
@@ -48,21 +48,21 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from hierremat.block_graph import BlockGraph, concatenate  # noqa: E402
-from hierremat.blocks.capture import capture  # noqa: E402
-from hierremat.blocks.hf import call_kwargs  # noqa: E402
-from hierremat.blocks.joint import to_block_graph, trace_joint  # noqa: E402
-from hierremat.blocks.node_profile import profile_nodes  # noqa: E402
-from hierremat.blocks.segment import build_chain_graph  # noqa: E402
-from hierremat.costs import ChainCosts, ResidentCosts, StageCosts  # noqa: E402
+from hierremat.plans.block_graph import BlockGraph, concatenate  # noqa: E402
+from hierremat.graphs.capture import capture  # noqa: E402
+from hierremat.graphs.hf import call_kwargs  # noqa: E402
+from hierremat.graphs.joint import to_block_graph, trace_joint  # noqa: E402
+from hierremat.runtime.node_profile import profile_nodes  # noqa: E402
+from hierremat.graphs.segment import build_chain_graph  # noqa: E402
+from hierremat.plans.costs import ChainCosts, ResidentCosts, StageCosts  # noqa: E402
 from hierremat.dp.baselines import uniform_segments_schedule  # noqa: E402
 from hierremat.dp.solve import min_peak_schedule, solve_chain  # noqa: E402
 from hierremat.errors import InfeasibleBudgetError  # noqa: E402
 from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu  # noqa: E402
 from hierremat.ilp.solve import BlockIlp  # noqa: E402
-from hierremat.simulate import simulate  # noqa: E402
-from hierremat.stage_options import resident_positions, stage_arguments, stage_inputs  # noqa: E402
-from hierremat.whole_model import chain_inputs  # noqa: E402
+from hierremat.plans.simulate import simulate  # noqa: E402
+from hierremat.planning.menus import resident_positions, stage_arguments, stage_inputs  # noqa: E402
+from hierremat.api.whole_model import chain_inputs  # noqa: E402
 
 SLOTS = 2000
 

@@ -1,4 +1,4 @@
-"""ReLU's backward from a 1-bit mask (hierremat.variants.relu_masks): what the block ILP's choice buys.
+"""ReLU's backward from a 1-bit mask (hierremat.graphs.variants.relu_masks): what the block ILP's choice buys.
 
 Models (random weights, fp32, train mode, CPU), planned with ``hierremat.plan_sequential``:
   relu-mlp  nn.Sequential: 6 x (LayerNorm | Linear 256->1024, ReLU, Dropout 0.1, Linear 1024->256) + in/out
@@ -28,8 +28,8 @@ from torch import nn
 
 import common as C
 import hierremat as hr
-from hierremat import stage_options
-from hierremat.runtime import LiveTensorTracker
+from hierremat.planning import menus
+from hierremat.device import LiveTensorTracker
 from run_all import resnet_seq
 
 MIB = 2**20
@@ -52,15 +52,15 @@ def resnet():
 
 @contextlib.contextmanager
 def rewrite_switched(name: str, on: bool):
-    """Planning with or without the rewrite ``hierremat.stage_options.<name>`` (the other
+    """Planning with or without the rewrite ``hierremat.planning.menus.<name>`` (the other
     variants stay on)."""
-    real = getattr(stage_options, name)
+    real = getattr(menus, name)
     if not on:
-        setattr(stage_options, name, lambda joint: joint)
+        setattr(menus, name, lambda joint: joint)
     try:
         yield
     finally:
-        setattr(stage_options, name, real)
+        setattr(menus, name, real)
         hr.plan_cache.clear()  # plans are keyed by model, input and budget: not by this switch
 
 

@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_seq
 
 import hierremat
 from hierremat import InfeasibleBudgetError, parse_budget
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 
 from common import library_revision
 
@@ -214,7 +214,7 @@ def cached_plan(model: nn.Sequential, x: torch.Tensor, budget_bytes: int):
     """The plan hierremat.checkpoint_sequential made (and runs) for this budget, from its plan cache."""
     try:
         from hierremat.dp.solve import DEFAULT_SLOTS
-        from hierremat.sequential import PlanCache, as_stages
+        from hierremat.api.sequential import PlanCache, as_stages
 
         entry = hierremat.plan_cache.get(PlanCache.key(as_stages(model), x, budget_bytes, DEFAULT_SLOTS))
         if entry is not None:

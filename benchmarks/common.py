@@ -4,7 +4,7 @@ The scripts are run as ``python benchmarks/<name>.py``, so ``benchmarks/`` is on
 this module is imported as ``common``. Nothing here is part of the hierremat library.
 
 Memory meters:
-  * ``peak_bytes(step, device)``: hierremat's own meter (``hierremat.runtime.memory_meter``): on CPU
+  * ``peak_bytes(step, device)``: hierremat's own meter (``hierremat.device.memory_meter``): on CPU
     the live-tensor tracker (a TorchDispatchMode: bytes of the storages created during the step
     and alive at the same time; parameters, inputs and preallocated ``.grad`` not counted); on
     CUDA the ``torch.cuda.max_memory_allocated`` delta. This is what a hierremat budget counts.
@@ -35,7 +35,7 @@ import torch
 
 import hierremat
 from hierremat import InfeasibleBudgetError, parse_budget
-from hierremat.runtime import memory_meter
+from hierremat.device import memory_meter
 
 MIB = 2**20
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -89,8 +89,8 @@ def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
 
 def allocator_peak_bytes(step: Callable[[], None]) -> int:
     """CPU: peak of the running sum of allocator allocations minus frees during ``step``
-    (torch.profiler's memory events, hierremat.runtime.memory.CpuAllocatorMeter)."""
-    from hierremat.runtime.memory import CpuAllocatorMeter
+    (torch.profiler's memory events, hierremat.device.memory.CpuAllocatorMeter)."""
+    from hierremat.device.memory import CpuAllocatorMeter
 
     gc.collect()
     with CpuAllocatorMeter() as meter:

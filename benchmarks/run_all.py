@@ -39,7 +39,7 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         (``InfeasibleBudgetError.min_budget_bytes`` after asking for 1 KiB) and
                         ``--between`` budgets spaced geometrically up to the plain peak. One warm-up step
                         first (hierremat re-plans after the first backward if the caller releases the output).
-                        Defaults: per-block ILP options and operator variants (hierremat.variants);
+                        Defaults: per-block ILP options and operator variants (hierremat.graphs.variants);
   hierremat configurations  (HIERREMAT_CONFIGS) the same budgets without operator variants (variants=False),
                         Rotor on blocks (block_options="autograd", variants=False: autograd's options and the
                         model's own operators), the whole-graph ILP (segmentation="none"),
@@ -54,7 +54,7 @@ median step time over ``--rounds`` rounds (every method once per round, in a see
 and its ratio; planning or compile seconds; max |grad - plain grad| over all parameters (one step,
 same seed); hierremat's deterministic predicted step time (profiled op costs) and stage-forward count.
 
-Peak memory on CPU is hierremat's live-tensor tracker (``hierremat.runtime.LiveTensorTracker``, what a
+Peak memory on CPU is hierremat's live-tensor tracker (``hierremat.device.LiveTensorTracker``, what a
 budget counts). Under the tracker's dispatch mode TorchDynamo runs the *uncompiled* code, so torch.compile
 rows are measured with the CPU allocator's events from ``torch.profiler`` instead (column "alloc MiB" has
 that meter for every row; for eager code it agrees with the tracker) and their ratio is to plain's
@@ -541,7 +541,7 @@ class Bench:
             def plan_at(budget):
                 return hierremat.plan(wl.model, (wl.x,), wl.kwargs, budget=budget, **extra)
         else:
-            from hierremat.sequential import PlanCache, as_stages
+            from hierremat.api.sequential import PlanCache, as_stages
 
             def make(b):
                 def step():

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.runtime import measure_peak
+from hierremat.device import measure_peak
 
 
 def make_model(width: int, depth: int) -> nn.Sequential:

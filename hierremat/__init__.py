@@ -4,27 +4,27 @@
     y = hr.checkpoint_sequential(model, "512MiB", x)   # drop-in for torch's, budget instead of segments
     plan = hr.plan_sequential(model, "512MiB", x)      # plan only; print(plan.summary())
 
-The planning core (``hierremat.dp``, ``hierremat.simulate``, schedules, costs) does not
+The planning core (``hierremat.dp``, ``hierremat.plans.simulate``, schedules, costs) does not
 import torch; the torch-facing names below are loaded on first use.
 """
 
 from .budget import format_bytes, parse_budget
 from .errors import InfeasibleBudgetError, InvalidScheduleError, UnsupportedModelError
-from .model_plan import ModelPlan
-from .sequential_plan import SequentialPlan
-from .schedule import ChainSchedule
+from .plans.model_plan import ModelPlan
+from .plans.sequential_plan import SequentialPlan
+from .plans.schedule import ChainSchedule
 
 __version__ = "0.1.0"
 
 _TORCH_NAMES = {
-    "checkpoint_sequential": "sequential",
-    "plan_sequential": "sequential",
-    "plan_cache": "sequential",
-    "plan": "whole_model",
-    "explore": "whole_model",
-    "BudgetExplorer": "whole_model",
-    "remat": "whole_model",
-    "RematModule": "whole_model",
+    "checkpoint_sequential": "api.sequential",
+    "plan_sequential": "api.sequential",
+    "plan_cache": "api.sequential",
+    "plan": "api.whole_model",
+    "explore": "api.whole_model",
+    "BudgetExplorer": "api.whole_model",
+    "remat": "api.whole_model",
+    "RematModule": "api.whole_model",
 }
 
 

@@ -1,7 +1,7 @@
-"""``python -m hierremat``: see hierremat.cli."""
+"""``python -m hierremat``: see hierremat.api.cli."""
 
 import sys
 
-from .cli import main
+from .api.cli import main
 
 sys.exit(main())

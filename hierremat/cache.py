@@ -18,7 +18,7 @@ import sys
 import time
 
 from .budget import format_bytes
-from .ilp.cache import OptionsCache
+from .store.cache import OptionsCache
 
 _COLUMNS = ("digest", "signature", "device", "dtype", "cost model", "formulation", "size", "written", "status")
 

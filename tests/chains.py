@@ -6,8 +6,8 @@ import itertools
 
 import numpy as np
 
-from hierremat.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
-from hierremat.schedule import Backward, FAll, FCk, FNone, Loss
+from hierremat.plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
+from hierremat.plans.schedule import Backward, FAll, FCk, FNone, Loss
 
 
 def random_residents(rng: np.random.Generator, L: int, max_bytes: int) -> tuple[ResidentCosts, ...]:

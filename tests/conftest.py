@@ -26,13 +26,13 @@ def _interpreted_triton_module():
     pytest.importorskip("triton")
     import importlib.util
 
-    from hierremat import variants
+    from hierremat import ops
 
-    source = os.path.join(os.path.dirname(variants.__file__), "triton_kernels.py")
+    source = os.path.join(os.path.dirname(ops.__file__), "triton_kernels.py")
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        spec = importlib.util.spec_from_file_location("hierremat.variants.triton_kernels_interpreted", source)
+        spec = importlib.util.spec_from_file_location("hierremat.ops.triton_kernels_interpreted", source)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
@@ -45,7 +45,7 @@ def _interpreted_triton_module():
 
 @pytest.fixture
 def interpreted_triton_kernels(_interpreted_triton_module, monkeypatch):
-    """hierremat.variants.triton_kernels built by Triton's interpreter, so that its launchers run
+    """hierremat.ops.triton_kernels built by Triton's interpreter, so that its launchers run
     on CPU tensors (a copy of the module: the one the library imports is untouched).
     ``TRITON_INTERPRET=1`` is set while the kernels are decorated and during the test, when
     the interpreter reads it again."""

@@ -28,8 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hierremat as hr  # noqa: E402
-from hierremat.runtime import CudaPeakMeter  # noqa: E402
-from hierremat.runtime.memory import CpuAllocatorMeter  # noqa: E402
+from hierremat.device import CudaPeakMeter  # noqa: E402
+from hierremat.device.memory import CpuAllocatorMeter  # noqa: E402
 
 from models import seq2seq_call, tiny_llama, tiny_t5  # noqa: E402
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,18 +18,18 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.blocks.joint import to_block_graph, trace_joint
-from hierremat.blocks.node_profile import profile_nodes
-from hierremat.ilp.cache import default_cache
+from hierremat.graphs.joint import to_block_graph, trace_joint
+from hierremat.runtime.node_profile import profile_nodes
+from hierremat.store.cache import default_cache
 from hierremat.ilp.options import forward_only, simulate_option, solve_menu
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 from hierremat.runtime.block_exec import ForwardExecutor, GeneratedForward, OptionExecutor
 from hierremat.runtime.option_codegen import StageBinding
 from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
-from hierremat.blocks.capture import capture
-from hierremat.blocks.segment import build_chain_graph
-from hierremat.whole_model import chain_inputs
+from hierremat.graphs.capture import capture
+from hierremat.graphs.segment import build_chain_graph
+from hierremat.api.whole_model import chain_inputs
 
 from models import TinyResNet, tiny_gpt2
 from stages import stage_of
@@ -74,7 +74,7 @@ def _check_forward_only(stage, joint, graph, x, shared, buffers):
 
 
 def _check_menu(stage, x, shared, rewrite=None, **menu_settings):
-    """rewrite: a variant's rewrite of the joint graph (hierremat.variants), or None."""
+    """rewrite: a variant's rewrite of the joint graph (hierremat.graphs.variants), or None."""
     buffers = [b.clone() for b in stage.buffers()]
     joint = trace_joint(stage, x, shared, input_requires_grad=x.is_floating_point())
     if rewrite is not None:
@@ -156,8 +156,8 @@ def test_the_ilp_chooses_between_relu_outputs_and_their_packed_masks():
     """A feed-forward block with ReLU then dropout (T5's, classic MLPs): with the ReLU's mask
     packed, every option is still autograd's bitwise, and the menu keeps the 1-bit masks
     instead of the ReLU's output where that pays: a smaller least peak than without."""
-    from hierremat.variants.dropout import pack_dropout_masks
-    from hierremat.variants.relu_masks import pack_relu_masks
+    from hierremat.graphs.variants.dropout import pack_dropout_masks
+    from hierremat.graphs.variants.relu_masks import pack_relu_masks
 
     torch.manual_seed(2)
     stage = torch.nn.Sequential(
@@ -254,9 +254,9 @@ def test_generated_forwards_and_options_preferred_train_exactly_within_budget(wh
     """Where generated code runs faster than autograd (priced so here), plans run every stage with a
     menu through it (F_none / F_ck as the generated no-grad forward, F_all as the options): gradients
     equal plain autograd's, dropout and BatchNorm included, and the peak stays within the budget."""
-    from hierremat import stage_options
+    from hierremat.planning import menus
 
-    monkeypatch.setattr(stage_options, "_executor_speeds", lambda *a, **k: ExecutorSpeeds(1e-6, 1e-9))
+    monkeypatch.setattr(menus, "_executor_speeds", lambda *a, **k: ExecutorSpeeds(1e-6, 1e-9))
     torch.manual_seed(4)
     model, args, kwargs = _whole_model(which)
     reference = copy.deepcopy(model)
@@ -403,7 +403,7 @@ class _Gate(torch.nn.Module):
 def test_stages_that_differ_only_in_attributes_do_not_share_graphs():
     """A plain chain's stage signature covers what the forward branches on beyond its repr and
     parameters: two such stages sharing one traced graph would run each other's computation."""
-    from hierremat.stage_options import module_signature
+    from hierremat.planning.menus import module_signature
 
     torch.manual_seed(7)
     model = torch.nn.Sequential(_Gate(32, "tanh"), _Gate(32, "gelu"), _Gate(32, "tanh"), _Gate(32, "gelu"))

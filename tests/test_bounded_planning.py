@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.blocks import segment
-from hierremat.runtime import LiveTensorTracker
+from hierremat.graphs import segment
+from hierremat.device import LiveTensorTracker
 
 WIDTH, DEPTH = 8, 300  # ~2,000 ATen nodes per block (forward and backward)
 

@@ -1,7 +1,7 @@
 import pytest
 
 from hierremat import format_bytes, parse_budget
-from hierremat.schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
+from hierremat.plans.schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_schedule_json_rejects_other_documents():
 
 
 def test_allocated_bytes_rounds_to_the_cuda_allocator_block_and_is_exact_elsewhere():
-    from hierremat.runtime.memory import allocated_bytes
+    from hierremat.device.memory import allocated_bytes
 
     assert [allocated_bytes(n, "cuda") for n in (0, 1, 128, 512, 513, 4096)] == [0, 512, 512, 512, 1024, 4096]
     assert [allocated_bytes(n, "cpu") for n in (0, 1, 128, 513)] == [0, 1, 128, 513]

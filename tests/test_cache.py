@@ -1,4 +1,4 @@
-"""Tests of the block-option cache (hierremat.ilp.cache) and its CLI (hierremat.cache)."""
+"""Tests of the block-option cache (hierremat.store.cache) and its CLI (hierremat.cache)."""
 
 import json
 import logging
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hierremat.ilp.cache import FORMAT_VERSION, CacheKey, OptionsCache
+from hierremat.store.cache import FORMAT_VERSION, CacheKey, OptionsCache
 
 REPO = Path(__file__).resolve().parents[1]
 LOGGER = "hierremat.cache"
@@ -207,7 +207,7 @@ def test_export_import(tmp_path, caplog):
 _WRITER = textwrap.dedent(
     """
     import sys
-    from hierremat.ilp.cache import CacheKey, OptionsCache
+    from hierremat.store.cache import CacheKey, OptionsCache
     d, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     key = CacheKey("shared", "cuda", "dev", "float32", "cm1", "ilp1")
     for i in range(n):
@@ -270,7 +270,7 @@ def test_cli(tmp_path):
 def test_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import hierremat.ilp.cache, hierremat.cache\n"
+        "import hierremat.store.cache, hierremat.cache\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)

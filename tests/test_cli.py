@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.cli import main
-from hierremat.runtime import LiveTensorTracker
+from hierremat.api.cli import main
+from hierremat.device import LiveTensorTracker
 
 from models import TinyResNet
 

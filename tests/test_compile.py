@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker
-from hierremat.runtime.memory import CpuAllocatorMeter
-from hierremat.variants import packed_bits  # noqa: F401  (defines the hierremat:: ops)
-from hierremat.variants.cross_entropy import row_blocked_cross_entropy
+from hierremat.device import LiveTensorTracker
+from hierremat.device.memory import CpuAllocatorMeter
+from hierremat.ops import packed_bits  # noqa: F401  (defines the hierremat:: ops)
+from hierremat.ops.cross_entropy import row_blocked_cross_entropy
 
 from models import random_mlp_chain, tiny_gpt2
 
@@ -175,7 +175,7 @@ def test_remat_of_a_compiled_model_captures_the_original(caplog):
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
     reference = copy.deepcopy(model)
-    with caplog.at_level("INFO", logger="hierremat.blocks.capture"):
+    with caplog.at_level("INFO", logger="hierremat.graphs.capture"):
         module = hr.remat(torch.compile(model), (ids,), {"labels": ids, "use_cache": False}, budget="1GiB")
     assert "captures the original module" in caplog.text
     _, grads, _ = _step(module, ids)
@@ -199,7 +199,7 @@ def test_compiled_module_inside_a_chain_stage_is_left_to_dynamo():
 
 @pytest.mark.cuda
 def test_cuda_compiled_remat_model_trains_like_eager_hierremat_within_budget():
-    from hierremat.runtime import CudaPeakMeter
+    from hierremat.device import CudaPeakMeter
 
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Block options compiled by Inductor (``compile=True``; hierremat.stage_compile).
+"""Block options compiled by Inductor (``compile=True``; hierremat.planning.compiled).
 
 - A compiled option gives the eager option's output and gradients to within fused-arithmetic
   rounding, with the same dropout masks (Inductor's ``fallback_random``), and its measured
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.blocks.joint import to_block_graph, trace_joint
-from hierremat.blocks.node_profile import profile_nodes
+from hierremat.graphs.joint import to_block_graph, trace_joint
+from hierremat.runtime.node_profile import profile_nodes
 from hierremat.ilp.options import solve_menu
 from hierremat.runtime.block_exec import OptionExecutor
 from hierremat.ilp.options import forward_only
@@ -35,10 +35,11 @@ from hierremat.runtime.compiled_option import (
     CompiledCosts, CompiledForward, CompiledForwardExecutor, CompiledOptionExecutor, CompiledProgram,
 )
 from hierremat.runtime.option_codegen import StageBinding
-from hierremat.runtime.memory import CpuAllocatorMeter, CudaPeakMeter
-from hierremat.sequential import plan_cache, resolve_compile
-from hierremat import stage_compile
-from hierremat.stage_compile import options_used
+from hierremat.device.memory import CpuAllocatorMeter, CudaPeakMeter
+from hierremat.api.sequential import plan_cache
+from hierremat.planning.chain_plan import resolve_compile
+from hierremat.planning import compiled
+from hierremat.planning.compiled import options_used
 
 from models import tiny_gpt2
 from stages import stage_of
@@ -263,7 +264,7 @@ def test_an_option_inductor_cannot_compile_runs_eagerly_with_a_warning(tmp_path,
     def fail(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(stage_compile, "CompiledProgram", fail)
+    monkeypatch.setattr(compiled, "CompiledProgram", fail)
     torch.manual_seed(0)
     seq = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3)])
     reference = copy.deepcopy(seq)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.runtime import CudaPeakMeter
-from hierremat.runtime.memory import memory_meter
+from hierremat.device import CudaPeakMeter
+from hierremat.device.memory import memory_meter
 
 from models import conv_chain, random_mlp_chain
 

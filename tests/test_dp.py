@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from hierremat import InfeasibleBudgetError, InvalidScheduleError
-from hierremat.costs import ChainCosts, OptionCosts, StageCosts
+from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.dp import min_peak_schedule, solve_chain
 from hierremat.dp.discretize import discretize
 from hierremat.dp.kernel import fill_tables
 from hierremat.dp.reference import fill_tables_reference
-from hierremat.schedule import Backward, FAll, FCk, FNone, Loss
-from hierremat.simulate import simulate
+from hierremat.plans.schedule import Backward, FAll, FCk, FNone, Loss
+from hierremat.plans.simulate import simulate
 
 from chains import enumerate_schedules, random_chain
 
@@ -182,12 +182,12 @@ def test_simulator_rejects_invalid_schedules():
 def test_planning_core_does_not_import_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import hierremat, hierremat.dp, hierremat.simulate\n"
-        "from hierremat.costs import ChainCosts, StageCosts, OptionCosts\n"
+        "import hierremat, hierremat.dp, hierremat.plans.simulate\n"
+        "from hierremat.plans.costs import ChainCosts, StageCosts, OptionCosts\n"
         "op = OptionCosts(1.0, 1.0, 0, 8, 8)\n"
         "c = ChainCosts((4, 8, 8), (StageCosts(1.0, 8, (op,)), StageCosts(1.0, 8, (op,))))\n"
         "s = hierremat.dp.solve_chain(c, 10**6).schedule\n"
-        "print(hierremat.simulate.simulate(c, s).peak_bytes == s.predicted_peak_bytes)\n"
+        "print(hierremat.plans.simulate.simulate(c, s).peak_bytes == s.predicted_peak_bytes)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"

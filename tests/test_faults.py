@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.ilp import cache as cache_module
+from hierremat.store import cache as cache_module
 from hierremat.ilp import options as options_module
 from hierremat.ilp import solve as solve_module
 from hierremat.ilp import BlockIlp, simulate_option, solve_count, solve_menu
-from hierremat.ilp.cache import OptionsCache
-from hierremat.runtime import LiveTensorTracker
-from hierremat.stage_options import build_menus
-from hierremat.variants import packed_bits
+from hierremat.store.cache import OptionsCache
+from hierremat.device import LiveTensorTracker
+from hierremat.planning.menus import build_menus
+from hierremat.ops import packed_bits
 
 from test_ilp import small_graphs
 
@@ -103,7 +103,7 @@ def test_a_failing_solver_leaves_the_blocks_with_autograds_option(monkeypatch, c
 
     monkeypatch.setattr(solve_module, "_solve_highs", broken)
     monkeypatch.setattr(solve_module, "_gurobi_available", lambda: False)
-    monkeypatch.setattr("hierremat.stage_options._SOLVER_FAILURES", [])
+    monkeypatch.setattr("hierremat.planning.menus._SOLVER_FAILURES", [])
     caplog.set_level(logging.INFO, logger="hierremat")
     model, x = _mlp(), torch.randn(32, 24, requires_grad=True)
     with pytest.raises(hr.InfeasibleBudgetError) as err:

@@ -1,6 +1,6 @@
 """The LM head fused with its cross-entropy, as an option of the output stage; ``outputs=``.
 
-- The fused op (hierremat.variants.linear_cross_entropy) equals ``linear`` then
+- The fused op (hierremat.ops.linear_cross_entropy) equals ``linear`` then
   ``cross_entropy`` to fp32 rounding (rtol 1e-5: only the summation order of the weight
   gradient over row chunks and of the mean differs), for every reduction, with and
   without bias, ignored rows and several chunks; with bf16 hidden states upcast to fp32
@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.blocks.capture import capture
-from hierremat.blocks.segment import build_chain_graph
-from hierremat.output_stage import FUSED_HEAD, fused_head_stage
-from hierremat.runtime import LiveTensorTracker
-from hierremat.variants import linear_cross_entropy as lce
+from hierremat.graphs.capture import capture
+from hierremat.graphs.segment import build_chain_graph
+from hierremat.planning.output_stage import FUSED_HEAD, fused_head_stage
+from hierremat.device import LiveTensorTracker
+from hierremat.ops import linear_cross_entropy as lce
 
 from models import LossOnly, tiny_gpt2, tiny_llama
 
@@ -152,7 +152,7 @@ def test_fused_op_forward_chunk_is_counted_by_the_tracker_as_the_allocator_count
     """The chunk's logits live inside the op's forward, where the tracker's dispatch mode is
     off: the op hands them to it (track_hidden), so the tracker's peak is the allocator's
     (before: the outputs' bytes only; the logsumexp's temporary, a second chunk, is gone)."""
-    from hierremat.runtime.memory import CpuAllocatorMeter
+    from hierremat.device.memory import CpuAllocatorMeter
 
     monkeypatch.setattr(lce, "CHUNK_BYTES", 4096 * 4 * 64)  # chunks of 64 rows: 1 MiB
     monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)

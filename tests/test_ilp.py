@@ -11,13 +11,14 @@ import time
 import numpy as np
 import pytest
 
-from hierremat.block_graph import BlockGraph, GraphNode
-from hierremat.costs import ChainCosts, StageCosts
+from hierremat.plans.block_graph import BlockGraph, GraphNode
+from hierremat.plans.costs import ChainCosts, StageCosts
 from hierremat.ilp import BlockIlp, simulate_option, solve_count, solve_menu
 from hierremat.ilp.formulation import evaluate, structure, compact, Decisions
 from hierremat.ilp import formulation, options as options_module
+from hierremat.plans.block_options import BlockOption, BlockOptions
 from hierremat.ilp.options import (
-    BlockOption, BlockOptions, heuristic_options, keep_all_decisions, make_option, recompute_all_decisions,
+    heuristic_options, keep_all_decisions, make_option, recompute_all_decisions,
 )
 
 log = logging.getLogger("hierremat.ilp.test")
@@ -304,7 +305,7 @@ def brute_force_schedule(st, kept_budget, peak_budget):
 
 
 def with_in_place(graph: BlockGraph, rng) -> BlockGraph:
-    """``graph`` with some nodes made in-place results (hierremat.variants.in_place's
+    """``graph`` with some nodes made in-place results (hierremat.graphs.variants.in_place's
     conditions on the graph): a node overwrites one of its inputs where that is a value of
     its own phase owning its storage, of the node's size, neither the output nor dx, with no
     views, and read by no other node (backward: by none after it); in the forward, the node's

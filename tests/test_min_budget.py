@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 
 from models import LossOnly, TinyResNet, random_mlp_chain, tiny_bert, tiny_gpt2, tiny_llama, tiny_qwen2, tiny_vit
 

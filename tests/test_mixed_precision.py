@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker, memory_meter
+from hierremat.device import LiveTensorTracker, memory_meter
 
 from models import random_mlp_chain, same_bits, tiny_gpt2, tiny_llama
 
@@ -139,7 +139,7 @@ def test_remat_planned_without_autocast_plans_again_under_it(caplog):
     reference = copy.deepcopy(model)
     module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB")
     _, grads_ref, _ = _step(reference, ids, "fresh", torch.bfloat16)
-    with caplog.at_level("INFO", logger="hierremat.whole_model"):
+    with caplog.at_level("INFO", logger="hierremat.api.whole_model"):
         _, grads, _ = _step(module, ids, "fresh", torch.bfloat16)
     assert "under autocast 'bf16 on cpu' for the first time" in caplog.text
     assert [p.chain.autocast for p in module.plans] == ["off", "bf16 on cpu"]

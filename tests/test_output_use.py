@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat import sequential
-from hierremat.runtime import LiveTensorTracker
+from hierremat.api import sequential
+from hierremat.device import LiveTensorTracker
 
 from models import random_mlp_chain, tiny_gpt2
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat import sequential
-from hierremat.runtime import LiveTensorTracker
-from hierremat.runtime.memory import CpuAllocatorMeter
+from hierremat.api import sequential
+from hierremat.device import LiveTensorTracker
+from hierremat.device.memory import CpuAllocatorMeter
 
 from models import conv_chain, random_mlp_chain
 
@@ -297,18 +297,18 @@ def _relu_dropout_chain():
 
 def test_relu_masks_lower_the_floor_of_a_relu_dropout_chain_and_train_exactly(monkeypatch):
     """Feed-forward blocks with ReLU then dropout: with ReLU's backward from a packed mask
-    (a choice of the block ILP, hierremat.variants.relu_masks) the smallest feasible budget
+    (a choice of the block ILP, hierremat.graphs.variants.relu_masks) the smallest feasible budget
     drops, and the plans from it up still give plain autograd's gradients within budget.
     (In-place operators are off for the comparison: they let the ReLU backward write over its
     gradient, which saves memory in another step of the same block.)"""
-    from hierremat import stage_options
+    from hierremat.planning import menus
 
     model, x = _relu_dropout_chain()
     with monkeypatch.context() as patch:
-        patch.setattr(stage_options, "run_in_place", lambda joint: joint)
+        patch.setattr(menus, "run_in_place", lambda joint: joint)
         with pytest.raises(hr.InfeasibleBudgetError) as masked:
             hr.plan_sequential(model, "1KiB", x)
-        patch.setattr(stage_options, "pack_relu_masks", lambda joint: joint)
+        patch.setattr(menus, "pack_relu_masks", lambda joint: joint)
         with pytest.raises(hr.InfeasibleBudgetError) as without:
             hr.plan_sequential(model, "1KiB", x)
     assert masked.value.min_budget_bytes < 0.97 * without.value.min_budget_bytes
@@ -321,7 +321,7 @@ def test_smallest_budget_does_not_move_with_which_no_grad_forward_is_measured_fa
     feasible budget is planned with the leaner form (StageCosts.leaner_nograd), so it is the same
     whichever form is measured faster, and the plan there runs the leaner form, exactly and
     within the budget."""
-    from hierremat import stage_options
+    from hierremat.planning import menus
     from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
     model, x = _relu_dropout_chain()
@@ -329,7 +329,7 @@ def test_smallest_budget_does_not_move_with_which_no_grad_forward_is_measured_fa
     floors = []
     for forward_seconds in (1e-9, 10.0):  # the generated forward priced faster, then slower
         monkeypatch.setenv("HIERREMAT_CACHE_DIR", str(tmp_path / str(forward_seconds)))
-        monkeypatch.setattr(stage_options, "_executor_speeds", lambda *a, s=forward_seconds, **k: ExecutorSpeeds(1.0, s))
+        monkeypatch.setattr(menus, "_executor_speeds", lambda *a, s=forward_seconds, **k: ExecutorSpeeds(1.0, s))
         with pytest.raises(hr.InfeasibleBudgetError) as err:
             hr.plan_sequential(model, "1KiB", x)
         floors.append(err.value.min_budget_bytes)
@@ -350,7 +350,7 @@ def test_smallest_budget_does_not_move_with_which_no_grad_forward_is_measured_fa
 
 
 class _Residual(nn.Module):
-    """``x + mlp(x)``: the sum is written over the MLP's output (hierremat.variants.in_place), so
+    """``x + mlp(x)``: the sum is written over the MLP's output (hierremat.graphs.variants.in_place), so
     the block's output is an in-place result, its storage the MLP output's."""
 
     def __init__(self, width: int):
@@ -367,7 +367,7 @@ def test_the_last_block_of_a_chain_offers_its_block_options(monkeypatch):
     whole stage; with the options the smallest feasible budget drops, the plan there runs an
     option on the last block, and steps from it up give plain autograd's gradients within
     budget."""
-    from hierremat.stage_options import ChainMenus
+    from hierremat.planning.menus import ChainMenus
 
     torch.manual_seed(11)
     width = 128

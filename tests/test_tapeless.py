@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from hierremat.runtime import memory_meter
+from hierremat.device import memory_meter
 from hierremat.runtime.executor import detach_output
 from hierremat.runtime.tapeless import tapeless
 

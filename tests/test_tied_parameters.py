@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.blocks.capture import capture
-from hierremat.blocks.hf import call_kwargs
-from hierremat.blocks.segment import build_chain_graph
-from hierremat.runtime import LiveTensorTracker
+from hierremat.graphs.capture import capture
+from hierremat.graphs.hf import call_kwargs
+from hierremat.graphs.segment import build_chain_graph
+from hierremat.device import LiveTensorTracker
 from hierremat.runtime.tied import TiedParameters
 
 from models import same_bits, seq2seq_call, tiny_gpt2, tiny_t5

@@ -1,4 +1,4 @@
-"""Operator variants (hierremat.variants): bitwise equal to the operators they replace, and leaner."""
+"""Operator variants (hierremat.graphs.variants): bitwise equal to the operators they replace, and leaner."""
 
 import copy
 
@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import hierremat as hr
-from hierremat.blocks.capture import capture
-from hierremat.runtime import LiveTensorTracker
-from hierremat.variants import cross_entropy
-from hierremat.variants.cross_entropy import row_blocked_cross_entropy
+from hierremat.graphs.capture import capture
+from hierremat.device import LiveTensorTracker
+from hierremat.ops import cross_entropy
+from hierremat.ops.cross_entropy import row_blocked_cross_entropy
 
 from models import tiny_gpt2
 
@@ -106,7 +106,8 @@ def test_variants_lower_gpt2s_smallest_budget_and_the_plan_records_them():
 
 # ---------------------------------------------------------------- embeddings adding into .grad
 
-from hierremat.variants.embedding import embedding, use_grad_in_place_embeddings  # noqa: E402
+from hierremat.ops.embedding import embedding  # noqa: E402
+from hierremat.graphs.variants.embedding import use_grad_in_place_embeddings  # noqa: E402
 
 
 def _embedding_grads(table, ids, grad_out, run, padding_idx, scale, grad_state, hook=None):
@@ -224,9 +225,9 @@ def test_sparse_embeddings_are_left_alone():
 
 # ---------------------------------------------------------------- packed dropout masks
 
-from hierremat.blocks.joint import run_joint, saved_for_backward, trace_joint  # noqa: E402
-from hierremat.variants import packed_bits  # noqa: E402
-from hierremat.variants.dropout import pack_dropout_masks  # noqa: E402
+from hierremat.graphs.joint import run_joint, saved_for_backward, trace_joint  # noqa: E402
+from hierremat.ops import packed_bits  # noqa: E402
+from hierremat.graphs.variants.dropout import pack_dropout_masks  # noqa: E402
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -326,7 +327,7 @@ def test_packed_dropout_joint_graph_gives_the_same_results_and_saves_bits():
 
 # ---------------------------------------------------------------- ReLU backward from packed masks
 
-from hierremat.variants.relu_masks import pack_relu_masks  # noqa: E402
+from hierremat.graphs.variants.relu_masks import pack_relu_masks  # noqa: E402
 
 
 def _relu_cases(device):
@@ -422,7 +423,7 @@ def test_relu_mask_ops_pass_opcheck():
     bits = torch.ops.hierremat.above_bits(x, 0.0)
     torch.library.opcheck(torch.ops.hierremat.where_bits.default, (grad, bits))
     # the out= forms only run in hierremat's own graphs: AOTAutograd never traces them (compiled
-    # forms get the functional graph back, hierremat.variants.in_place.functional_joint)
+    # forms get the functional graph back, hierremat.graphs.variants.in_place.functional_joint)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     for op, args in ((torch.ops.hierremat.where_bits.out, (grad, bits)), (torch.ops.hierremat.masked_scale.out, (grad, bits, 2.0))):
         torch.library.opcheck(op, args, {"out": torch.empty_like(grad)}, test_utils=checks)

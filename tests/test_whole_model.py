@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 from hierremat.runtime import profile as profile_module
 
-from hierremat.schedule import FCk
+from hierremat.plans.schedule import FCk
 
 from models import TinyResNet, random_mlp_chain, tiny_gpt2
 
@@ -137,12 +137,12 @@ def test_gpt2_12_layers_segments_into_blocks_profiled_once(monkeypatch):
 
 
 def test_a_second_plan_measures_nothing_again_unless_the_cache_is_off(monkeypatch, tmp_path):
-    from hierremat import stage_options
+    from hierremat.planning import menus
 
     profiled, timed = [], []
-    real_profile, real_speeds = profile_module._profile_stage, stage_options._executor_speeds
+    real_profile, real_speeds = profile_module._profile_stage, menus._executor_speeds
     monkeypatch.setattr(profile_module, "_profile_stage", lambda *a, **k: profiled.append(a[0]) or real_profile(*a, **k))
-    monkeypatch.setattr(stage_options, "_executor_speeds", lambda *a, **k: timed.append(1) or real_speeds(*a, **k))
+    monkeypatch.setattr(menus, "_executor_speeds", lambda *a, **k: timed.append(1) or real_speeds(*a, **k))
     torch.manual_seed(5)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))

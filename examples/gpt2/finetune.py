@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker, memory_meter
+from hierremat.device import LiveTensorTracker, memory_meter
 
 HERE = Path(__file__).resolve().parent
 SIZES = {

@@ -6,9 +6,9 @@ measured the same way; their predicted time and peak come from the simulator.
 
 from __future__ import annotations
 
-from ..costs import ChainCosts
-from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
-from ..simulate import simulate
+from ..plans.costs import ChainCosts
+from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
+from ..plans.simulate import simulate
 
 
 def _priced(costs: ChainCosts, ops: list, **simulate_options) -> ChainSchedule:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..costs import ChainCosts
+from ..plans.costs import ChainCosts
 
 
 def ceil_div(n: int, unit: int) -> int:
@@ -32,7 +32,7 @@ class ChainArrays:
     option_ids[i, k]  index of that option in costs.stages[i].options
     HL        slots of x_L held by the caller through the backward
     GL        slots of the gradient of x_L
-    NV[i]     slots of the residents stage i makes (hierremat.costs.ResidentCosts): made by
+    NV[i]     slots of the residents stage i makes (hierremat.plans.costs.ResidentCosts): made by
               F_all(i) in the first sweep (t = L-1), held until B(i)
     DL[b, t]  slots the residents hold once the backward of stages b..L-1 has run, above
               what they held when subproblem (b, t) started: just before the first

@@ -21,7 +21,7 @@ KEPT - c + GL + max(A[L], OB + max(HL, PIN_OUT A[L])): at the Loss x_L and its g
 coexist; during B(s) x_L is there if held or pinned. Memory left to a subproblem is capped at M, exact for
 every state reachable from the top.
 
-Residents (values carried beside the activation, hierremat.costs.ResidentCosts) add three
+Residents (values carried beside the activation, hierremat.plans.costs.ResidentCosts) add three
 terms, in slots: NV[s], the values F_all(s) makes in the first sweep (t = L-1), held
 until B(s) (taken from the rest's memory and counted at B(s)); DL[b, t], what residents
 hold once B(b..L-1) have run, above the subproblem's start (added to the backward peak

@@ -17,9 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..costs import ChainCosts
+from ..plans.costs import ChainCosts
 from ..errors import InfeasibleBudgetError
-from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
+from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
 from .discretize import ChainArrays, ceil_div, discretize, resident_terms
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_graph import BlockGraph
-from .formulation import CompactGraph, Decisions, Evaluation, IlpModel, Structure, build_model, compact, evaluate, structure
+from ..plans.block_graph import BlockGraph
+from .formulation import (
+    CompactGraph, Decisions, Evaluation, IlpModel, Structure, build_model, compact, evaluate, structure,
+)
 from .quiet import solver_output_to_log
 
 log = logging.getLogger("hierremat.ilp")

@@ -1,15 +1,8 @@
-"""Everything that touches tensors at run time: execution, measurement, profiling."""
+"""The runtime: executing a chain's schedule (stages, block options as generated or compiled
+code, residents, tied parameters, FSDP2) and measuring what planning needs (stage and node
+profiles, cached stage costs)."""
 
 from .executor import ChainRunner
-from .memory import CudaPeakMeter, LiveTensorTracker, measure_peak, memory_meter
 from .profile import ChainProfile, profile_chain
 
-__all__ = [
-    "ChainProfile",
-    "ChainRunner",
-    "CudaPeakMeter",
-    "LiveTensorTracker",
-    "measure_peak",
-    "memory_meter",
-    "profile_chain",
-]
+__all__ = ["ChainProfile", "ChainRunner", "profile_chain"]

@@ -1,7 +1,7 @@
 """Execute one block option: a stage's joint ATen graph run as the ILP scheduled it.
 
-A :class:`hierremat.ilp.options.BlockOption` lists, for the forward and for the
-backward, which nodes of the stage's joint graph (hierremat.blocks.joint) to compute and
+A :class:`hierremat.plans.block_options.BlockOption` lists, for the forward and for the
+backward, which nodes of the stage's joint graph (hierremat.graphs.joint) to compute and
 when to free each value. :class:`OptionExecutor` runs the straight-line functions
 generated from those lists (hierremat.runtime.option_codegen) on real tensors, without
 autograd: the forward returns the stage output and the values the option keeps; the
@@ -14,7 +14,7 @@ Random nodes (dropout) run only in the forward, in graph order, so they draw wha
 autograd draws from the same RNG state (the chain runner restores that state when it
 replays a stage). Buffer updates (BatchNorm running statistics) are copied into the
 stage's buffers when computed in the forward, never when recomputed in the backward.
-The graph holds every cast autocast made while it was traced (hierremat.runtime.autocast),
+The graph holds every cast autocast made while it was traced (hierremat.device.autocast),
 so it runs with autocast off.
 """
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks.joint import JointGraph
-from ..ilp.options import BlockOption, ForwardOnly
-from .autocast import AutocastState
+from ..graphs.joint import JointGraph
+from ..plans.block_options import BlockOption, ForwardOnly
+from ..device.autocast import AutocastState
 from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
 
 

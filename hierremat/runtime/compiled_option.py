@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from ..blocks.joint import JointGraph
-from ..costs import OptionCosts
-from ..ilp.options import BlockOption, ForwardOnly
-from ..variants.in_place import functional_joint
-from .autocast import AutocastState
+from ..graphs.joint import JointGraph
+from ..plans.costs import OptionCosts
+from ..plans.block_options import BlockOption, ForwardOnly
+from ..graphs.variants.in_place import functional_joint
+from ..device.autocast import AutocastState
 from .block_exec import OptionTape
-from .memory import CpuAllocatorMeter, CudaPeakMeter
+from ..device.memory import CpuAllocatorMeter, CudaPeakMeter
 from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
 from .profile import median_seconds, storage_bytes
 
@@ -94,7 +94,7 @@ class CompiledProgram:
     """
 
     def __init__(self, joint: JointGraph, option: BlockOption, x: torch.Tensor, shared: tuple, cache_dir=None):
-        if joint.resident_seeds:  # (hierremat.stage_options.ChainMenus.compilable)
+        if joint.resident_seeds:  # (hierremat.planning.menus.ChainMenus.compilable)
             raise ValueError("options of stages that read residents are not compiled: their seeds may be missing")
         self.option = option
         joint = functional_joint(joint)  # Inductor places buffers itself

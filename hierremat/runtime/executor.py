@@ -4,10 +4,10 @@ The Function's forward runs the schedule's ops up to Loss and returns x_L; its b
 receives the output gradient and runs the rest: recomputations and per-stage backward
 steps. A backward step calls ``torch.autograd.backward`` on the stage's gradient edge
 (``torch.autograd.graph.get_gradient_edge``), and the input gradient is caught by a
-zero-byte tap (``_GradTap``) rather than by a leaf: the executor holds only the stage's
+zero-byte tap (hierremat.runtime.grad_taps) rather than by a leaf: the executor holds only the stage's
 autograd node, never its input or output tensors, so x_i and x_{i+1} are freed as soon
 as the schedule drops them unless the stage's own saved tensors need them (the
-``pins_input``/``pins_output`` of hierremat.costs). Parameter gradients are accumulated
+``pins_input``/``pins_output`` of hierremat.plans.costs). Parameter gradients are accumulated
 into ``.grad`` stage by stage, as plain autograd does; a parameter several stages read (a
 tied embedding and LM head) reaches its ``AccumulateGrad`` and its hooks once per step
 (hierremat.runtime.tied).
@@ -16,7 +16,7 @@ Replays are exact: a stage that runs more than once restores the RNG state it fi
 ran with, its mutated buffers (BatchNorm running stats) are put back to their state
 before the first run for the replay and to their updated state after it (so they are
 updated exactly once per step). Every stage call, recomputations in backward included,
-runs under the autocast setting of the step's forward (hierremat.runtime.autocast).
+runs under the autocast setting of the step's forward (hierremat.device.autocast).
 """
 
 from __future__ import annotations
@@ -31,21 +31,13 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..budget import format_bytes
 from ..errors import UnsupportedModelError
-from ..schedule import Backward, ChainSchedule, FAll, FCk, FNone
-from .autocast import AutocastState
-from .memory import owning
-from .residents import (
-    collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read,
-)
-from .rng import RngState, cuda_devices_of
+from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, FNone
+from ..device.autocast import AutocastState
+from .residents import collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read
+from ..device.rng import RngState, cuda_devices_of
 from .tapeless import tapeless
 from .tied import TiedParameters
-
-
-#: For the runner's backward steps, which autograd calls from wherever ``backward()`` was called:
-#: inside a ``torch.compile``'d function Dynamo would otherwise compile them (and, with them,
-#: the recomputations and their random draws) like any frame called there.
-eager_only = torch.compiler.disable(reason="hierremat's chain backward runs its schedule eagerly")
+from .grad_taps import eager_only, tap_input
 
 
 def stage_buffers(stage: Callable, names: Sequence[str]) -> list[torch.Tensor]:
@@ -140,43 +132,6 @@ def backward_through(edges: list, grads: tuple) -> None:
         torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
 
 
-class GradSink:
-    """Receives the gradient that flows into a tapped stage input (or resident): a copy of it
-    where it is a view into a larger storage, as it outlives the backward that made it
-    (hierremat.runtime.memory.owning)."""
-
-    grad: torch.Tensor | None = None
-
-
-class _GradTap(torch.autograd.Function):
-    """Identity on x whose backward hands the incoming gradient to a GradSink.
-
-    Its only autograd input is a zero-size leaf, so the graph keeps no reference to x.
-    """
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, x: torch.Tensor, sink: GradSink) -> torch.Tensor:
-        ctx.sink = sink
-        return x.view_as(x)
-
-    @staticmethod
-    @eager_only
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        ctx.sink.grad = owning(grad)
-        return None, None, None
-
-
-def tap_input(x: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tensor, GradSink | None]:
-    """x as the input of a grad-mode stage forward; with an anchor, its gradient goes to the sink."""
-    x = x.detach()
-    if anchor is None:
-        return x, None
-    sink = GradSink()
-    with torch.enable_grad():
-        return _GradTap.apply(anchor, x, sink), sink
-
-
 def run_plainly(stages: Sequence[Callable], x, shared: tuple = ()):
     """Call the stages one after the other, as plain PyTorch would."""
     for stage in stages:
@@ -197,7 +152,7 @@ class ChainRunner:
         forward without grad (F_none / F_ck) as generated code (block_exec.ForwardExecutor); None
         there, or no list: the stage itself is called. sharded: a
         hierremat.runtime.fsdp.ShardedChain through which stages are called (FSDP2). residents: the
-        values carried beside the activation (hierremat.blocks_info.ResidentLayout), or None; the
+        values carried beside the activation (hierremat.plans.stage_info.ResidentLayout), or None; the
         stages that make them run as option 0."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")

@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..costs import ChainCosts
+from ..plans.costs import ChainCosts
 from ..errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)

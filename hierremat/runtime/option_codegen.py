@@ -1,7 +1,7 @@
 """Generated code for block options: an option's op lists as straight-line Python functions.
 
-A :class:`hierremat.ilp.options.BlockOption` says, for a stage's joint ATen graph
-(hierremat.blocks.joint), which nodes the forward and the backward compute, in which
+A :class:`hierremat.plans.block_options.BlockOption` says, for a stage's joint ATen graph
+(hierremat.graphs.joint), which nodes the forward and the backward compute, in which
 order, and when each value is freed. :func:`generate_option` turns each phase into a new
 fx graph whose nodes are those computations in that order (a node the backward
 recomputes is a node of the backward graph), and lets fx generate its Python source:
@@ -25,7 +25,7 @@ What the generated code does besides the graph's ATen calls, as the ILP models i
 * the backward hands each parameter gradient to ``accumulate`` as soon as it is computed
   (so it is freed then, and gradient hooks fire as in plain training), and returns the
   input gradient, then the new gradient sum of each resident the stage reads (its seed, the
-  sum so far, is an input: hierremat.blocks.joint.seeded_add).
+  sum so far, is an input: hierremat.graphs.joint.seeded_add).
 
 Without ``accumulate`` the graphs are pure, for a compiler (hierremat.runtime.compiled_option):
 positional inputs, buffer updates returned after the kept values, parameter gradients
@@ -42,9 +42,9 @@ import torch
 from torch import fx
 from torch.fx.graph import _BoxedCodeGen
 
-from ..blocks.joint import JointGraph
-from ..ilp.formulation import COMPUTE
-from ..ilp.options import BlockOption
+from ..graphs.joint import JointGraph
+from ..plans.block_options import COMPUTE
+from ..plans.block_options import BlockOption
 
 #: Where a generated function's input comes from: ("param", placeholder), ("buffer",
 #: placeholder), ("x", ""), ("shared", index), ("dy", ""), ("y", ""), ("kept", slot index) or

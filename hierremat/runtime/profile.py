@@ -8,7 +8,7 @@ output's storage (weakref finalisers on them); the backward's time and peak. Tim
 a stage whose no-grad forward takes over SLOW_STAGE_SECONDS keeps the times of the runs
 that measure its memory (one each; its one-off costs are a small share of such a run): a
 128k-vocabulary LM head at seq 2048 takes 2 s a run on a 2-core CPU, and 18 runs to profile
-otherwise. Memory comes from the meter the budget is checked with (hierremat.runtime.memory).
+otherwise. Memory comes from the meter the budget is checked with (hierremat.device.memory).
 
 Profiling leaves no trace: RNG states, buffers (BatchNorm running stats) and parameter
 ``.grad`` are restored afterwards. Parameters without ``.grad`` get a zero one while
@@ -26,15 +26,15 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
+from ..plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
 from .executor import (
-    as_tuple, backward_through, check_stage_output, default_grad_mask, detach_output, gradient_edges, tap_input,
-    watch_storages,
+    as_tuple, backward_through, check_stage_output, default_grad_mask, detach_output, gradient_edges, watch_storages,
 )
-from .autocast import AutocastState
-from .memory import WeightCastCounter, allocated_bytes, memory_meter
+from .grad_taps import tap_input
+from ..device.autocast import AutocastState
+from ..device.memory import WeightCastCounter, allocated_bytes, memory_meter
 from .residents import keep_made, split_output, stage_shared, tap_read
-from .rng import cuda_devices_of
+from ..device.rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
 from .tapeless import tapeless
 
@@ -177,8 +177,8 @@ def profile_chain(
     whole output through the backward (``output_held_bytes``); planning may relax that.
     cost_cache: where the costs of stages with a signature are looked up before measuring,
     and stored after. residents: the values carried beside the activation
-    (hierremat.blocks_info.ResidentLayout), or None; their bytes and their gradients' are the
-    costs' ``residents`` (hierremat.costs.ResidentCosts).
+    (hierremat.plans.stage_info.ResidentLayout), or None; their bytes and their gradients' are the
+    costs' ``residents`` (hierremat.plans.costs.ResidentCosts).
     """
     cost_cache = cost_cache or StageCostCache(None)
     device = x0.device
@@ -266,7 +266,7 @@ def profile_stage(
 ) -> tuple[StageCosts, tuple[bool, ...]]:
     """The costs of one stage on its input ``x``, measured as profile_chain measures a stage
     (the stage called as the runtime calls it; RNG, buffers and ``.grad`` left as they were),
-    and the output gradient mask used. For a stage in another form (hierremat.output_stage)."""
+    and the output gradient mask used. For a stage in another form (hierremat.planning.output_stage)."""
     autocast = AutocastState.capture((x.device.type,))
     call = functools.partial(_call_stage, stage, shared, last, index, autocast)
     with no_side_effects([stage], x), scratch_grads(stage):

@@ -1,5 +1,5 @@
 """Residents at run time: values carried along the chain beside its activation
-(hierremat.blocks_info.ResidentLayout), as the runner and the profiler hold them.
+(hierremat.plans.stage_info.ResidentLayout), as the runner and the profiler hold them.
 
 A stage that produces residents returns ``(x_{i+1}, *residents)``; a stage is called with
 ``(*shared, *residents)``, every resident at its index (None before it is produced). Their
@@ -9,15 +9,11 @@ handed to the producer's backward with its output's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ..blocks_info import ResidentLayout
-
-if TYPE_CHECKING:
-    from .executor import GradSink
+from ..plans.stage_info import ResidentLayout
+from .grad_taps import GradSink, tap_input
 
 
 def stage_shared(shared: tuple, values: dict[int, torch.Tensor], layout: ResidentLayout | None) -> tuple:
@@ -47,14 +43,12 @@ def keep_made(values: dict[int, torch.Tensor], layout: ResidentLayout | None, st
 
 
 def tap_read(shared: tuple, layout: ResidentLayout | None, stage: int, anchor: torch.Tensor | None
-             ) -> tuple[tuple, list[tuple[int, "GradSink", object]]]:
+             ) -> tuple[tuple, list[tuple[int, GradSink, object]]]:
     """``shared`` (from :func:`stage_shared`) with the floating residents stage ``stage`` reads tapped
-    (hierremat.runtime.executor.tap_input): (the tuple, [(resident, its sink, the tapped value's
+    (hierremat.runtime.grad_taps.tap_input): (the tuple, [(resident, its sink, the tapped value's
     gradient edge)]). The stage's backward is then also fed, at that edge, the gradient the later
     readers summed (:func:`read_roots`), so the sink receives the running sum formed in the order
     plain autograd adds a value's gradient terms: bitwise the same."""
-    from .executor import tap_input  # the executor imports this module
-
     if layout is None or anchor is None:
         return shared, []
     shared, taps = list(shared), []

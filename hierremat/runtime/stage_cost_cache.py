@@ -1,7 +1,7 @@
 """Measured stage costs and executor speeds, cached beside the block-option menus.
 
 Planning a whole model times every distinct stage (``profile_chain``) and, with block
-options, how fast the op-by-op executor runs each block (``stage_options``). Both depend
+options, how fast the op-by-op executor runs each block (hierremat.planning.menus). Both depend
 only on the stage's structural signature, whether its input needs a gradient, which
 outputs get one, and the device (on CPU also torch's thread count), so they are stored
 in hierremat's option cache (same directory, same checksummed JSON entries, same
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs import StageCosts
-from ..ilp.cache import CacheKey, OptionsCache
+from ..plans.costs import StageCosts
+from ..store.cache import CacheKey, OptionsCache
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hierremat as hr
-from hierremat.runtime import LiveTensorTracker
+from hierremat.device import LiveTensorTracker
 
 pytestmark = pytest.mark.stress
 

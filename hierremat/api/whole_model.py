@@ -1,0 +1,632 @@
+"""``hierremat.remat`` and ``hierremat.plan``: whole models under a memory budget.
+
+The model is captured with torch.export, cut into a chain (hierremat.graphs.segment),
+profiled (stages with equal signatures once) and planned with the chain DP; the
+returned module runs the model's own graph with the chain executed by the schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from ..graphs.capture import capture, check_outputs, uncompiled
+from ..graphs.eager_masks import has_value_branch, padding_key
+from ..graphs.hf import call_kwargs
+from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
+from ..budget import format_bytes, parse_budget
+from ..dp.solve import DEFAULT_SLOTS
+from ..errors import InfeasibleBudgetError, UnsupportedModelError
+from ..plans.model_plan import ModelPlan
+from ..plans.sequential_plan import SequentialPlan
+from ..device.autocast import AutocastState
+from ..runtime.executor import as_tuple
+from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered
+from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
+from ..runtime.stage_cost_cache import StageCostCache
+from ..store.cache import OptionsCache, default_cache
+from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_options, plan_from_profile, resolve_compile
+from .sequential import check_devices, check_slots, check_time_limit
+from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
+from ..planning.menus import StageMenu, build_menus
+
+log = logging.getLogger(__name__)
+
+
+class ChainModule(nn.Module):
+    """Runs the stages of a captured model as the plan's schedule (the orchestrator's chain).
+
+    Under ``torch.compile`` its call is an explicit graph break (``torch.compiler.disable``):
+    the runner executes the schedule with Python state (RNG states, tapes, the output's
+    use) that Dynamo cannot trace, while the orchestrator's code around it (masks,
+    positions, the output's assembly) is compiled.
+    """
+
+    def __init__(self, stages: list[nn.Module], planned: PlannedChain):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.planned = planned
+
+    @torch.compiler.disable(reason="hierremat's chain runner: its schedule keeps Python state Dynamo cannot trace")
+    def forward(self, x: torch.Tensor, *shared) -> tuple:
+        for value in shared:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise UnsupportedModelError(
+                    "a value shared by all stages requires grad; hierremat's chain supports only shared inputs "
+                    "without gradient (masks, ids). Pass such tensors with requires_grad=False."
+                )
+        return as_tuple(self.planned.run(x, tuple(shared)))
+
+
+class _ChainInputs(Exception):
+    def __init__(self, x, shared):
+        super().__init__("chain inputs probed")
+        self.x, self.shared = x, shared
+
+
+class _Probe(nn.Module):
+    def forward(self, x, *shared):
+        raise _ChainInputs(x, shared)
+
+
+def chain_inputs(chain: ChainGraph, args: tuple, kwargs: dict):
+    """Run the orchestrator's precompute part only, returning the chain's input and shared values."""
+    setattr(chain.orchestrator, CHAIN_ATTRIBUTE, _Probe())
+    try:
+        with torch.no_grad():
+            chain.orchestrator(*args, **kwargs)
+    except _ChainInputs as probe:
+        return probe.x, probe.shared
+    raise AssertionError("the orchestrator did not reach the chain")
+
+
+class _Compiled:
+    """A captured model bound to its plan; ``plan`` follows the chain's re-plans (PlannedChain)."""
+
+    def __init__(self, chain: ChainGraph, plan: ModelPlan, chain_module: "ChainModule"):
+        self.chain = chain
+        self._plan = plan
+        self.chain_module = chain_module
+
+    @property
+    def plan(self) -> ModelPlan:
+        current = self.chain_module.planned.plan
+        if self._plan.chain is not current:
+            self._plan = replace(self._plan, chain=current)
+        return self._plan
+
+    @property
+    def sharded(self) -> bool:
+        return self.chain_module.planned.sharded is not None
+
+    def shard(self, model: nn.Module, budget_bytes: int) -> None:
+        """Re-plan for the FSDP2 modules ``fully_shard`` made of ``model`` (hierremat.runtime.fsdp):
+        option 0 per stage, what FSDP2 gathers counted, rank 0's plan on every rank."""
+        sharded = ShardedChain(model, self.chain.stages)
+        gathered = sharded.gathered_bytes()
+        planned = self.chain_module.planned
+        plan = self.plan
+        costs = with_gathered(plan.chain.costs, gathered)
+        reserve = reserve_bytes(gathered)
+        profile = ChainProfile(costs, plan.chain.mutated_buffers, plan.chain.output_grad_mask)
+        device = next(iter(model.parameters())).device
+        try:
+            outcome = plan_from_profile(
+                planned.stages, profile, budget_bytes - plan.shared_bytes - reserve, device,
+                slots=planned.slots,
+                strategy=planned.strategy, output_held=costs.output_held_bytes,
+            )
+        except InfeasibleBudgetError as err:
+            outcome = err
+        outcome = rank0s(outcome)
+        if isinstance(outcome, InfeasibleBudgetError):
+            raise outcome.plus(budget_bytes, plan.shared_bytes + reserve) from None
+        chain_plan = outcome
+        log.info(
+            "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B held beside the chain",
+            type(model).__name__, max(gathered.per_stage, default=0), reserve,
+        )
+        planned.shard(sharded, chain_plan, agree=rank0s)
+        self._plan = replace(
+            plan, chain=chain_plan, menus={}, gathered_stage_bytes=gathered.per_stage, sharded_reserve_bytes=reserve,
+        )
+
+
+def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | InfeasibleBudgetError:
+    """Rank 0's planning outcome (a plan, or the budget was infeasible) on every rank of the
+    default process group: every rank must run the same schedule (its collectives happen in
+    the schedule's order) or raise the same error. ``outcome`` itself without a group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return outcome
+    if isinstance(outcome, InfeasibleBudgetError):
+        mine = {"infeasible": [outcome.budget_bytes, outcome.min_budget_bytes, outcome.what,
+                               outcome.min_budget_bytes_output_held]}
+    else:
+        mine = {"plan": outcome.to_json()}
+    box = [json.dumps(mine) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    theirs = json.loads(box[0])
+    if "infeasible" in theirs:
+        return InfeasibleBudgetError(*theirs["infeasible"])
+    return SequentialPlan.from_json(theirs["plan"])
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """How a whole model is planned (see hierremat.plan for each field)."""
+
+    slots: int = DEFAULT_SLOTS
+    strategy: str = "optimal"
+    output_held: bool | None = None
+    block_options: str = "ilp"
+    cache: bool | str = True
+    segmentation: str = "blocks"
+    variants: bool = True
+    compile: bool | str = "auto"
+    outputs: tuple[str, ...] | None = None
+    time_limit: float | None = PLAN_TIME_LIMIT
+
+    def __post_init__(self) -> None:
+        check_block_options(self.block_options)
+        check_slots(self.slots)
+        check_time_limit(self.time_limit)
+        check_segmentation(self.segmentation)
+        resolve_compile(self.compile, torch.device("cpu"))  # checks the value
+        object.__setattr__(self, "outputs", check_outputs(self.outputs))
+
+    def options_cache(self) -> OptionsCache:
+        if isinstance(self.cache, str):
+            return default_cache(self.cache)
+        return default_cache(enabled=bool(self.cache))
+
+    def deadline(self, started: float) -> float | None:
+        """When planning that began at ``started`` (``time.perf_counter()``) must be done."""
+        return None if self.time_limit is None else started + self.time_limit
+
+    def inductor_cache(self) -> Path | None:
+        """Where compiled block options are cached (Inductor's caches): under the options cache."""
+        cache = self.options_cache()
+        return cache.directory / "inductor" if cache.enabled else None
+
+
+def _captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, autocast: AutocastState,
+                    started: float):
+    """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds)."""
+    captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs)
+    try:
+        chain = build_chain_graph(captured, model, settings.segmentation, context=autocast.key())
+    except (ValueError, StopIteration) as err:
+        raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
+    capture_seconds = time.perf_counter() - started
+    x0, shared = chain_inputs(chain, args, kwargs)
+    return chain, x0, tuple(shared), capture_seconds
+
+
+@dataclass
+class _ProfiledChain:
+    """A captured chain with its measured costs and block menus: what plans at any budget are solved from."""
+
+    chain: ChainGraph
+    x0: torch.Tensor
+    shared: tuple
+    settings: PlanSettings
+    profile: ChainProfile
+    profile_seconds: float
+    menus: object  # hierremat.planning.menus.ChainMenus, or None
+
+    @classmethod
+    def of(
+        cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
+    ) -> "_ProfiledChain":
+        """deadline: when building the block menus must be done (``time.perf_counter()``)."""
+        started = time.perf_counter()
+        signatures = [info.signature for info in chain.infos]
+        profile = profile_chain(
+            chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache()),
+            residents=chain.residents,
+        )
+        profile_seconds = time.perf_counter() - started
+        menus = None
+        if settings.block_options == "ilp" and settings.strategy == "optimal":
+            menus = build_menus(
+                chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants,
+                deadline=deadline, residents=chain.residents,
+                recompute_across_dropouts=settings.segmentation != "none",
+            )
+        return cls(chain, x0, shared, settings, profile, profile_seconds, menus)
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(storage_bytes(v) for v in self.shared if isinstance(v, torch.Tensor))
+
+    @property
+    def beside_chain_bytes(self) -> int:
+        """Held beside the chain's schedule: the shared values (residents are in the chain's costs)."""
+        return self.shared_bytes
+
+    def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None
+              ) -> SequentialPlan:
+        """The chain's plan within ``budget_bytes`` for the whole model (the shared values set aside), from
+        ``profile`` (default: the measured one, with the block menus' options). Raises InfeasibleBudgetError
+        with the model's smallest feasible budget."""
+        if profile is None:
+            profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
+        try:
+            return plan_from_profile(
+                self.chain.stages, profile, budget_bytes - self.beside_chain_bytes, self.x0.device,
+                slots=self.settings.slots, profile_seconds=self.profile_seconds,
+                strategy=strategy or self.settings.strategy, output_held=self.settings.output_held,
+            )
+        except InfeasibleBudgetError as err:
+            raise err.plus(budget_bytes, self.beside_chain_bytes) from None
+
+    def model_plan(self, chain_plan: SequentialPlan, capture_seconds: float, compiled: bool = False) -> ModelPlan:
+        menus = self.menus
+        return ModelPlan(
+            chain_plan, tuple(self.chain.infos), self.shared_bytes, capture_seconds,
+            menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
+            options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
+            segmentation=self.settings.segmentation, variants=self.settings.variants, compiled=compiled,
+            outputs=self.settings.outputs,
+            compile_seconds=menus.compile_seconds if menus else 0.0,
+        )
+
+
+def _compile(
+    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings
+) -> _Compiled:
+    started = time.perf_counter()
+    model = uncompiled(model)
+    if is_sharded(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is already sharded with fully_shard: hierremat plans the whole model first. Call "
+            "hierremat.remat(model, ...) before fully_shard (as activation checkpointing is applied before it), then "
+            "fully_shard each block and the model; the first call re-plans for the shards"
+        )
+    check_devices(_device_types(args, kwargs), "the example inputs")
+    autocast = AutocastState.capture(_device_types(args, kwargs))
+    chain, x0, shared, capture_seconds = _captured_chain(model, args, kwargs, settings, autocast, started)
+    signatures = [info.signature for info in chain.infos]
+    menus = None
+    if plan is None:
+        profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started))
+        menus = profiled.menus
+        compiled = menus is not None and resolve_compile(settings.compile, x0.device)
+        if compiled:
+            chain_plan = plan_compiled(
+                menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p), chain.stages, x0, shared,
+                settings.inductor_cache(), settings.deadline(started),
+            )
+        else:
+            chain_plan = profiled.solve(budget_bytes)
+        plan = profiled.model_plan(chain_plan, capture_seconds, compiled)
+        log.info(
+            "planned %s: %d stages, predicted peak %s, step %.1f ms", type(model).__name__, len(plan.stages),
+            format_bytes(plan.predicted_peak_bytes), plan.predicted_step_time * 1e3,
+        )
+        log.debug("%s", plan.summary())
+    else:
+        if plan.chain.autocast != autocast.describe():
+            raise ValueError(
+                f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "
+                "call hierremat.plan/remat under the autocast context you train with"
+            )
+        if plan.signatures != tuple(signatures):
+            raise ValueError(
+                "plan does not match this model and input: its stages have other signatures "
+                f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
+            )
+        if plan.menus:
+            stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
+            menus = build_menus(
+                chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents
+            )
+            if plan.compiled:  # its costs are those of compiled options and forwards: run them so
+                offer_compiled(menus)
+                compile_options(
+                    menus, options_used(plan.chain.schedule), chain.stages, x0, shared, settings.inductor_cache(),
+                    measure=False,
+                )
+                compiled_forwards = {i for i, st in enumerate(plan.chain.costs.stages) if st.nograd_form == "compiled"}
+                if compiled_forwards:
+                    compile_forwards(
+                        menus, chain.stages, x0, shared, settings.inductor_cache(), wanted=compiled_forwards,
+                        measure=False,
+                    )
+    planned = PlannedChain(
+        chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus,
+        residents=chain.residents,
+    )
+    chain_module = ChainModule(chain.stages, planned)
+    setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
+    return _Compiled(chain, plan, chain_module)
+
+
+def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return tuple(dict.fromkeys(v.device.type for v in leaves if isinstance(v, torch.Tensor)))
+
+
+def _input_key(model: nn.Module, args: tuple, kwargs: dict, padding: bool) -> tuple:
+    """What a plan for ``model(*args, **kwargs)`` is specific to: the inputs' structure, shapes, dtypes,
+    devices, the autocast setting, and with ``padding``, which padding masks are all ones
+    (hierremat.graphs.eager_masks)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    autocast = AutocastState.capture(_device_types(args, kwargs)).key()
+    return (str(spec), autocast, padding_key(model, args, kwargs) if padding else ()) + tuple(
+        (tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v) for v in leaves
+    )
+
+
+class RematModule(nn.Module):
+    """The model, called exactly like it, whose training step fits the budget.
+
+    Plans are cached per input shapes and autocast setting; a call with new shapes re-plans
+    (``on_new_shape="replan"``) or raises (``"error"``). A call under an autocast setting
+    not planned for yet plans for it (logged once per setting): call ``remat`` inside the
+    autocast context you train with to plan once. For a model whose attention bias eager mode
+    masks otherwise in batches without padding (hierremat.graphs.eager_masks), so does a first
+    batch whose padding masks (``*attention_mask``) are all ones where the planned one's were
+    not, or the reverse.
+    """
+
+    def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings):
+        super().__init__()
+        if on_new_shape not in ("replan", "error"):
+            raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
+        self.model = uncompiled(model)
+        self.budget_bytes = budget_bytes
+        self.on_new_shape = on_new_shape
+        self.settings = settings
+        self._compiled: dict[tuple, _Compiled] = {}
+        self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
+
+    @property
+    def plans(self) -> list[ModelPlan]:
+        return [c.plan for c in self._compiled.values()]
+
+    def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
+        kwargs = call_kwargs(self.model, kwargs)
+        compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.settings)
+        if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
+            self._per_padding = True
+            self._compiled.clear()  # (keyed without the padding state; planned again when called)
+        self._compiled[_input_key(self.model, args, kwargs, self._per_padding)] = compiled
+        return compiled
+
+    def forward(self, *args, **kwargs):
+        orchestrator, kwargs = self._orchestrator(args, kwargs)
+        return orchestrator(*args, **kwargs)
+
+    @torch.compiler.disable(reason="hierremat plans (captures, profiles, solves) eagerly")
+    def _orchestrator(self, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, dict]:
+        """The captured model planned for these inputs and autocast setting (planned now if new),
+        and the keyword arguments to call it with (hierremat.graphs.hf.call_kwargs).
+
+        Outside what ``torch.compile`` traces: planning runs eagerly, and the returned
+        orchestrator is traced (and guarded on) by Dynamo like any module it is handed."""
+        kwargs = call_kwargs(self.model, kwargs)
+        key = _input_key(self.model, args, kwargs, self._per_padding)
+        compiled = self._compiled.get(key)
+        if compiled is None or not compiled.sharded:  # has fully_shard been applied since the plan?
+            if is_fsdp_module(self):
+                raise UnsupportedModelError(
+                    "fully_shard was applied to the module hierremat.remat returned: apply it to the model passed to "
+                    "remat (each block, then the model itself)"
+                )
+            if compiled is not None and is_sharded(self.model):
+                compiled.shard(self.model, self.budget_bytes)
+        if compiled is None:
+            if any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled):  # all but autocast and padding
+                log.info(
+                    "%s called under autocast %r%s for the first time: planning for it",
+                    type(self.model).__name__, AutocastState.capture(_device_types(args, kwargs)).describe(),
+                    f" with padding masks all ones {dict(key[2])}" if self._per_padding else "",
+                )
+            elif self.on_new_shape == "error":
+                raise ValueError(
+                    "inputs differ (shape, dtype, device or non-tensor values) from the planned ones; "
+                    "call hierremat.remat(..., on_new_shape='replan') to plan per shape"
+                )
+            compiled = self._add(args, kwargs)
+        return compiled.chain.orchestrator, kwargs
+
+    def _apply(self, fn, recurse=True):
+        self._compiled.clear()  # captured graphs hold the old tensors: re-plan after .to()/.cuda()
+        return super()._apply(fn, recurse)
+
+
+def plan(
+    model: nn.Module,
+    example_args,
+    example_kwargs: dict | None = None,
+    *,
+    budget,
+    slots: int = DEFAULT_SLOTS,
+    strategy: str = "optimal",
+    output_held: bool | None = None,
+    block_options: str = "ilp",
+    cache: bool | str = True,
+    segmentation: str = "blocks",
+    variants: bool = True,
+    compile: bool | str = "auto",
+    outputs: str | tuple[str, ...] | None = None,
+    time_limit: float | None = PLAN_TIME_LIMIT,
+) -> ModelPlan:
+    """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
+
+    strategy: 'optimal' (default), or a baseline on the same chain and runtime: 'none'
+    (no checkpointing) or 'segments=K' (torch's uniform checkpoint_sequential segments).
+    block_options: 'ilp' (default): every distinct block also offers the optimal options
+    of its per-block ILP (hierremat.planning.menus); 'autograd': only what autograd keeps
+    (Rotor on blocks, a baseline).
+    cache: where solved block options are cached: True (``$HIERREMAT_CACHE_DIR`` or
+    ``~/.cache/hierremat``), a directory, or False (no cache).
+    segmentation: 'blocks' (default): one stage per repeated block (decoder layer, ResNet
+    block), each distinct block solved once; 'none': everything before the output stage
+    solved as ONE block by one ILP (Checkmate on the full graph): the optimality reference
+    for small models, and a baseline. Its ILP grows with the model: small models only.
+    variants: whether operators may run as hierremat's memory-lean variants
+    (hierremat.graphs.variants): a cross-entropy whose backward works on blocks of rows, dropout
+    masks packed to bits (so a dropout's output can be recomputed from its input).
+    Each computes bitwise what the operator computes; False runs the model's own operators.
+    output_held: whether the caller keeps the model's outputs alive through the backward
+    (``out = model(...); out.loss.backward()``) or not (``model(...).loss.backward()``).
+    None (default): assume held unless only a plan assuming release fits; the module
+    checks on every backward and re-plans if the caller does otherwise. Of several
+    outputs, only scalar losses are expected to receive gradients (also checked).
+    compile: whether block options run compiled by Inductor (hierremat.planning.compiled): True,
+    False, or "auto" (default: True on CUDA, False on CPU). Compiled options are chosen with
+    costs measured on their compiled form; the options the plan uses are compiled while
+    planning (cached on disk by Inductor under ``cache``), and ``summary()`` shows the time
+    that took. Gradients then agree with eager ones to within the rounding of fused
+    arithmetic, as with ``torch.compile``; dropout stays bitwise.
+    outputs: None (default): the model's outputs, all of them, exactly as it returns them.
+    The names of the outputs the caller uses (e.g. ``"loss"`` for a Hugging Face language
+    model trained with ``model(...).loss.backward()``): the other named outputs are returned
+    as None and never computed for their own sake, so a language model's logits need not
+    exist whole: its head may then run fused with the loss, chunk by chunk (an option the
+    plan picks by budget; hierremat.planning.output_stage). A model that returns only its loss gets
+    that option without ``outputs=``.
+    time_limit: seconds planning may take (default 300; None: no bound). No block ILP solve
+    and no compile runs past it: a block left without time gets the coarser heuristic menu
+    (keep everything, recompute everything, keep what is costliest to recompute), as does a
+    block whose ILP would be too large; the summary says which. Every solve also has a
+    limit of its own; an option its limit stopped shows its MIP gap in the summary.
+    """
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    settings = PlanSettings(
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit
+    )
+    kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
+    return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
+
+
+class BudgetExplorer:
+    """What each memory budget costs a model, from one capture and one profile (see hierremat.explore).
+
+    smallest_feasible_bytes: the smallest feasible budget InfeasibleBudgetError reports (a plan
+    exists there; it sets aside the replay reserve of every stage, so the exact minimum may be
+    up to that reserve lower); keep_all_bytes: the predicted peak of keeping everything
+    (plain autograd's schedule). Plans at any budget
+    are solved from the same measured costs, so their predicted times compare exactly.
+    """
+
+    def __init__(self, profiled: _ProfiledChain, capture_seconds: float):
+        self._profiled = profiled
+        self._capture_seconds = capture_seconds
+        self.keep_all_bytes = profiled.solve(2**62, strategy="none").predicted_peak_bytes + profiled.beside_chain_bytes
+        self.smallest_feasible_bytes = self._smallest_feasible()
+
+    def _smallest_feasible(self) -> int:
+        budget = 1
+        for _ in range(4):  # follow the reported minimum until a plan exists there
+            try:
+                self._profiled.solve(budget)
+                return budget
+            except InfeasibleBudgetError as err:
+                if err.min_budget_bytes <= budget:
+                    raise
+                budget = err.min_budget_bytes
+        raise AssertionError(f"no plan at the smallest feasible budget reported ({budget} B)")
+
+    def plan(self, budget) -> ModelPlan:
+        """The plan within ``budget`` (bytes or "512MiB"); InfeasibleBudgetError below the smallest feasible one."""
+        budget_bytes = parse_budget(budget)
+        return self._profiled.model_plan(self._profiled.solve(budget_bytes), self._capture_seconds)
+
+    def menu(self, points: int = 6) -> tuple[ModelPlan, ...]:
+        """Plans at ``points`` budgets spaced evenly from the smallest feasible one to keeping everything."""
+        if points < 2:
+            raise ValueError(f"points must be at least 2, got {points}")
+        low, high = self.smallest_feasible_bytes, max(self.keep_all_bytes, self.smallest_feasible_bytes)
+        budgets = sorted({low + (high - low) * i // (points - 1) for i in range(points)})
+        return tuple(self._profiled.model_plan(self._profiled.solve(b), self._capture_seconds) for b in budgets)
+
+
+def explore(
+    model: nn.Module,
+    example_args,
+    example_kwargs: dict | None = None,
+    *,
+    slots: int = DEFAULT_SLOTS,
+    output_held: bool | None = None,
+    block_options: str = "ilp",
+    cache: bool | str = True,
+    segmentation: str = "blocks",
+    variants: bool = True,
+    outputs: str | tuple[str, ...] | None = None,
+    time_limit: float | None = PLAN_TIME_LIMIT,
+) -> BudgetExplorer:
+    """Capture, profile and build the block menus of ``model`` once, to see what budgets cost.
+
+    ``explore(model, args).menu()`` gives plans from the smallest feasible budget to keeping
+    everything (``python -m hierremat`` prints them); ``.plan(budget)`` one plan, which
+    ``remat(model, ..., plan=...)`` runs. Options as for hierremat.plan (block options run
+    eagerly here: compiled forms are priced only when compiled, see ``compile=``).
+    """
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    settings = PlanSettings(
+        slots, "optimal", output_held, block_options, cache, segmentation, variants, False, outputs, time_limit
+    )
+    model = uncompiled(model)
+    kwargs = call_kwargs(model, example_kwargs or {})
+    started = time.perf_counter()
+    check_devices(_device_types(args, kwargs), "the example inputs")
+    autocast = AutocastState.capture(_device_types(args, kwargs))
+    chain, x0, shared, capture_seconds = _captured_chain(model, args, kwargs, settings, autocast, started)
+    return BudgetExplorer(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started)), capture_seconds)
+
+
+def remat(
+    model: nn.Module,
+    example_args,
+    example_kwargs: dict | None = None,
+    *,
+    budget=None,
+    plan: ModelPlan | None = None,
+    slots: int = DEFAULT_SLOTS,
+    on_new_shape: str = "replan",
+    strategy: str = "optimal",
+    output_held: bool | None = None,
+    block_options: str = "ilp",
+    cache: bool | str = True,
+    segmentation: str | None = None,
+    variants: bool | None = None,
+    compile: bool | str | None = None,
+    outputs: str | tuple[str, ...] | None = None,
+    time_limit: float | None = PLAN_TIME_LIMIT,
+) -> RematModule:
+    """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
+
+    strategy, output_held, block_options, cache, segmentation, variants, compile, outputs,
+    time_limit (each plan's, re-plans for new shapes included): as for hierremat.plan (segmentation, variants, compile and outputs default to ``plan``'s,
+    else 'blocks', True, "auto" and None).
+    """
+    if budget is None and plan is None:
+        raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
+    if segmentation is None:
+        segmentation = plan.segmentation if plan is not None else "blocks"
+    if variants is None:
+        variants = plan.variants if plan is not None else True
+    if compile is None:
+        compile = plan.compiled if plan is not None else "auto"
+    if outputs is None and plan is not None:
+        outputs = plan.outputs
+    settings = PlanSettings(
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit
+    )
+    module = RematModule(model, budget_bytes, on_new_shape, settings)
+    module._add(args, example_kwargs or {}, plan)
+    return module

@@ -1,1 +1,0 @@
-"""Whole models as chains: capture (torch.export), segmentation into stages, stage graphs."""

@@ -1,0 +1,303 @@
+"""Plans of a chain: the fastest schedule that fits a budget, from the chain's measured costs,
+and a chain bound to its plan that re-plans when the caller uses its output otherwise than
+assumed (:class:`PlannedChain`). Used by ``checkpoint_sequential`` and ``remat``
+(hierremat.api)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from ..device.autocast import AutocastState
+from ..device.rng import CPU_RNG_STATE_BYTES
+from ..dp import min_peak_schedule, solve_chain
+from ..dp.baselines import keep_all_schedule, uniform_segments_schedule
+from ..errors import InfeasibleBudgetError
+from ..plans.costs import ChainCosts
+from ..plans.schedule import ChainSchedule
+from ..plans.sequential_plan import SequentialPlan
+from ..runtime.executor import ChainRunner, OutputUse, stage_buffers
+from ..runtime.profile import ChainProfile, profile_chain
+
+log = logging.getLogger(__name__)
+
+
+def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: torch.device) -> tuple[list[int], int]:
+    """Bytes the runtime holds for each stage if it is recomputed (RNG state, buffer snapshots),
+    and once if any stage is: the caller's RNG state, kept through the backward and restored
+    after the replays (runtime.executor). RNG states are CPU tensors: they count on CPU only."""
+    rng = CPU_RNG_STATE_BYTES if device.type == "cpu" else 0
+    per_stage = [
+        rng + 2 * sum(b.untyped_storage().nbytes() for b in stage_buffers(stage, names))
+        for stage, names in zip(stages, profile.mutated_buffers)
+    ]
+    return per_stage, rng
+
+
+#: Default bound on planning, seconds (capture, profiling, block ILPs, compiling).
+PLAN_TIME_LIMIT = 300.0
+
+STRATEGIES = "'optimal' (the DP), 'none' (no checkpointing) or 'segments=K' (torch's uniform segments)"
+
+#: 'ilp': each distinct block also offers the optimal options of its ILP menu beside autograd's;
+#: 'autograd': only what autograd keeps (and the chain DP's keep-input choice): Rotor on blocks.
+BLOCK_OPTIONS = ("ilp", "autograd")
+
+
+def check_block_options(block_options: str) -> None:
+    if block_options not in BLOCK_OPTIONS:
+        raise ValueError(f"block_options={block_options!r} is not one of {BLOCK_OPTIONS}")
+
+
+def resolve_compile(compile, device: torch.device) -> bool:
+    """The ``compile=`` argument: True, False, or "auto" (True on CUDA, False elsewhere)."""
+    if compile == "auto":
+        return device.type == "cuda"
+    if isinstance(compile, bool):
+        return compile
+    raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+
+
+def fixed_schedule(costs, strategy: str):
+    """The schedule of a baseline strategy ('none' or 'segments=K')."""
+    if strategy == "none":
+        return keep_all_schedule(costs)
+    if strategy.startswith("segments="):
+        try:
+            segments = int(strategy.split("=", 1)[1])
+        except ValueError:
+            raise ValueError(f"strategy={strategy!r}: K in 'segments=K' must be an integer") from None
+        return uniform_segments_schedule(costs, segments)
+    raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+
+
+def _fastest_fitting(
+    costs: ChainCosts, budget_bytes: int, reserve_bytes: int, reserved: Callable, slots: int,
+) -> tuple[ChainCosts, ChainSchedule]:
+    """The fastest schedule whose peak plus its replay reserve fits, and the costs it was planned
+    with: ``costs``, or ``costs`` with the stages' leaner no-grad forwards (ChainCosts.
+    with_leaner_forwards) where that plan is faster or the only one that fits. The smallest
+    budget reported is the leaner costs' least peak plus ``reserve_bytes`` (what the runtime
+    holds for replays if every stage is recomputed), which measured times do not move."""
+    keep_all = keep_all_schedule(costs)
+    fastest = all(st.options[0].fwd_time + st.options[0].bwd_time <= min(o.fwd_time + o.bwd_time for o in st.options)
+                  for st in costs.stages)
+    if fastest and keep_all.predicted_peak_bytes <= budget_bytes:
+        return costs, keep_all  # no recomputation at all; it runs as plain autograd
+    lean = costs.with_leaner_forwards()
+    found = []
+    for planned in dict.fromkeys((costs, lean)):
+        for dp_budget in dict.fromkeys((budget_bytes, budget_bytes - reserve_bytes)):
+            if dp_budget <= 0:
+                continue
+            try:
+                candidate = solve_chain(planned, dp_budget, slots=slots).schedule
+            except InfeasibleBudgetError:
+                continue
+            if candidate.predicted_peak_bytes + reserved(candidate) <= budget_bytes:
+                found.append((candidate.predicted_time, planned, candidate))
+                break
+    if found:
+        _, planned, schedule = min(found, key=lambda f: f[0])
+        return planned, schedule
+    schedule = min_peak_schedule(lean)
+    if schedule.predicted_peak_bytes + reserved(schedule) > budget_bytes:
+        # The budget reported works whatever schedule of least peak a later plan picks: which
+        # one (hence which stages hold a replay reserve) depends on measured times, and a plan
+        # at peak + every stage's reserve finds one through the DP at ``budget - reserve_bytes``.
+        raise InfeasibleBudgetError(budget_bytes, schedule.predicted_peak_bytes + reserve_bytes)
+    return lean, schedule
+
+
+def plan_from_profile(
+    stages: Sequence[Callable],
+    profile: ChainProfile,
+    budget_bytes: int,
+    device: torch.device,
+    *,
+    slots: int,
+    profile_seconds: float = 0.0,
+    strategy: str = "optimal",
+    output_held: bool | int | None = None,
+) -> SequentialPlan:
+    """Solve the chain so that the schedule's peak plus the runtime's replay reserve fits.
+
+    The reserve (RNG states and buffer snapshots) is only held for recomputed stages,
+    which the plan decides: try the whole budget first and keep that plan if its own
+    reserve still fits; else plan with the reserve of every stage set aside; else the
+    schedule of least peak. Baseline strategies (see STRATEGIES) use a fixed schedule.
+
+    output_held: whether the caller keeps the chain output alive through the backward
+    (True), releases it once the loss is computed (False), or holds that many bytes of it
+    (an int, as observed by the runtime). None (default) plans as if it is held, unless
+    only a plan that assumes it released fits the budget; the runtime checks the
+    assumption on every backward (PlannedChain).
+    """
+    reserve, caller_rng = _replay_reserve(stages, profile, device)
+
+    def reserved(schedule) -> int:
+        counts = schedule.forward_counts()
+        replays = any(c > 1 for c in counts)
+        return sum(r for r, c in zip(reserve, counts) if c > 1) + (caller_rng if replays else 0)
+
+    def solve(costs):
+        if strategy == "optimal":
+            return _fastest_fitting(costs, budget_bytes, sum(reserve) + caller_rng, reserved, slots)
+        schedule = fixed_schedule(costs, strategy)
+        needed = schedule.predicted_peak_bytes + reserved(schedule)
+        if needed > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, needed, what=f"budget for strategy={strategy!r}")
+        return costs, schedule
+
+    started = time.perf_counter()
+    costs = replace(profile.costs, output_held_bytes=held_bytes(output_held, profile.costs))
+    try:
+        costs, schedule = solve(costs)
+    except InfeasibleBudgetError as held:
+        if output_held is not None:
+            raise
+        costs = replace(costs, output_held_bytes=least_held_bytes(profile))
+        try:
+            costs, schedule = solve(costs)
+        except InfeasibleBudgetError as released:
+            raise InfeasibleBudgetError(
+                budget_bytes, released.min_budget_bytes, released.what, min_budget_bytes_output_held=held.min_budget_bytes,
+            ) from None
+        log.info(
+            "budget %d B fits only if the caller releases the chain output before backward (e.g. `loss = "
+            "model(x).loss`); planned so. Each backward checks it and warns if the output was held.", budget_bytes,
+        )
+    schedule = replace(schedule, budget_bytes=budget_bytes)
+    return SequentialPlan(
+        costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started,
+        profile.output_grad_mask, AutocastState.capture((device.type,)).describe(),
+    )
+
+
+def held_bytes(output_held: bool | int | None, costs) -> int | None:
+    """ChainCosts.output_held_bytes for an ``output_held`` argument (None and True: all of it)."""
+    if output_held is None or output_held is True:
+        return None
+    if output_held is False:
+        return 0
+    return min(int(output_held), costs.activation_bytes[-1])
+
+
+def least_held_bytes(profile: ChainProfile) -> int:
+    """What a caller that releases the output still holds: the scalar losses it calls backward on
+    (``loss = model(x).loss; loss.backward()`` keeps the loss), and of several outputs those that
+    get a gradient; nothing else."""
+    mask = profile.output_grad_mask
+    partial = profile.costs.output_grad if len(mask) > 1 and not all(mask) else 0
+    return min(max(partial, profile.loss_bytes), profile.costs.activation_bytes[-1])
+
+
+class PlannedChain:
+    """A chain of stages bound to its plan, which it adapts to how the caller uses the output.
+
+    Every backward of the chain records how the caller used its output (held or released,
+    which outputs got a gradient: hierremat.runtime.executor.OutputUse). When that differs
+    from what the plan assumed, the next call re-plans: with the output held when the caller
+    held it (warning: that step may have exceeded the budget by the output's bytes), released
+    when it was released (a faster plan), and with the stages re-profiled when other outputs
+    received gradients than expected.
+    """
+
+    def __init__(
+        self, stages: Sequence[Callable], plan: SequentialPlan, *, slots: int, strategy: str = "optimal",
+        signatures: Sequence[str] | None = None, menus=None, residents=None,
+    ):
+        """menus: the stages' block-option menus (hierremat.planning.menus.ChainMenus), if any;
+        residents: the values carried beside the activation (hierremat.plans.stage_info.ResidentLayout)."""
+        self.stages = list(stages)
+        self.slots = slots
+        self.strategy = strategy
+        self.signatures = signatures
+        self.menus = menus
+        self.residents = residents
+        self.sharded = None
+        self.agree = None
+        self._bind(plan)
+
+    def _bind(self, plan: SequentialPlan) -> None:
+        self.plan = plan
+        executors = forwards = None
+        if self.menus is not None:
+            executors = self.menus.executors
+            forwards = [self.menus.forward_executor(i, st.nograd_form) for i, st in enumerate(plan.costs.stages)]
+        elif any(st.nograd_form != "autograd" for st in plan.costs.stages):
+            raise ValueError("the plan runs generated forwards, but the chain has no block menus: plan it again")
+        self.runner = ChainRunner(
+            self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards, self.residents
+        )
+
+    def shard(self, sharded, plan: SequentialPlan, agree: Callable) -> None:
+        """Run the stages through their FSDP2 modules (hierremat.runtime.fsdp.ShardedChain) under
+        ``plan``, which uses option 0 of every stage (block options are not used under FSDP2).
+
+        agree: maps this rank's re-planning outcome (a plan, or an InfeasibleBudgetError) to
+        rank 0's, so that every rank keeps running the same schedule."""
+        self.sharded = sharded
+        self.agree = agree
+        self.menus = None
+        self._bind(plan)
+
+    @property
+    def assumed_output_use(self) -> OutputUse:
+        return OutputUse(self.plan.costs.held_output, self.plan.output_grad_mask)
+
+    def run(self, x: torch.Tensor, shared: tuple = ()):
+        seen = self.runner.observed_output_use
+        if seen is not None and seen != self.assumed_output_use:
+            self._replan(seen, x, shared)
+        if self.sharded is not None:
+            return self.sharded.run(lambda x, *shared: self.runner.run(x, shared), x, *shared)
+        return self.runner.run(x, shared)
+
+    def _replan(self, seen: OutputUse, x: torch.Tensor, shared: tuple) -> None:
+        assumed = self.assumed_output_use
+        out_bytes = self.plan.costs.activation_bytes[-1]
+        if seen.held_bytes > assumed.held_bytes:
+            log.warning(
+                "the caller held %d B of the chain output (%d B) through the backward, where the plan assumed %d B: "
+                "that step may have exceeded the budget by up to the difference. Re-planning with it held; release "
+                "the output before backward (e.g. `loss = model(x).loss`) to keep the faster plan.",
+                seen.held_bytes, out_bytes, assumed.held_bytes,
+            )
+        unexpected = [i for i, (s, a) in enumerate(zip(seen.grad_mask, assumed.grad_mask)) if s and not a]
+        if unexpected:
+            log.warning(
+                "gradients arrived for chain outputs %s, which the plan expected none for: that step may have "
+                "exceeded the budget by their bytes. Re-profiling and re-planning.", unexpected,
+            )
+        log.info("re-planning for how the caller used the chain's output: %s (planned: %s)", seen.describe(),
+                 assumed.describe())
+        profile = ChainProfile(self.plan.costs, self.plan.mutated_buffers, self.plan.output_grad_mask)
+        profile_seconds = self.plan.profile_seconds
+        if seen.grad_mask != assumed.grad_mask and self.sharded is not None:
+            log.warning("under FSDP2 the stages are not profiled again: re-planning with the costs measured before")
+        elif seen.grad_mask != assumed.grad_mask:
+            started = time.perf_counter()
+            profile = profile_chain(
+                self.stages, x, shared=shared, signatures=self.signatures, output_grad_mask=seen.grad_mask,
+                residents=self.residents,
+            )
+            if self.menus is not None:
+                profile = self.menus.extend(profile)
+            profile_seconds = time.perf_counter() - started
+        try:
+            outcome = plan_from_profile(
+                self.stages, profile, self.plan.budget_bytes, x.device, slots=self.slots,
+                profile_seconds=profile_seconds, strategy=self.strategy, output_held=seen.held_bytes,
+            )
+        except InfeasibleBudgetError as err:
+            outcome = err
+        if self.agree is not None:
+            outcome = self.agree(outcome)
+        if isinstance(outcome, InfeasibleBudgetError):
+            raise outcome
+        self._bind(outcome)

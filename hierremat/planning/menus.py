@@ -1,0 +1,694 @@
+"""ILP option menus for the stages of a chain: the "Checkmate half" of the hybrid plan.
+
+For every distinct stage signature (identical blocks share one), the stage's joint
+forward+backward ATen graph is traced (hierremat.graphs.joint), its nodes are profiled
+(hierremat.runtime.node_profile), and the per-block ILP's budget sweep
+(hierremat.ilp.options.solve_menu) yields a Pareto menu of options. The menus are cached
+on disk by signature, device and versions (hierremat.store.cache), so a second run solves
+nothing. Each stage then offers the chain DP option 0 (the stage under autograd,
+profiled as a whole) plus the menu's options k = 1.., which the runtime executes as
+generated code (hierremat.runtime.block_exec); the menu's first options keep what
+autograd keeps, so option 0's work also runs as generated code wherever that is faster.
+The forward without grad (F_none / F_ck) runs as the generated forward of the stage's
+joint graph (hierremat.ilp.options.forward_only) where that is faster than calling the
+stage and peaks no higher (StageCosts.nograd_form), or where it peaks lower and the faster
+form does not fit the budget (StageCosts.leaner_nograd).
+
+Cost model: an option's times are sums of per-node times, measured one op at a time;
+the whole-stage profile of option 0 is measured as one call, under autograd. To put both
+on one scale, menu times are multiplied per signature by the measured time of one of its
+options as the generated code really runs it (forward + backward, median of a few runs)
+over that option's node-time sum: the code's own overhead, and kernels that are slower
+(or faster) in the decomposed graph than in eager autograd, are then priced in, so the
+DP picks autograd's option 0 or the generated code by what each really costs. The
+generated forward without grad is timed the same way.
+
+Under autocast, joint graphs are traced with the forward under the caller's setting, so
+every cast autocast makes (weights included) is an explicit node of the graph, and options
+run with autocast off (hierremat.device.autocast).
+
+Stages whose joint graph cannot be traced, that return several tensors (a model's output
+stage), whose output is one result of a multi-output operator (a lone dropout), in
+which autocast casts one parameter more than once, or whose backward autocast would
+change (check_autocast_exact) keep option 0 only; the reason is logged. The last stage
+gets a menu like any other where it has no fused LM head (hierremat.planning.output_stage) and the
+chain's output, and the gradient that arrives for it, are the one tensor its graph
+returns (ChainMenus._output_fits_menu): in a chain of identical blocks, the last block's
+menu is the others'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from ..plans.block_graph import FORWARD, BlockGraph
+from ..graphs.eager_masks import has_value_branch
+from ..graphs.joint import JointGraph, to_block_graph, trace_joint
+from ..runtime.node_profile import profile_nodes
+from ..plans.costs import OptionCosts
+from ..store.cache import CacheKey, OptionsCache, default_cache
+from ..ilp.options import MENU_TIME_LIMIT, forward_only, solve_menu
+from ..plans.block_options import BlockOption
+from ..ilp.solve import solve_count
+from .output_stage import fused_head_option
+from ..device.autocast import AutocastState
+from ..runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOption, OptionExecutor
+from ..runtime.option_codegen import StageBinding
+from ..runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
+from ..runtime.residents import keep_made, split_output, stage_shared
+from ..runtime.stage_cost_cache import ExecutorSpeeds, StageCostCache, device_name
+from ..graphs.variants.dropout import pack_dropout_masks
+from ..graphs.variants.in_place import run_in_place
+from ..graphs.variants.relu_masks import pack_relu_masks
+
+log = logging.getLogger(__name__)
+
+#: Bump when node profiling or the time calibration changes (invalidates cached menus).
+COST_MODEL_VERSION = "nodes-2"
+#: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
+TIE_MARGIN = 1e-6
+#: Bump when the ILP formulation changes (invalidates cached menus).
+FORMULATION_VERSION = "staged-6"
+
+
+@dataclass(frozen=True)
+class StageMenu:
+    """The solved menu of one stage signature: its block graph and options (node-time units).
+
+    coarse: why the options are heuristic rather than the ILP sweep's ("" when they are the
+    sweep's; see hierremat.plans.block_options.BlockOptions)."""
+
+    graph: BlockGraph
+    options: tuple[BlockOption, ...]
+    solve_seconds: float
+    coarse: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "graph": self.graph.to_dict(),
+            "options": [o.to_dict() for o in self.options],
+            "solve_seconds": self.solve_seconds,
+            "coarse": self.coarse,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageMenu":
+        return cls(
+            graph=BlockGraph.from_dict(d["graph"]),
+            options=tuple(BlockOption.from_dict(o) for o in d["options"]),
+            solve_seconds=float(d.get("solve_seconds", 0.0)),
+            coarse=str(d.get("coarse", "")),
+        )
+
+
+@dataclass
+class ChainMenus:
+    """Menus of a chain's stages and the executors that run them.
+
+    menus: signature -> StageMenu; executors[i][k]: runs option k of stage i (index 0 is
+    None: option 0 is the stage under autograd); solves: ILP solves done (0 on a cache hit).
+    forwards: signature -> the generated no-grad forward (F_none / F_ck) of its stages;
+    forward_executors[i]: runs it on stage i (None for a stage without a menu).
+    output_option: the last stage's other form (hierremat.planning.output_stage: the fused LM head) as
+    (its OptionCosts, the output gradient mask they were measured with), or None; its
+    executor is executors[-1][1].
+    compiled_forwards: signature -> (its no-grad forward compiled,
+    hierremat.runtime.compiled_option.CompiledForward; its measured (seconds, peak bytes) or
+    None when loaded for a saved plan); filled by hierremat.planning.compiled.
+    compiled: (signature, option name) -> (its hierremat.runtime.compiled_option.CompiledProgram,
+    its CompiledCosts or None when loaded for a saved plan); filled by hierremat.planning.compiled.
+    compile: whether each stage also offers every menu option compiled (hierremat.planning.compiled):
+    then options 1..n of a stage with an n-option menu run as generated eager code, and
+    options n+1..2n are the same options compiled.
+    """
+
+    menus: dict[str, StageMenu]
+    executors: list[list]
+    signatures: tuple[str, ...]
+    solves: int = 0
+    seconds: float = 0.0
+    #: signature -> measured speeds of its generated code (hierremat.runtime.stage_cost_cache.ExecutorSpeeds)
+    speeds: dict = field(default_factory=dict)
+    forwards: dict = field(default_factory=dict)
+    forward_executors: list = field(default_factory=list)
+    compiled_forwards: dict = field(default_factory=dict)
+    output_option: tuple | None = None
+    compiled: dict = field(default_factory=dict)
+    #: (signature, option name) that Inductor failed to compile: their compiled forms run eagerly
+    compile_failed: set = field(default_factory=set)
+    compile_seconds: float = 0.0
+    compile: bool = False
+    #: the chain's ResidentLayout (hierremat.plans.stage_info), or None
+    residents: object = None
+
+    def menu_size(self, stage: int) -> int:
+        """n: the number of options of stage ``stage``'s menu (0 without one)."""
+        menu = self.menus.get(self.signatures[stage])
+        fused_head = stage == len(self.executors) - 1 and self.output_option is not None
+        return len(menu.options) if menu is not None and len(self.executors[stage]) > 1 and not fused_head else 0
+
+    def option(self, stage: int, k: int) -> BlockOption:
+        """The menu option that option k >= 1 of stage ``stage`` runs (eager or compiled)."""
+        n = self.menu_size(stage)
+        return self.menus[self.signatures[stage]].options[(k - 1) % n]
+
+    def compilable(self, stage: int) -> bool:
+        """Whether stage ``stage``'s menu options may be offered compiled: not where they add to
+        residents' gradient sums (hierremat.graphs.joint.seeded_add branches on a missing sum)."""
+        executors = self.executors[stage]
+        return self.menu_size(stage) > 0 and not executors[1].joint.resident_seeds
+
+    def is_compiled_index(self, stage: int, k: int) -> bool:
+        """Whether option k of stage ``stage`` is a menu option's compiled form (never where the
+        stage has no menu: the fused head, the output stage's option 1, is not one)."""
+        n = self.menu_size(stage)
+        return n > 0 and k > n
+
+    def option_key(self, stage: int, k: int) -> tuple[str, str]:
+        """(signature, option name): what ``compiled`` and ``compile_failed`` are keyed by."""
+        return self.signatures[stage], self.option(stage, k).name
+
+    def compiled_scale(self, signature: str) -> float | None:
+        """Measured seconds of the signature's compiled options per second of their node-time sums
+        (the largest ratio of those measured), or None when none is compiled."""
+        ratios = [
+            (costs.fwd_time + costs.bwd_time) / program.option.total_time
+            for (sig, _), (program, costs) in self.compiled.items()
+            if sig == signature and costs is not None and program.option.total_time > 0
+        ]
+        return max(ratios) if ratios else None
+
+    def forward_executor(self, stage: int, form: str):
+        """What runs F_none / F_ck of ``stage`` in ``form`` (StageCosts.nograd_form): a
+        ForwardExecutor for "generated", None (the stage itself) for "autograd"."""
+        if form == "autograd":
+            return None
+        executor = self.forward_executors[stage] if stage < len(self.forward_executors) else None
+        compiled = self.compiled_forwards.get(self.signatures[stage]) if executor is not None else None
+        if form == "generated" and executor is not None:
+            return executor
+        if form == "compiled" and compiled is not None:
+            from ..runtime.compiled_option import CompiledForwardExecutor  # loaded with compiling
+
+            return CompiledForwardExecutor(compiled[0], executor.binding)
+        raise ValueError(f"stage {stage} has no {form!r} forward without grad: plan it again")
+
+    def _output_fits_menu(self, stage: int, costs) -> bool:
+        """Whether the chain sees stage ``stage``'s output as its menu does: always but for the
+        last stage, whose output is the chain's (ChainCosts.activation_bytes[-1], which holds
+        what it exports beside it) and whose gradient may be partial (output_grad_bytes); its
+        menu options apply where both are the one tensor its graph returns (the output's
+        storage: an in-place result's is its argument's)."""
+        if stage < len(self.executors) - 1 or self.menu_size(stage) == 0:
+            return True
+        graph = self.menus[self.signatures[stage]].graph
+        owner = graph.node(graph.output_name)
+        names = {n.name for n in graph.nodes}
+        while owner.alias_of:
+            if owner.alias_of not in names:
+                return False  # the output shares the stage input's storage
+            owner = graph.node(owner.alias_of)
+        grad_bytes = costs.activation_bytes[-1] if costs.output_grad_bytes is None else costs.output_grad_bytes
+        return costs.activation_bytes[-1] == owner.out_bytes and grad_bytes == graph.output_grad_bytes
+
+    def extend(self, profile: ChainProfile) -> ChainProfile:
+        """The profile with each stage's menu options appended after option 0, times calibrated;
+        with ``compile``, followed by the same options compiled. A stage whose generated
+        no-grad forward is faster than autograd's, and peaks no higher, runs F_none / F_ck so;
+        one that peaks lower but is slower is kept as the stage's leaner form (plans use it
+        where the faster one does not fit: hierremat.planning.chain_plan.plan_from_profile).
+
+        A compiled option has the costs measured on its compiled form; one not compiled yet is
+        priced at the ILP's memory and the speed its signature's compiled options showed
+        (hierremat.planning.compiled compiles it if the plan then picks it, and plans again)."""
+        stages = []
+        for i, (stage_costs, signature) in enumerate(zip(profile.costs.stages, self.signatures)):
+            n = self.menu_size(i) if self._output_fits_menu(i, profile.costs) else 0
+            if n == 0:  # no menu, or none runnable here (the last stage: its other form, if any)
+                output = self.output_option if i == len(self.executors) - 1 else None
+                if output is not None and output[1] == profile.output_grad_mask:
+                    stage_costs = replace(stage_costs, options=(stage_costs.options[0], output[0]))
+                stages.append(stage_costs)
+                continue
+            menu = self.menus[signature]
+            base = stage_costs.options[0]
+            node_total = sum(nd.time for nd in menu.graph.nodes)
+            speeds = self.speeds.get(signature)
+            # measured speeds price the generated code as it runs: faster or slower than autograd
+            # (option 0). Unmeasured, it is priced as autograd and a hair slower, so that an
+            # option that keeps what autograd keeps never wins a tie against option 0.
+            as_autograd = (base.fwd_time + base.bwd_time) / node_total if node_total > 0 else 1.0
+            scale = speeds.scale if speeds is not None else as_autograd * (1 + TIE_MARGIN)
+            extra = [_scaled(o.to_option_costs(), scale) for o in menu.options]
+            compiled_scale = self.compiled_scale(signature)
+            if self.compile and compiled_scale is not None and self.compilable(i):
+                for o in menu.options:
+                    entry = self.compiled.get((signature, o.name))
+                    if entry is not None and entry[1] is not None:
+                        extra.append(entry[1].to_option_costs(o))
+                    elif (signature, o.name) in self.compile_failed:
+                        extra.append(_scaled(o.to_option_costs(), scale))
+                    else:
+                        extra.append(replace(_scaled(o.to_option_costs(), compiled_scale), name=f"{o.name}+compiled?"))
+            stage_costs = replace(stage_costs, options=(base, *extra))
+            out_bytes = profile.costs.activation_bytes[i + 1]
+            forms = {}
+            forward = self.forwards.get(signature)
+            if forward is not None and speeds is not None:
+                forms["generated"] = (speeds.forward_seconds, max(forward.peak_bytes, out_bytes))
+            compiled_forward = self.compiled_forwards.get(signature)
+            if self.compile and compiled_forward is not None and compiled_forward[1] is not None:
+                seconds, peak = compiled_forward[1]
+                forms["compiled"] = (seconds, max(peak, out_bytes))
+            stages.append(_with_forward_forms(stage_costs, forms))
+        return replace(profile, costs=replace(profile.costs, stages=tuple(stages)))
+
+
+def _with_forward_forms(costs, forms: dict):
+    """``costs`` (StageCosts, measured with the stage called without grad) running F_none / F_ck
+    in the fastest of ``forms`` (form -> (seconds, peak bytes)) that peaks no higher than the
+    stage called without grad, so that a faster form never raises a plan's memory; and with the
+    leanest form as ``leaner_nograd`` where it peaks lower than that but runs slower. Which form
+    is fastest is measured, so it may change between profiles; the leanest form is not, so the
+    smallest feasible budget (planned with the leaner forms) does not move with times."""
+    if costs.nograd_form != "autograd":
+        return costs
+    autograd = (costs.nograd_fwd_time, costs.nograd_fwd_overhead_bytes)
+    fitting = [(seconds, peak, form) for form, (seconds, peak) in forms.items() if peak <= autograd[1]]
+    fastest = min(fitting, default=None)
+    if fastest is not None and fastest[0] < autograd[0]:
+        seconds, peak, form = fastest
+        costs = replace(
+            costs, nograd_fwd_time=seconds, nograd_fwd_overhead_bytes=peak, nograd_form=form, autograd_nograd=autograd
+        )
+    leanest = min(fitting, key=lambda f: (f[1], f[0]), default=None)
+    if leanest is not None and leanest[1] < costs.nograd_fwd_overhead_bytes:
+        seconds, peak, form = leanest
+        costs = replace(costs, leaner_nograd=(form, seconds, peak))
+    return costs
+
+
+def _scaled(option: OptionCosts, scale: float) -> OptionCosts:
+    return replace(option, fwd_time=option.fwd_time * scale, bwd_time=option.bwd_time * scale)
+
+
+def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
+    """The joint graph of one stage, bound to another stage of the same signature.
+
+    Parameters and buffers are matched by position (same structure, same shapes).
+    """
+    if stage is joint.stage:
+        return joint
+
+    def mapping(named_a, named_b, what: str) -> dict[str, str]:
+        a, b = list(named_a), list(named_b)
+        if len(a) != len(b) or any(x.shape != y.shape for (_, x), (_, y) in zip(a, b)):
+            raise ValueError(f"stages with one signature differ in their {what}")
+        return {na: nb for (na, _), (nb, _) in zip(a, b)}
+
+    params = mapping(joint.stage.named_parameters(remove_duplicate=False), stage.named_parameters(remove_duplicate=False), "parameters")
+    buffers = mapping(joint.stage.named_buffers(remove_duplicate=False), stage.named_buffers(remove_duplicate=False), "buffers")
+    return replace(
+        joint,
+        stage=stage,
+        param_inputs={k: params[v] for k, v in joint.param_inputs.items()},
+        buffer_inputs={k: buffers[v] for k, v in joint.buffer_inputs.items()},
+        param_grad_names={params[k]: v for k, v in joint.param_grad_names.items()},
+        mutations=tuple((n, buffers[t]) for n, t in joint.mutations),
+    )
+
+
+def check_autocast_exact(
+    joint: JointGraph, stage, x: torch.Tensor, shared: tuple, input_grad: bool, autocast: AutocastState,
+    resident_grads: tuple[int, ...] = (),
+) -> None:
+    """Raise ValueError where a joint graph traced under autocast cannot reproduce eager autocast bitwise.
+
+    * A parameter cast more than once: eager autocast casts it once per context and sums its
+      low-precision gradients before casting them back; the traced graph casts per use.
+    * A backward that autocast changes: eager runs the backward under autocast when one
+      context spans forward and backward, and without it when the context closed after the
+      forward (the recipe of torch's AMP docs). The joint graph is traced the second way; if
+      tracing it the first way gives another graph (on CPU, attention with dropout runs
+      SDPA's math path, whose fp32 matmuls autocast would cast in the backward), the stage's
+      gradients would depend on the caller's recipe, which is not known when planning.
+    """
+    recast = params_cast_more_than_once(joint)
+    if recast:
+        raise ValueError(f"autocast casts parameter(s) {', '.join(recast)} more than once")
+    under = trace_joint(stage, x, shared, input_requires_grad=input_grad, autocast=autocast,
+                        backward_under_autocast=True, resident_grads=resident_grads)
+    if under.module.code != joint.module.code:
+        raise ValueError("autocast would change its backward when one context spans forward and backward")
+
+
+def params_cast_more_than_once(joint: JointGraph) -> list[str]:
+    """Parameters that more than one forward ``_to_copy`` node of the joint graph reads."""
+    casts: dict[str, int] = {}
+    for node in joint.module.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default):
+        source = node.args[0]
+        if joint.phase.get(node.name) == FORWARD and isinstance(source, torch.fx.Node):
+            target = joint.param_inputs.get(source.name)
+            if target is not None:
+                casts[target] = casts.get(target, 0) + 1
+    return sorted(name for name, count in casts.items() if count > 1)
+
+
+def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=None) -> list[torch.Tensor]:
+    """x_0 .. x_{L-1}: each stage's input, by running the chain without grad (RNG and buffers restored).
+    residents: the chain's ResidentLayout (hierremat.plans.stage_info), or None."""
+    return stage_arguments(stages, x0, shared, residents)[0]
+
+
+def stage_arguments(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=None
+                    ) -> tuple[list[torch.Tensor], list[tuple]]:
+    """(x_0 .. x_{L-1}, what each stage is called with after x: the shared values, then the
+    residents made before it, None for the others), as :func:`stage_inputs` runs the chain."""
+    xs = [x0.detach()]
+    values: dict[int, torch.Tensor] = {}
+    shareds = []
+    autocast = AutocastState.capture((x0.device.type,))
+    with no_side_effects(stages, x0), torch.no_grad():
+        for i, stage in enumerate(stages):
+            shareds.append(stage_shared(shared, values, residents))
+            if i == len(stages) - 1:
+                break
+            with autocast.stage_scope():
+                out = stage(xs[-1], *shareds[-1])
+            y, made = split_output(out, residents, i)
+            keep_made(values, residents, i, made)
+            xs.append(y)
+    return xs, shareds
+
+
+def resident_positions(residents, stage: int, shared: tuple) -> tuple[int, ...]:
+    """Positions in ``shared`` (from :func:`stage_arguments`) of the floating residents stage
+    ``stage`` reads: the inputs its joint graph takes with a gradient."""
+    if residents is None:
+        return ()
+    positions = (residents.shared_count + r for r in residents.read_by(stage))
+    return tuple(j for j in positions if isinstance(shared[j], torch.Tensor) and shared[j].is_floating_point())
+
+
+def module_signature(stage, x: torch.Tensor) -> str:
+    """A structural key for a stage of a plain chain (no captured graph to hash): per module
+    in it, its class and the code of its forward, its plain attributes (sizes, flags,
+    probabilities, lists of such: what a forward may branch on beyond its parameters), its
+    printed configuration, its parameter and buffer shapes and dtypes, its mode; the input's
+    shape and dtype, and the autocast setting. Equal keys trace to equal joint graphs, so
+    stages with equal keys share one traced graph, menu and generated code."""
+    autocast = AutocastState.capture((x.device.type,)).key()
+    parts = [type(stage).__qualname__, repr(stage), str(tuple(x.shape)), str(x.dtype), autocast]
+    if isinstance(stage, torch.nn.Module):
+        parts.append(str(stage.training))
+        parts += [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}" for n, t in stage.named_parameters()]
+        parts += [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in stage.named_buffers()]
+        for name, module in stage.named_modules():
+            cls = type(module)
+            parts.append(f"{name}:{cls.__module__}.{cls.__qualname__}:{_code_digest(cls.forward)}")
+            parts += [f"{name}.{k}={v!r}" for k, v in sorted(vars(module).items())
+                      if not k.startswith("_") and _plain(v)]
+    else:
+        parts.append(_code_digest(stage))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _plain(value) -> bool:
+    """Numbers, strings, flags, None, and tuples/lists/dicts of them: values whose repr is their content."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _code_digest(function) -> str:
+    """A digest of a function's bytecode and constants (nested code objects included), the same in
+    every process; '' for callables without Python code."""
+    code = getattr(function, "__code__", None) or getattr(getattr(function, "__call__", None), "__code__", None)
+    digest = hashlib.sha256()
+
+    def add(c) -> None:
+        digest.update(c.co_code)
+        digest.update(repr(c.co_names).encode())
+        for const in c.co_consts:
+            if hasattr(const, "co_code"):
+                add(const)
+            else:
+                digest.update(repr(const).encode())
+
+    if code is None:
+        return ""
+    add(code)
+    return digest.hexdigest()[:16]
+
+
+def build_menus(
+    stages: Sequence[torch.nn.Module],
+    x0: torch.Tensor,
+    shared: tuple,
+    signatures: Sequence[str] | None,
+    *,
+    cache: OptionsCache | None = None,
+    stored: dict[str, StageMenu] | None = None,
+    time_limit: float = MENU_TIME_LIMIT,
+    deadline: float | None = None,
+    variants: bool = True,
+    residents=None,
+    recompute_across_dropouts: bool = True,
+) -> ChainMenus:
+    """Trace, profile and solve (or load) the menu of every distinct stage signature.
+
+    signatures: one structural key per stage (None: :func:`module_signature` of each).
+    stored: menus to use as they are (from a saved plan), by signature.
+    cache: where solved menus are looked up and stored (default: hierremat's default cache).
+    time_limit: seconds per ILP solve; deadline: a ``time.perf_counter()`` value no solve
+    runs past (menus then hold what was found in time: hierremat.ilp.options.solve_menu).
+    variants: rewrite the traced graphs with hierremat's operator variants
+    (hierremat.graphs.variants: packed dropout and ReLU masks, recomputable dropout outputs, in-place
+    pointwise operators).
+    residents: the chain's ResidentLayout (hierremat.plans.stage_info), or None. A stage that reads
+    residents traces them as inputs with a gradient (hierremat.graphs.joint: its options add
+    their terms to the gradient sums); a stage that makes residents gets no menu (option 0
+    only), nor does the output stage its fused head when it touches residents.
+    recompute_across_dropouts: False where a stage is a whole model (``segmentation="none"``):
+    its ILP's recomputation stops at dropouts (hierremat.ilp.formulation.structure).
+    """
+    started = time.perf_counter()
+    cache = cache if cache is not None else default_cache()
+    cost_cache = StageCostCache(cache)
+    L = len(stages)
+    xs, shareds = stage_arguments(stages, x0, shared, residents)
+    if signatures is None:
+        signatures = [module_signature(stage, x) for stage, x in zip(stages, xs)]
+    if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own
+        signatures = [f"{signatures[0]}-no-input-grad", *signatures[1:]]
+    menus: dict[str, StageMenu] = {}
+    joints: dict[str, JointGraph] = {}
+    graph_keys: dict[str, str] = {}
+    executors: list[list] = [[None] for _ in range(L)]
+    generated: dict[str, list[GeneratedOption]] = {}  # one program per (signature, option), made when first run
+    forwards: dict[str, GeneratedForward] = {}  # one no-grad forward per signature, made when first run
+    forward_executors: list = [None] * L
+    speeds: dict[str, ExecutorSpeeds] = {}
+    solves_before = solve_count()
+    autocast = AutocastState.capture((x0.device.type,))
+    output_option = None
+    if variants and not (residents is not None and residents.touches(L - 1)):
+        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
+        if fused is not None:
+            output_option, executors[-1] = fused[:2], [None, fused[2]]
+    # the last stage gets a menu too where it returns one tensor and has no fused head (a
+    # chain of identical blocks: the last block's menu is the others')
+    menu_stages = stages if output_option is None else stages[:-1]
+    for i, (stage, signature) in enumerate(zip(menu_stages, signatures)):
+        if residents is not None and residents.produced_by(i):
+            log.info("stage %d (%s): no block options: it makes values carried beside the chain", i, signature)
+            continue
+        reads = resident_positions(residents, i, shareds[i])
+        if isinstance(getattr(stage, "graph_module", None), fx.GraphModule) and has_value_branch(stage.graph_module):
+            log.info("stage %d (%s): no block options: it branches on tensor values (an attention mask)", i, signature)
+            continue
+        if signature not in joints:
+            try:
+                if not isinstance(stage, torch.nn.Module):
+                    raise TypeError("it is a plain callable, not an nn.Module")
+                input_grad = i > 0 or x0.requires_grad
+                joint = trace_joint(
+                    stage, xs[i], shareds[i], input_requires_grad=input_grad, autocast=autocast, resident_grads=reads
+                )
+                if autocast.enabled:
+                    check_autocast_exact(joint, stage, xs[i], shareds[i], input_grad, autocast, reads)
+                if variants:
+                    joint = run_in_place(pack_relu_masks(pack_dropout_masks(joint)))
+                if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
+                    raise ValueError("the stage returns several tensors")
+                graph = to_block_graph(joint)
+                output = graph.node(joint.output_names[0])
+                if output.op == "getitem" and output.alias_of:
+                    # the output shares one value with the op's other results (a lone dropout's
+                    # mask): the chain's model of a stage output as a value of its own breaks
+                    raise ValueError("the stage's output is one result of a multi-output operator")
+            except Exception as err:  # tracing failures leave the stage with option 0
+                log.info("stage %d (%s): no block options: %s", i, signature, err)
+                joints[signature] = None
+                continue
+            joints[signature] = joint
+            graph_keys[signature] = _graph_key(signature, graph)  # menus and executor speeds of the traced graph
+            menu_key = graph_keys[signature] if recompute_across_dropouts else f"{graph_keys[signature]}+cut-at-dropouts"
+            name = getattr(stage, "stage_name", type(stage).__name__)
+            menu = _menu(joint, xs[i], shareds[i], signature, menu_key, cache, stored, time_limit, deadline, name,
+                         recompute_across_dropouts)
+            if menu is not None:
+                menus[signature] = menu
+        joint, menu = joints.get(signature), menus.get(signature)
+        if joint is None or menu is None:
+            continue
+        bound = rebind(joint, stage)
+        if signature not in generated:
+            generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
+            mutations = frozenset(node for node, _ in joint.mutations)
+            forwards[signature] = GeneratedForward(joint, forward_only(menu.graph, also=mutations))
+        binding = StageBinding(bound)
+        executors[i] = [None] + [
+            OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])
+        ]
+        forward_executors[i] = ForwardExecutor(forwards[signature], binding)
+        if signature not in speeds:
+            speeds[signature] = cost_cache.get_speeds(graph_keys[signature], xs[i])
+            if speeds[signature] is None:
+                speeds[signature] = _executor_speeds(
+                    executors[i][1:], forward_executors[i], stage, stages, xs[i], x0, shareds[i]
+                )
+                cost_cache.put_speeds(graph_keys[signature], xs[i], speeds[signature])
+    solves = solve_count() - solves_before
+    return ChainMenus(
+        menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,
+        forwards={sig: f.forward for sig, f in forwards.items()}, forward_executors=forward_executors,
+        output_option=output_option, residents=residents,
+    )
+
+
+_SOLVER_FAILURES: list[str] = []
+
+
+def _warn_solver_failure(signature: str, err: Exception) -> None:
+    """One warning per process for a failing ILP solver; later failures are logged at INFO."""
+    what = f"{type(err).__name__}: {err}"
+    (log.info if _SOLVER_FAILURES else log.warning)(
+        "the block ILP for stage signature %s failed (%s): that block runs autograd's option only%s", signature,
+        what, "" if _SOLVER_FAILURES else " (further failures of this process are logged at INFO)",
+    )
+    _SOLVER_FAILURES.append(what)
+
+
+def _executor_speeds(executors, forward, stage, stages, x, x0, shared, repeats: int = 3) -> ExecutorSpeeds:
+    """Measured speeds of a stage's generated code: the menu's fastest option (forward + backward)
+    per second of its node-time sum, and the no-grad forward's seconds (medians after one
+    warm-up; RNG, buffers and ``.grad`` left as they were)."""
+    executor = min(executors, key=lambda e: e.option.total_time)
+    y_meta = None
+
+    def run():
+        nonlocal y_meta
+        y, tape = executor.forward(x, shared)
+        y_meta = y_meta if y_meta is not None else torch.ones_like(y)
+        executor.backward(tape, y_meta, shared)
+
+    with no_side_effects(stages, x0), scratch_grads(stage):
+        forward(x, shared)  # warm-up
+        forward_seconds = median_seconds(lambda: forward(x, shared), repeats, x.device)
+        if executor.option.total_time <= 0:
+            return ExecutorSpeeds(1.0, forward_seconds)
+        run()  # warm-up
+        seconds = median_seconds(run, repeats, x.device)
+    return ExecutorSpeeds(seconds / executor.option.total_time, forward_seconds)
+
+
+@contextlib.contextmanager
+def _progress_bar(description: str):
+    """A tqdm bar (when tqdm is installed and stderr is a terminal) advanced once per ILP solve."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield lambda text: log.debug("%s: %s", description, text)
+        return
+    with tqdm(desc=description, unit="solve", disable=None, leave=False) as bar:
+        def advance(text: str) -> None:
+            bar.update(1)
+            bar.set_postfix_str(text, refresh=False)
+            log.debug("%s: %s", description, text)
+
+        yield advance
+
+
+def graph_structure(graph: BlockGraph) -> tuple:
+    """Everything of a BlockGraph but its measured costs: equal structures, interchangeable menus."""
+    return tuple((n.name, n.op, n.phase, n.inputs, n.out_bytes, n.alias_of, n.random, n.in_place) for n in graph.nodes) + (
+        graph.input_name, graph.output_name, graph.output_grad_name, graph.input_grad_name, graph.held_grad_names,
+    )
+
+
+def _graph_key(signature: str, graph: BlockGraph) -> str:
+    """The cache key of a stage's traced graph (menus, executor speeds): its signature and a
+    digest of the graph's structure as the variants left it, so that graphs rewritten
+    differently (variants on or off, another torch) never share or overwrite an entry."""
+    digest = hashlib.sha256(repr(graph_structure(graph)).encode()).hexdigest()[:16]
+    return f"{signature}/{digest}"
+
+
+def _menu(
+    joint, x, shared, signature, key_signature, cache, stored, time_limit, deadline, name, recompute_across_dropouts,
+) -> StageMenu | None:
+    """The stage's menu: from a saved plan, else from the cache, else solved (and cached,
+    unless the planning deadline cut it short); None when solving fails (the stage then
+    offers autograd's option only, with a warning). name: the stage's, for the progress bar.
+
+    A saved or cached menu is used only if its block graph has the structure of the one
+    traced now (op lists name nodes of that graph)."""
+    structure = graph_structure(to_block_graph(joint))
+    if stored is not None and signature in stored:
+        menu = stored[signature]
+        if graph_structure(menu.graph) == structure:
+            return menu
+        raise ValueError(f"the saved plan's options for stage signature {signature} do not match the traced graph")
+    key = CacheKey(
+        signature=key_signature,
+        device_type=x.device.type,
+        device_name=device_name(x.device),
+        dtype=str(x.dtype) if x.is_floating_point() else "int",
+        cost_model_version=f"{COST_MODEL_VERSION}/torch-{torch.__version__}",
+        formulation_version=FORMULATION_VERSION,
+    )
+    payload = cache.get(key)
+    if payload is not None:
+        try:
+            menu = StageMenu.from_dict(payload)
+            if graph_structure(menu.graph) == structure:
+                return menu
+            log.warning("cached options for %s do not match the traced graph; solving again", signature)
+        except (KeyError, TypeError, ValueError) as err:
+            log.warning("cached options for %s are unreadable (%s); solving again", signature, err)
+    graph = to_block_graph(joint, profile_nodes(joint, x, shared))
+    try:
+        with _progress_bar(f"hierremat: block {name} ({signature})") as advance:
+            solved = solve_menu(graph, time_limit=time_limit, progress=advance, label=signature, deadline=deadline,
+                                recompute_across_dropouts=recompute_across_dropouts)
+    except Exception as err:  # a solver that errors (HiGHS failing, a broken install): plan without the menu
+        _warn_solver_failure(signature, err)
+        return None
+    menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds, solved.coarse)
+    if not solved.cut_by_deadline:
+        cache.put(key, menu.to_dict())
+    log.info("stage signature %s: %d options from %d ILP solves in %.2f s", signature, len(menu.options), solved.n_solves, solved.solve_seconds)
+    return menu
