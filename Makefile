@@ -27,7 +27,7 @@ test: setup
 
 # `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~25 min on 2 CPU cores, the small models ~15).
 # BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.
-# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality, torch.compile, operator-variant kernels).
+# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality, torch.compile, operator-variant kernels, gradients made in the step).
 BENCH_ARGS ?=
 
 bench: setup
@@ -43,6 +43,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_relu_masks.py
 	$(BIN)/python benchmarks/bench_in_place.py
 	$(BIN)/python benchmarks/bench_kernels.py
+	$(BIN)/python benchmarks/bench_step_grads.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

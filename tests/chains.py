@@ -28,10 +28,12 @@ def random_residents(rng: np.random.Generator, L: int, max_bytes: int) -> tuple[
 
 
 def random_chain(
-    rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 20, zero_sizes: bool = False, residents: bool = False
+    rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 20, zero_sizes: bool = False, residents: bool = False,
+    step_grads: bool = False,
 ) -> ChainCosts:
     """A chain with small integer sizes (so a memory unit of 1 byte is exact); ``residents``: with
-    values carried beside the activation (random_residents)."""
+    values carried beside the activation (random_residents); ``step_grads``: with parameter
+    gradients allocated by some stages' backward and kept to the end of the step."""
     low = 0 if zero_sizes else 1
     a = [int(v) for v in rng.integers(low, max_bytes, size=L + 1)]
     stages = []
@@ -64,6 +66,8 @@ def random_chain(
         tuple(a), tuple(stages), input_requires_grad=bool(rng.integers(0, 2)),
         output_held_bytes=[None, 0, int(rng.integers(0, a[-1] + 1))][int(rng.integers(0, 3))],
         output_grad_bytes=output_grad, residents=random_residents(rng, L, max_bytes) if residents else (),
+        step_grad_bytes=tuple(int(g) * int(rng.integers(0, 2)) for g in rng.integers(1, max_bytes, size=L))
+        if step_grads else (),
     )
 
 

@@ -8,6 +8,8 @@ and to the model, and each rank trains on its share of every global batch; the f
 re-plans for the shards. ``--parallel ddp``: the planned model is wrapped in
 DistributedDataParallel. Without ``--parallel``, one process trains plainly on the whole
 global batches. ``--autocast bf16``: every forward, and the planning, under bf16 autocast.
+``--set-to-none``: every step starts with PyTorch's default ``zero_grad(set_to_none=True)``, so
+it allocates the gradients (counted in the budget); else ``.grad`` is kept between steps.
 Both write the final parameters and the first step's gradients (rank 0; with ``--parallel``
 also those of the first step of FSDP2 or DDP alone on the same batches) and a report per rank (peaks,
 budget, plan, all-gather counts, the peak of FSDP2 or DDP alone) to ``--out``. Peaks are CPU-allocator peaks (FSDP2 frees
@@ -132,6 +134,8 @@ def main() -> None:
     p.add_argument("--budget", default="3.3MiB", help="every rank's budget (FSDP2's gathered parameters included)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--autocast", choices=("off", "bf16"), default="off", help="bf16: forwards and planning under autocast")
+    p.add_argument("--set-to-none", action="store_true",
+                   help="zero_grad(set_to_none=True), PyTorch's default: every step allocates the gradients")
     p.add_argument("--steps", type=int, default=3, help="the last is a steady step: DDP rebuilds its buckets in the second")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -162,10 +166,13 @@ def main() -> None:
         shard(model)  # then shard: the first call re-plans for FSDP2
     elif args.parallel == "ddp":
         runner = torch.nn.parallel.DistributedDataParallel(runner)
+    if not args.set_to_none:  # .grad allocated before the first step and kept: not part of any step's budget
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     peaks, first_grads = [], None
     for batch in local if args.parallel else batches:
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=args.set_to_none)
         with meter(device) as m:
             with forward_context(device, args.autocast):
                 loss = runner(**batch).loss

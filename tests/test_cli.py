@@ -101,7 +101,7 @@ def test_python_dash_m_hierremat_on_an_hf_config():
         out = subprocess.run(
             [sys.executable, "-m", "hierremat", "--hf", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64",
              "--set", "n_head=4", "--set", "vocab_size=2048", "--batch", "2", "--seq", "32", "--points", "3", "--json",
-             *extra],
+             "--grads", "kept", *extra],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )
         assert out.returncode == 0, out.stderr

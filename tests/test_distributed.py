@@ -63,15 +63,15 @@ def _run(cmd: list[str], device: str = "cpu") -> str:
     return output
 
 
-def _train(tmp_path, ranks: int, device: str, model: str, parallel: str, budget: str, autocast: str = "off"
-           ) -> tuple[list[dict], dict, dict | None]:
+def _train(tmp_path, ranks: int, device: str, model: str, parallel: str, budget: str, autocast: str = "off",
+           set_to_none: bool = False) -> tuple[list[dict], dict, dict | None]:
     """Run the ranks (and, in fp32, one process on the whole batches): (the reports, rank 0's final
     parameters, the single process's or None). Checks that the first step's gradients are bitwise
     those of FSDP2 or DDP alone on the same batches (module docstring)."""
     spread, single = tmp_path / parallel, tmp_path / "single"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), str(SCRIPT),
           "--model", model, "--parallel", parallel, "--budget", budget, "--device", device, "--autocast", autocast,
-          "--out", str(spread)], device)
+          "--out", str(spread), *(["--set-to-none"] if set_to_none else [])], device)
     grads, plain_grads = torch.load(spread / "grads.pt"), torch.load(spread / "plain_grads.pt")
     assert grads.keys() == plain_grads.keys()
     assert [k for k in grads if not torch.equal(grads[k], plain_grads[k])] == []
@@ -128,6 +128,14 @@ def test_two_fsdp2_ranks_train_like_one_process_within_budget(tmp_path, model, b
     plan = _check_fsdp(reports, sharded_params, single_params)
     assert (plan.chain.costs.residents != ()) == (model == "t5")
     assert plan.chain.autocast.startswith("bf16") == (autocast == "bf16")
+
+
+def test_two_fsdp2_ranks_with_default_zero_grad_stay_within_budget(tmp_path):
+    """PyTorch's default zero_grad(set_to_none=True): every step allocates the (sharded) gradients,
+    which each rank's plan counts (issue 35)."""
+    reports, sharded_params, single_params = _train(tmp_path, 2, "cpu", "llama", "fsdp", "3.6MiB", set_to_none=True)
+    plan = _check_fsdp(reports, sharded_params, single_params)
+    assert plan.chain.costs.step_grad_bytes
 
 
 @pytest.mark.parametrize("autocast", ["off", "bf16"])

@@ -26,15 +26,20 @@ def _check_against_simulator(costs, schedule, budget):
     return sim
 
 
-@pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
+@pytest.mark.parametrize(
+    "residents, step_grads", [(False, False), (True, False), (False, True), (True, True)],
+    ids=["chain", "with_residents", "with_step_grads", "with_both"],
+)
 @pytest.mark.parametrize("seed", range(6))
-def test_dp_optimum_equals_brute_force(seed, residents):
+def test_dp_optimum_equals_brute_force(seed, residents, step_grads):
     """Exact memory unit: the DP's fastest plan and smallest peak equal the simulator's over every
-    schedule of the family; with residents (values beside the activation, each counted while live)."""
-    rng = np.random.default_rng(seed + 1000 * residents)
+    schedule of the family; with residents (values beside the activation, each counted while live)
+    and with parameter gradients that backward steps allocate and the step keeps."""
+    rng = np.random.default_rng(seed + 1000 * residents + 2000 * step_grads)
     for _ in range(25):
         costs = random_chain(
-            rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)), zero_sizes=seed % 3 == 0, residents=residents
+            rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)), zero_sizes=seed % 3 == 0, residents=residents,
+            step_grads=step_grads,
         )
         results = [simulate(costs, ops) for ops in enumerate_schedules(costs)]
         min_peak = min(r.peak_bytes for r in results)
@@ -49,12 +54,15 @@ def test_dp_optimum_equals_brute_force(seed, residents):
         assert err.value.min_budget_bytes == min_peak
 
 
-@pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
+@pytest.mark.parametrize(
+    "residents, step_grads", [(False, False), (True, False), (False, True)],
+    ids=["chain", "with_residents", "with_step_grads"],
+)
 @pytest.mark.parametrize("slots", [7, 50, 500])
-def test_discretised_plans_fit_and_are_no_better_than_exact(slots, residents):
-    rng = np.random.default_rng(100 + slots + 1000 * residents)
+def test_discretised_plans_fit_and_are_no_better_than_exact(slots, residents, step_grads):
+    rng = np.random.default_rng(100 + slots + 1000 * residents + 2000 * step_grads)
     for _ in range(30):
-        costs = random_chain(rng, int(rng.integers(1, 5)), 2, max_bytes=1000, residents=residents)
+        costs = random_chain(rng, int(rng.integers(1, 5)), 2, max_bytes=1000, residents=residents, step_grads=step_grads)
         results = [simulate(costs, ops) for ops in enumerate_schedules(costs)]
         min_peak = min(r.peak_bytes for r in results)
         for budget in (min_peak, int(min_peak * 1.3), 3 * min_peak):
@@ -64,11 +72,14 @@ def test_discretised_plans_fit_and_are_no_better_than_exact(slots, residents):
             assert schedule.predicted_time >= best * (1 - 1e-12)
 
 
-@pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
-def test_numba_kernel_tables_equal_reference(residents):
-    rng = np.random.default_rng(7 + 1000 * residents)
+@pytest.mark.parametrize(
+    "residents, step_grads", [(False, False), (True, False), (False, True), (True, True)],
+    ids=["chain", "with_residents", "with_step_grads", "with_both"],
+)
+def test_numba_kernel_tables_equal_reference(residents, step_grads):
+    rng = np.random.default_rng(7 + 1000 * residents + 2000 * step_grads)
     for _ in range(25):
-        costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200, residents=residents)
+        costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200, residents=residents, step_grads=step_grads)
         arrays = discretize(costs, int(rng.integers(1, 20)))
         M = int(rng.integers(0, 80))
         args = arrays.kernel_args(M)
@@ -212,3 +223,19 @@ def test_baseline_schedules_are_valid_and_never_beat_the_dp():
             assert (sim.peak_bytes, sim.time) == (schedule.predicted_peak_bytes, schedule.predicted_time)
             best = solve_chain(costs, schedule.predicted_peak_bytes, slots=schedule.predicted_peak_bytes).schedule
             assert best.predicted_time <= schedule.predicted_time * (1 + 1e-12)
+
+
+def test_parameter_gradients_a_backward_allocates_are_held_to_the_end_of_the_step():
+    """B(i) may hold all of stage i's new gradients before it ends, and every later op holds them."""
+    op = OptionCosts(1.0, 1.0, 0, 8, 8)
+    base = ChainCosts((4, 8, 8), (StageCosts(1.0, 8, (op,)), StageCosts(1.0, 8, (op,))))
+    with_grads = ChainCosts(base.activation_bytes, base.stages, step_grad_bytes=(100, 1000))
+    schedule = solve_chain(base, 10**6).schedule
+    before, after = simulate(base, schedule).timeline, simulate(with_grads, schedule).timeline
+    extra = {"B(1)": (1000, 1000), "B(0)": (1100, 1100)}  # (peak, in use after) above the same op without
+    for b, a in zip(before, after):
+        peak, used = extra.get(a.op, (0, 0))
+        assert (a.peak_bytes - b.peak_bytes, a.after_bytes - b.after_bytes) == (peak, used), a
+    assert solve_chain(with_grads, 10**6).schedule.predicted_peak_bytes == max(e.peak_bytes for e in after)
+    with pytest.raises(ValueError, match="step_grad_bytes"):
+        ChainCosts(base.activation_bytes, base.stages, step_grad_bytes=(1,))

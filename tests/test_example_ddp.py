@@ -39,8 +39,10 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt2" / "finetune.py"
+# 0.7 of plain's peak: at 2 x 64 tokens per rank the gradients each step allocates (the example calls
+# PyTorch's default zero_grad) are most of half of it
 COMMON = ["--size", "tiny", "--steps", "2", "--seq-len", "64", "--dropout", "0", "--seed", "0",
-          "--budget-fraction", "0.5", "--device", "cpu"]
+          "--budget-fraction", "0.7", "--device", "cpu"]
 PER_RANK_BATCH = 2
 ATOL = 1e-4
 UPDATE_RTOL = 1e-3

@@ -135,6 +135,8 @@ def test_plans_run_reader_options_bitwise_within_budget(name):
     else:
         model, args = _unet_and_args()
     grads_ref, plain_peak = _grads_and_peak(copy.deepcopy(model), args)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # kept between steps, as _grads_and_peak runs them: planned so
     low = hr.explore(model, args).smallest_feasible_bytes
     ran_reader_option = False
     for budget in (low, (low + plain_peak) // 2, plain_peak):

@@ -32,6 +32,13 @@ def _step(model, x, budget=None, seed=0):
     return y.detach(), x.grad, _grads(model), tracker.peak_bytes
 
 
+def _grads_kept(model):
+    """Allocate ``.grad`` before planning, as the steps here keep it (``_step``): budgets then count
+    no parameter gradient (tests/test_step_grads.py plans for those the step allocates)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+
 def _budgets(model, x):
     """From the smallest feasible budget to unlimited."""
     with pytest.raises(hr.InfeasibleBudgetError) as err:
@@ -117,6 +124,7 @@ def test_rng_states_the_runtime_keeps_are_within_the_budget():
         nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.2)) for _ in range(6)
     ])
     x = torch.randn(64, width, requires_grad=True)
+    _grads_kept(model)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan_sequential(model, "1KiB", x, output_held=False)
     budget = f"{err.value.min_budget_bytes}B"
@@ -263,8 +271,9 @@ def test_profiler_detects_which_tensors_autograd_keeps():
 
 
 def test_a_slow_stage_is_timed_by_the_runs_that_measure_its_memory(monkeypatch):
-    """Above SLOW_STAGE_SECONDS a stage runs 3 forwards and 1 backward to profile (warm-up and
-    memory runs), not 3 + 3 timed repeats and their warm-up; the memory figures are the same."""
+    """Above SLOW_STAGE_SECONDS a stage runs 4 forwards and 2 backwards to profile (warm-up and
+    memory runs, one of them with .grad None: OptionCosts.bwd_overhead_new_grads_bytes), not 4 + 3
+    timed repeats and their warm-up; the memory figures are the same."""
     from hierremat.runtime import profile as profile_module
 
     class Counted(nn.Linear):
@@ -280,9 +289,10 @@ def test_a_slow_stage_is_timed_by_the_runs_that_measure_its_memory(monkeypatch):
     normal_forwards, Counted.forwards = Counted.forwards, 0
     monkeypatch.setattr(profile_module, "SLOW_STAGE_SECONDS", 0.0)
     slow = profile_module.profile_chain(stages, x, repeats=3).costs.stages[0]
-    assert Counted.forwards == 3 < normal_forwards
+    assert Counted.forwards == 4 < normal_forwards
     a, b = normal.options[0], slow.options[0]
-    assert (a.kept_bytes, a.fwd_overhead_bytes, a.bwd_overhead_bytes) == (b.kept_bytes, b.fwd_overhead_bytes, b.bwd_overhead_bytes)
+    memory = ("kept_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes", "bwd_overhead_new_grads_bytes")
+    assert [getattr(a, m) for m in memory] == [getattr(b, m) for m in memory]
     assert b.fwd_time > 0 and b.bwd_time > 0 and slow.nograd_fwd_time > 0
 
 
@@ -326,6 +336,7 @@ def test_smallest_budget_does_not_move_with_which_no_grad_forward_is_measured_fa
 
     model, x = _relu_dropout_chain()
     reference = copy.deepcopy(model)
+    _grads_kept(model)
     floors = []
     for forward_seconds in (1e-9, 10.0):  # the generated forward priced faster, then slower
         monkeypatch.setenv("HIERREMAT_CACHE_DIR", str(tmp_path / str(forward_seconds)))
@@ -373,6 +384,7 @@ def test_the_last_block_of_a_chain_offers_its_block_options(monkeypatch):
     width = 128
     model = nn.Sequential(*[_Residual(width) for _ in range(3)])
     x = torch.randn(64, width, requires_grad=True)
+    _grads_kept(model)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan_sequential(model, "1KiB", x)
     floor = err.value.min_budget_bytes

@@ -10,7 +10,8 @@ weights and text is tokenized byte by byte; with ``--model PATH`` weights and to
 loaded offline from a local directory. Nothing is downloaded.
 
 The budget counts what one training step creates (activations, recomputed tensors,
-gradients in flight), not parameters, gradients kept across steps or optimizer state.
+gradients in flight, and the parameter gradients it allocates: the loop calls PyTorch's
+default ``optimizer.zero_grad()``, which sets them to None), not parameters or optimizer state.
 ``--budget-fraction`` measures plain autograd's peak in a probe step and takes a fraction
 of it. At the end the script prints the plan, the measured peak against the budget, the
 step time against plain autograd and the validation loss, and writes the model, a JSON
@@ -152,7 +153,7 @@ def resolve_budget(args, model, batch, device, optimizer) -> int | None:
     if args.budget:
         return hr.parse_budget(args.budget)
     _, plain_peak, _ = measure_step(model, batch, args, device)
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad()
     return int(plain_peak * args.budget_fraction)
 
 
@@ -167,7 +168,7 @@ def median_step_seconds(module, batch, args, device, optimizer, repeats: int = 5
             torch.cuda.synchronize(device)
         if i:
             samples.append(time.perf_counter() - t0)
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()
     return statistics.median(samples)
 
 
@@ -278,8 +279,6 @@ def run(args, ddp: Distributed) -> dict:
     stream = map(ddp.shard, batches(train, global_batch, torch.Generator().manual_seed(args.seed)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     probe = next(stream).to(device)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # allocated once, as after any first step: not part of the budget
 
     # Rank 0 measures and plans; the other ranks take its plan: profiled timings differ from
     # process to process, and ranks running different schedules would be harder to reason about.
@@ -331,7 +330,7 @@ def run(args, ddp: Distributed) -> dict:
                 loss = train_step(module, batch, args.dtype, device)
             total += loss.item() / args.accum
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()  # PyTorch's default (set_to_none=True): each step allocates .grad, within the budget
         (total,) = ddp.mean(total)
         losses.append(total)
         if hasattr(progress, "set_postfix"):

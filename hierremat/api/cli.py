@@ -11,6 +11,8 @@ Face models are built from their config with random weights.
 
 ``--outputs loss``: the training step uses the loss only (hierremat.plan's ``outputs=``): the
 other outputs are not returned, so a language model's head may run fused with its loss.
+``--grads kept``: plan for ``.grad`` allocated before each step (``zero_grad(set_to_none=False)``);
+by default the budget counts the gradients each step allocates (PyTorch's default ``zero_grad``).
 ``--model FILE.py:FUNCTION``: FUNCTION() returns ``(model, args)`` or ``(model, args, kwargs)``,
 the example inputs ``hierremat.plan`` takes. Budgets are bytes with units ("512MiB") or a
 fraction of keeping everything ("0.5x").
@@ -51,6 +53,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--output-held", choices=("yes", "no", "auto"), default=None,
                     help="whether the training step keeps the model's outputs alive through the backward (default: "
                     "'no' for --hf, as `model(**batch).loss.backward()` does; 'auto' for --model: see hierremat.plan)")
+    ap.add_argument("--grads", choices=("step", "kept"), default="step",
+                    help="'step' (default): each training step allocates the parameter gradients, as after "
+                    "PyTorch's default zero_grad(set_to_none=True), and the budget counts them; 'kept': .grad is "
+                    "allocated before the step and kept (zero_grad(set_to_none=False))")
     ap.add_argument("--device", default="cpu", help="where to measure and plan: cpu (default) or cuda")
     ap.add_argument("--bf16", action="store_true", help="plan under bf16 autocast")
     ap.add_argument("--no-variants", action="store_true", help="the model's own operators (variants=False)")
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         model, example_args, example_kwargs = file_model(args.model)
     device = torch.device(args.device)
     model.to(device)
+    for p in model.parameters():  # what the step starts with: plans count the gradients it allocates
+        p.grad = torch.zeros_like(p) if args.grads == "kept" and p.requires_grad else None
     example_args, example_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
                                                         (example_args, example_kwargs))
     with torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext():

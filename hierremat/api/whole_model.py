@@ -7,6 +7,7 @@ returned module runs the model's own graph with the chain executed by the schedu
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -31,6 +32,7 @@ from ..runtime.executor import as_tuple
 from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered
 from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
 from ..runtime.stage_cost_cache import StageCostCache
+from ..runtime.step_grads import StepGrads
 from ..store.cache import OptionsCache, default_cache
 from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_options, plan_from_profile, resolve_compile
 from .sequential import check_devices, check_slots, check_time_limit
@@ -120,8 +122,8 @@ class _Compiled:
         try:
             outcome = plan_from_profile(
                 planned.stages, profile, budget_bytes - plan.shared_bytes - reserve, device,
-                slots=planned.slots,
-                strategy=planned.strategy, output_held=costs.output_held_bytes,
+                slots=planned.slots, strategy=planned.strategy, output_held=costs.output_held_bytes,
+                step_grads=StepGrads(planned.stages, model).bytes(),
             )
         except InfeasibleBudgetError as err:
             outcome = err
@@ -149,7 +151,7 @@ def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | 
         return outcome
     if isinstance(outcome, InfeasibleBudgetError):
         mine = {"infeasible": [outcome.budget_bytes, outcome.min_budget_bytes, outcome.what,
-                               outcome.min_budget_bytes_output_held]}
+                               outcome.min_budget_bytes_output_held, outcome.min_budget_bytes_grads_kept]}
     else:
         mine = {"plan": outcome.to_json()}
     box = [json.dumps(mine) if dist.get_rank() == 0 else None]
@@ -377,6 +379,11 @@ class RematModule(nn.Module):
     masks otherwise in batches without padding (hierremat.graphs.eager_masks), so does a first
     batch whose padding masks (``*attention_mask``) are all ones where the planned one's were
     not, or the reverse.
+
+    It presents what training loops read from the model they are given (Hugging Face's Trainer,
+    accelerate): its forward's signature (Trainer keeps the dataset columns the forward names),
+    every attribute it does not have itself (``config``, ``main_input_name``, ``save_pretrained``,
+    ...: the model's), and the model's ``state_dict`` keys (saved and loaded without a prefix).
     """
 
     def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings):
@@ -389,6 +396,26 @@ class RematModule(nn.Module):
         self.settings = settings
         self._compiled: dict[tuple, _Compiled] = {}
         self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
+        self._present_signature()
+        self.register_state_dict_post_hook(_without_model_prefix)
+        self.register_load_state_dict_pre_hook(_with_model_prefix)
+
+    def _present_signature(self) -> None:
+        """Make ``inspect.signature(self.forward)`` the wrapped model's (a forward of this instance)."""
+        try:
+            signature = inspect.signature(self.model.forward)
+        except (TypeError, ValueError):  # a builtin or C forward: keep (*args, **kwargs)
+            return
+        self.__dict__["forward"] = _PresentedForward(self, signature)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("__"):
+                raise
+            return getattr(model, name)  # config, main_input_name, save_pretrained, ...
 
     @property
     def plans(self) -> list[ModelPlan]:
@@ -443,6 +470,43 @@ class RematModule(nn.Module):
     def _apply(self, fn, recurse=True):
         self._compiled.clear()  # captured graphs hold the old tensors: re-plan after .to()/.cuda()
         return super()._apply(fn, recurse)
+
+
+class _PresentedForward:
+    """A RematModule's forward with the wrapped model's signature (``__signature__``, which
+    ``inspect.signature`` reads): Trainer keeps the dataset columns it names. Copied with its
+    module (``copy.deepcopy`` binds the copy to the module's copy)."""
+
+    def __init__(self, module: "RematModule", signature: inspect.Signature):
+        self.module = module
+        self.__signature__ = signature
+
+    def __call__(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _without_model_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """RematModule's state_dict keys are the model's: ``model.`` taken off (a state-dict post-hook).
+
+    A tensor stored under two names (a tied embedding and LM head) is there under both, the second
+    as a copy: Trainer writes a model that is not a PreTrainedModel with safetensors' ``save_file``,
+    which refuses tensors that share memory (loading writes both names into the one parameter)."""
+    inner = prefix + "model."
+    seen: set[tuple] = set()
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        value = state_dict.pop(key)
+        if isinstance(value, torch.Tensor) and value.numel():
+            where = (value.device, value.untyped_storage().data_ptr())
+            value = value.detach().clone() if where in seen else value
+            seen.add(where)
+        state_dict[prefix + key[len(inner):]] = value
+
+
+def _with_model_prefix(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Load the model's keys (or, as saved before, ``model.``-prefixed ones) into RematModule."""
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def plan(

@@ -34,7 +34,8 @@ class ChainArrays:
     GL        slots of the gradient of x_L
     NV[i]     slots of the residents stage i makes (hierremat.plans.costs.ResidentCosts): made by
               F_all(i) in the first sweep (t = L-1), held until B(i)
-    DL[b, t]  slots the residents hold once the backward of stages b..L-1 has run, above
+    DL[b, t]  slots the residents and the parameter gradients the step allocates
+              (ChainCosts.held_after_backward) hold once the backward of stages b..L-1 has run, above
               what they held when subproblem (b, t) started: just before the first
               forward of stage b when t = L-1 (the first sweep), just after B(t+1) else
     FV[s, j]  slots of the residents stages s..j-1 make in the first sweep (j >= s)
@@ -97,7 +98,7 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
             kept = ceil_div(op.kept_bytes, unit)
             pin = int(bool(op.pins_output))
             pin_in = int(bool(op.pins_input))
-            ob = ceil_div(op.bwd_overhead_bytes, unit)
+            ob = ceil_div(costs.bwd_overhead(i, op), unit)
             of = ceil_div(op.fwd_overhead_bytes, unit)
             credit = 0 if pin_in or i == 0 else int(A_floor[i])
             terms = (kept, kept + pin * A[i + 1], ob, ob + pin * A[i + 1])
@@ -137,10 +138,11 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
 
 
 def resident_terms(costs: ChainCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(NV, DL, FV) of ChainArrays in bytes (see there); all zero for a chain without residents."""
+    """(NV, DL, FV) of ChainArrays in bytes (see there); all zero for a chain without residents
+    whose step allocates no parameter gradient."""
     L = costs.length
     made = np.array([costs.residents_made_before(j) for j in range(L + 1)], dtype=np.int64)
-    after = np.array([costs.residents_after_backward(b) for b in range(L + 1)], dtype=np.int64)
+    after = np.array([costs.held_after_backward(b) for b in range(L + 1)], dtype=np.int64)
     NV = np.array([costs.resident_values_of(i) for i in range(L)], dtype=np.int64)
     start = np.broadcast_to(after[1:], (L + 1, L)).copy()  # DL[b, t]: the start of (b, t) is after B(t+1) ...
     start[:, L - 1] = made  # ... or, in the first sweep, before the first forward of b

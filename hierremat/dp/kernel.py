@@ -30,6 +30,11 @@ after a sub-chain starting at b, and taken from a left part's memory after the r
 through the split. A subproblem with t = L-1 is always in the first sweep (no stage of it
 has run yet) and one with t < L-1 never is (every stage of it has run once).
 
+Parameter gradients the step allocates (ChainCosts.step_grad_bytes: ``.grad`` None at the
+step's start) enter through the same terms: they are in OB[s, k] (B(s) may hold them all
+before it ends) and, held from B(s) to the end of the step, in DL, as a resident's gradient
+sum made by B(s) and never consumed is.
+
 Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint split.
 Loops run over m innermost so table reads are contiguous; candidates are still tried
 per m in the reference's order (options, then splits by s'), so ties resolve the same.

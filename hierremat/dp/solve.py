@@ -76,14 +76,14 @@ class _Expander:
         residents_held = made + int(self.DL[s + 1, t])
         if s == t == L - 1:
             held = max(self.costs.held_output, int(op.pins_output) * a[L])
-            loss_and_backward = max(a[L], op.bwd_overhead_bytes + held)
+            loss_and_backward = max(a[L], self.costs.bwd_overhead(s, op) + held)
             return max(
                 op.fwd_overhead_bytes, op.kept_bytes - credit + self.costs.output_grad + loss_and_backward + residents_held
             )
         if s == t:
             resident = int(op.pins_output) * a[s + 1]
-            return max(op.fwd_overhead_bytes, op.kept_bytes + op.bwd_overhead_bytes - credit + resident + residents_held)
-        backward = op.kept_bytes + (1 + int(op.pins_output)) * a[s + 1] + op.bwd_overhead_bytes - credit
+            return max(op.fwd_overhead_bytes, op.kept_bytes + self.costs.bwd_overhead(s, op) - credit + resident + residents_held)
+        backward = op.kept_bytes + (1 + int(op.pins_output)) * a[s + 1] + self.costs.bwd_overhead(s, op) - credit
         return max(
             op.fwd_overhead_bytes,
             op.kept_bytes + a[s + 1] - credit + made + sub_peak,

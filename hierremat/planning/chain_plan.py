@@ -22,6 +22,7 @@ from ..plans.schedule import ChainSchedule
 from ..plans.sequential_plan import SequentialPlan
 from ..runtime.executor import ChainRunner, OutputUse, stage_buffers
 from ..runtime.profile import ChainProfile, profile_chain
+from ..runtime.step_grads import StepGrads
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ def plan_from_profile(
     profile_seconds: float = 0.0,
     strategy: str = "optimal",
     output_held: bool | int | None = None,
+    step_grads: tuple[int, ...] | None = None,
 ) -> SequentialPlan:
     """Solve the chain so that the schedule's peak plus the runtime's replay reserve fits.
 
@@ -136,8 +138,15 @@ def plan_from_profile(
     (an int, as observed by the runtime). None (default) plans as if it is held, unless
     only a plan that assumes it released fits the budget; the runtime checks the
     assumption on every backward (PlannedChain).
+
+    step_grads: per stage, bytes of the parameter gradients the step allocates in its backward
+    (ChainCosts.step_grad_bytes; () for none); None (default): those the stages' parameters
+    would get now (hierremat.runtime.step_grads: ``.grad`` None). The runtime checks it on every
+    call (PlannedChain).
     """
     reserve, caller_rng = _replay_reserve(stages, profile, device)
+    if step_grads is None:
+        step_grads = StepGrads(stages).bytes()
 
     def reserved(schedule) -> int:
         counts = schedule.forward_counts()
@@ -154,19 +163,21 @@ def plan_from_profile(
         return costs, schedule
 
     started = time.perf_counter()
-    costs = replace(profile.costs, output_held_bytes=held_bytes(output_held, profile.costs))
+    costs = replace(
+        profile.costs, output_held_bytes=held_bytes(output_held, profile.costs), step_grad_bytes=tuple(step_grads),
+    )
     try:
         costs, schedule = solve(costs)
     except InfeasibleBudgetError as held:
         if output_held is not None:
-            raise
+            raise _with_grads_kept(held, costs, sum(reserve) + caller_rng, strategy) from None
         costs = replace(costs, output_held_bytes=least_held_bytes(profile))
         try:
             costs, schedule = solve(costs)
         except InfeasibleBudgetError as released:
-            raise InfeasibleBudgetError(
+            raise _with_grads_kept(InfeasibleBudgetError(
                 budget_bytes, released.min_budget_bytes, released.what, min_budget_bytes_output_held=held.min_budget_bytes,
-            ) from None
+            ), costs, sum(reserve) + caller_rng, strategy) from None
         log.info(
             "budget %d B fits only if the caller releases the chain output before backward (e.g. `loss = "
             "model(x).loss`); planned so. Each backward checks it and warns if the output was held.", budget_bytes,
@@ -175,6 +186,19 @@ def plan_from_profile(
     return SequentialPlan(
         costs, schedule, profile.mutated_buffers, reserved(schedule), profile_seconds, time.perf_counter() - started,
         profile.output_grad_mask, AutocastState.capture((device.type,)).describe(),
+    )
+
+
+def _with_grads_kept(err: InfeasibleBudgetError, costs: ChainCosts, reserve_bytes: int, strategy: str
+                     ) -> InfeasibleBudgetError:
+    """``err``, saying too the smallest budget with ``.grad`` kept allocated where the step allocates
+    parameter gradients (as _fastest_fitting reports a minimum: least peak of the leaner forwards
+    plus every stage's replay reserve)."""
+    if not costs.step_grad_bytes or strategy != "optimal":
+        return err
+    kept = min_peak_schedule(replace(costs, step_grad_bytes=()).with_leaner_forwards()).predicted_peak_bytes
+    return InfeasibleBudgetError(
+        err.budget_bytes, err.min_budget_bytes, err.what, err.min_budget_bytes_output_held, kept + reserve_bytes,
     )
 
 
@@ -205,6 +229,12 @@ class PlannedChain:
     held it (warning: that step may have exceeded the budget by the output's bytes), released
     when it was released (a faster plan), and with the stages re-profiled when other outputs
     received gradients than expected.
+
+    Every call also looks at which parameter gradients the step will allocate (``.grad`` None:
+    hierremat.runtime.step_grads) and runs the plan made for that case, planned on first need
+    (the chain DP alone) and kept: PyTorch's default ``zero_grad(set_to_none=True)``, gradients
+    kept allocated, and the micro-batches of a gradient accumulation (the first allocates, the
+    others add) each run their own plan.
     """
 
     def __init__(
@@ -221,6 +251,8 @@ class PlannedChain:
         self.residents = residents
         self.sharded = None
         self.agree = None
+        self.step_grads = StepGrads(self.stages)
+        self._by_step_grads: dict[tuple[int, ...], SequentialPlan] = {}
         self._bind(plan)
 
     def _bind(self, plan: SequentialPlan) -> None:
@@ -244,6 +276,8 @@ class PlannedChain:
         self.sharded = sharded
         self.agree = agree
         self.menus = None
+        self.step_grads = StepGrads(self.stages, sharded.model)
+        self._by_step_grads = {}
         self._bind(plan)
 
     @property
@@ -254,9 +288,27 @@ class PlannedChain:
         seen = self.runner.observed_output_use
         if seen is not None and seen != self.assumed_output_use:
             self._replan(seen, x, shared)
+        step_grads = self.step_grads.bytes() if torch.is_grad_enabled() else self.plan.costs.step_grad_bytes
+        if step_grads != self.plan.costs.step_grad_bytes:  # (without grad no backward allocates them)
+            self._plan_for_step_grads(step_grads, x.device)
         if self.sharded is not None:
             return self.sharded.run(lambda x, *shared: self.runner.run(x, shared), x, *shared)
         return self.runner.run(x, shared)
+
+    def _plan_for_step_grads(self, step_grads: tuple[int, ...], device: torch.device) -> None:
+        """Run the plan for the parameter gradients this step allocates (ChainCosts.step_grad_bytes),
+        solving it from the current plan's costs the first time that case is met."""
+        self._by_step_grads[self.plan.costs.step_grad_bytes] = self.plan
+        plan = self._by_step_grads.get(step_grads)
+        if plan is None:
+            log.info(
+                "the step allocates %d B of parameter gradients (.grad None at its start: zero_grad(set_to_none=True)), "
+                "the plan assumed %d B: planning for it", sum(step_grads), sum(self.plan.costs.step_grad_bytes),
+            )
+            profile = ChainProfile(self.plan.costs, self.plan.mutated_buffers, self.plan.output_grad_mask)
+            plan = self._solve_agreed(profile, device, self.plan.profile_seconds, self.plan.costs.held_output, step_grads)
+            self._by_step_grads[step_grads] = plan
+        self._bind(plan)
 
     def _replan(self, seen: OutputUse, x: torch.Tensor, shared: tuple) -> None:
         assumed = self.assumed_output_use
@@ -289,10 +341,19 @@ class PlannedChain:
             if self.menus is not None:
                 profile = self.menus.extend(profile)
             profile_seconds = time.perf_counter() - started
+        outcome = self._solve_agreed(profile, x.device, profile_seconds, seen.held_bytes, self.step_grads.bytes())
+        self._by_step_grads = {}  # planned for another use of the output
+        self._bind(outcome)
+
+    def _solve_agreed(self, profile: ChainProfile, device: torch.device, profile_seconds: float, output_held: int,
+                      step_grads: tuple[int, ...]) -> SequentialPlan:
+        """plan_from_profile at this chain's budget, every rank on rank 0's outcome (``agree``);
+        raises InfeasibleBudgetError where it is infeasible."""
         try:
             outcome = plan_from_profile(
-                self.stages, profile, self.plan.budget_bytes, x.device, slots=self.slots,
-                profile_seconds=profile_seconds, strategy=self.strategy, output_held=seen.held_bytes,
+                self.stages, profile, self.plan.budget_bytes, device, slots=self.slots,
+                profile_seconds=profile_seconds, strategy=self.strategy, output_held=output_held,
+                step_grads=step_grads,
             )
         except InfeasibleBudgetError as err:
             outcome = err
@@ -300,4 +361,4 @@ class PlannedChain:
             outcome = self.agree(outcome)
         if isinstance(outcome, InfeasibleBudgetError):
             raise outcome
-        self._bind(outcome)
+        return outcome

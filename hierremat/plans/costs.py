@@ -30,6 +30,10 @@ class OptionCosts:
         result), so x_{i+1} stays allocated until B(i).
     pins_input: True when the kept tensors share x_i's storage (e.g. Linear saves its
         input), so x_i stays allocated until B(i); otherwise F_all frees x_i.
+    bwd_overhead_new_grads_bytes: the peak of B above the memory before it when the stage's
+        parameters' ``.grad`` is None at the start of the step, so that the gradients B makes stay
+        (measured for a stage run under autograd); None where not measured (ChainCosts.bwd_overhead
+        then bounds it by bwd_overhead_bytes plus the gradients the step allocates in B).
     name, mip_gap: what the option is, for summaries (not used by the DP): an ILP option
         whose solve stopped at its time limit has the solver's relative MIP gap there
         (None: not reported), every other option 0.0.
@@ -44,6 +48,7 @@ class OptionCosts:
     pins_input: bool = True
     name: str = "autograd"
     mip_gap: float | None = 0.0  # a block option's MIP gap where its solve stopped at a time limit
+    bwd_overhead_new_grads_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,13 @@ class ChainCosts:
         returns (loss, logits) and is trained with ``.loss.backward()``.
     residents: values carried beside the activation, each counted while it is live
         (ResidentCosts; none for a plain chain).
+    step_grad_bytes: per stage, bytes of the parameter gradients its backward allocates and the
+        step keeps to its end (empty: none). A parameter whose ``.grad`` is None when the step
+        starts (PyTorch's default ``zero_grad(set_to_none=True)``) gets its ``.grad`` in the
+        backward of the last stage that reads it, the first backward to reach it. Overheads are
+        measured with ``.grad`` allocated, where a new gradient is added into it and freed; with
+        ``.grad`` None it stays instead, so B(i) peaks at most ``step_grad_bytes[i]`` above its
+        measured overhead (:meth:`bwd_overhead`), and holds them after.
     """
 
     activation_bytes: tuple[int, ...]
@@ -186,9 +198,12 @@ class ChainCosts:
     output_held_bytes: int | None = None
     output_grad_bytes: int | None = None
     residents: tuple[ResidentCosts, ...] = ()
+    step_grad_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         L = len(self.stages)
+        if self.step_grad_bytes and (len(self.step_grad_bytes) != L or min(self.step_grad_bytes) < 0):
+            raise ValueError(f"step_grad_bytes needs L = {L} sizes >= 0 (or none), got {self.step_grad_bytes}")
         for r in self.residents:
             if not (-1 <= r.producer < L and (r.readers or r.exported) and all(r.producer < j < L for j in r.readers)):
                 raise ValueError(f"resident {r}: its producer must be a stage (or -1), its readers later stages (or it exported)")
@@ -247,6 +262,28 @@ class ChainCosts:
         """Bytes of x_L the caller holds through the backward."""
         return self.activation_bytes[-1] if self.output_held_bytes is None else self.output_held_bytes
 
+    def step_grad(self, stage: int) -> int:
+        """Bytes of the parameter gradients B(stage) allocates and the step keeps (step_grad_bytes)."""
+        return self.step_grad_bytes[stage] if self.step_grad_bytes else 0
+
+    def bwd_overhead(self, stage: int, option: OptionCosts) -> int:
+        """Peak of B(stage) run with ``option`` above the memory before it. Where B allocates parameter
+        gradients that stay (step_grad_bytes), at most the overhead measured with ``.grad`` allocated
+        plus those bytes (each gradient, added into ``.grad`` and freed there, stays here instead), and
+        at most the overhead measured with every ``.grad`` of the stage None
+        (OptionCosts.bwd_overhead_new_grads_bytes: gradients that already exist only lower it)."""
+        new_grads = self.step_grad(stage)
+        if not new_grads:
+            return option.bwd_overhead_bytes
+        bound = option.bwd_overhead_bytes + new_grads
+        measured = option.bwd_overhead_new_grads_bytes
+        return bound if measured is None else min(bound, max(option.bwd_overhead_bytes, measured))
+
+    def held_after_backward(self, stage: int) -> int:
+        """Bytes that the step holds beside the chain once the backward of stages ``stage``..L-1 has
+        run: the residents' (:meth:`residents_after_backward`) and the parameter gradients allocated."""
+        return self.residents_after_backward(stage) + sum(self.step_grad_bytes[stage:])
+
     def resident_values_of(self, stage: int) -> int:
         """Bytes of the residents ``stage`` makes (held after its first forward)."""
         return sum(r.value_bytes for r in self.residents if r.producer == stage)
@@ -279,6 +316,7 @@ class ChainCosts:
             "output_grad_bytes": self.output_grad_bytes,
             "stages": [st.to_dict() for st in self.stages],
             "residents": [r.to_dict() for r in self.residents],
+            "step_grad_bytes": list(self.step_grad_bytes),
         }
 
     @classmethod
@@ -291,4 +329,5 @@ class ChainCosts:
             output_held_bytes=None if d.get("output_held_bytes") is None else int(d["output_held_bytes"]),
             output_grad_bytes=None if d.get("output_grad_bytes") is None else int(d["output_grad_bytes"]),
             residents=tuple(ResidentCosts.from_dict(r) for r in d.get("residents", ())),
+            step_grad_bytes=tuple(int(b) for b in d.get("step_grad_bytes", ())),
         )

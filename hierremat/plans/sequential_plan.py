@@ -112,6 +112,14 @@ class SequentialPlan:
             "(counted in the stage costs)"
         )
 
+    def step_grads_line(self) -> str:
+        """What the plan assumes of the parameter gradients (ChainCosts.step_grad_bytes)."""
+        made = sum(self.costs.step_grad_bytes)
+        if not made:
+            return "parameter gradients: allocated before the step (.grad kept), not counted"
+        return (f"parameter gradients: {format_bytes(made)} allocated in the step (.grad None at its start), "
+                "counted from each stage's backward on")
+
     def summary(self) -> str:
         s = self.schedule
         overhead = s.predicted_time / self.no_remat_step_time - 1 if self.no_remat_step_time > 0 else 0.0
@@ -126,6 +134,7 @@ class SequentialPlan:
             f"  assumes the caller holds {format_bytes(self.costs.held_output)} of the "
             f"{format_bytes(self.costs.activation_bytes[-1])} output during backward; "
             f"output gradient {format_bytes(self.costs.output_grad)}",
+            f"  {self.step_grads_line()}",
             f"  {self.autocast_line()}",
             "",
             f"  {'stage':>5}  {'module':<18} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",

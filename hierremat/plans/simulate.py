@@ -150,7 +150,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             if (i + 1) not in grad_alive:
                 fail(idx, op, f"gradient of x_{i + 1} not available")
             opt = costs.stages[i].options[tapes.pop(i)]
-            peak_op = before + opt.bwd_overhead_bytes
+            peak_op = before + costs.bwd_overhead(i, opt)
             clock += opt.bwd_time
             state["used"] -= opt.kept_bytes
             release(i, ("tape", i))
@@ -159,7 +159,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
                 grad_alive.discard(i + 1)
                 state["used"] -= a[i + 1] if i + 1 < L else costs.output_grad
             grad_alive.add(i)
-            state["used"] += costs.grad_bytes(i)
+            state["used"] += costs.grad_bytes(i) + costs.step_grad(i)
             for r in costs.residents:
                 if r.last_reader == i and r.readers and not r.exported:
                     state["used"] += r.grad_bytes

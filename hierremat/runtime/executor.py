@@ -189,9 +189,14 @@ class ChainRunner:
         Without grad, or when the schedule keeps everything, the stages are simply called:
         plain autograd then does exactly what the schedule says, at no runner overhead (in
         the latter case an identity node on the output records how the caller used it).
+        Except where stages share a parameter (hierremat.runtime.tied): one backward call sums
+        its gradient terms before accumulating them, holding the later readers' terms through
+        the earlier readers' backward (a tied LM head's whole weight gradient through the whole
+        chain), which the stages' costs, measured one backward at a time, do not count; the
+        schedule then runs op by op.
         """
         autocast = AutocastState.capture((x.device.type,))
-        if not torch.is_grad_enabled() or self.schedule.keeps_everything:
+        if not torch.is_grad_enabled() or (self.schedule.keeps_everything and not self.tied):
             values: dict[int, torch.Tensor] = {}
             for i in range(len(self.stages)):
                 with autocast.stage_scope():

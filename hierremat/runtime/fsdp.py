@@ -192,6 +192,7 @@ def with_gathered(costs: ChainCosts, gathered: GatheredBytes) -> ChainCosts:
         option = replace(
             option, fwd_overhead_bytes=forward(option.fwd_overhead_bytes, g),
             bwd_overhead_bytes=max(option.bwd_overhead_bytes + 2 * g, 4 * g),
+            bwd_overhead_new_grads_bytes=None,  # measured unsharded: the gradients the step keeps are shards
         )
         stages.append(
             replace(stage, nograd_fwd_overhead_bytes=forward(stage.nograd_fwd_overhead_bytes, g), options=(option,))

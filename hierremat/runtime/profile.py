@@ -387,6 +387,7 @@ def _profile_stage(
             bwd_time = time.perf_counter() - started
             bwd_peak = meter.peak_bytes - base
         del edges, grads, sink
+        bwd_new_grads_peak = _bwd_peak_with_new_grads(call, x, requires_grad, grad_mask, params, meter)
     if not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
         nograd_time, fwd_time, bwd_time = _timed_runs(call, x, requires_grad, repeats, device, grad_mask)
 
@@ -399,6 +400,7 @@ def _profile_stage(
         bwd_overhead_bytes=max(bwd_peak, grad_bytes),
         pins_output=pins_output,
         pins_input=pins_input,
+        bwd_overhead_new_grads_bytes=None if bwd_new_grads_peak is None else max(bwd_new_grads_peak, grad_bytes),
     )
     cost = StageCosts(
         nograd_fwd_time=nograd_time,
@@ -408,6 +410,35 @@ def _profile_stage(
         weight_cast_bytes=casts.bytes,
     )
     return cost, mutated, y, grad_mask
+
+
+def _bwd_peak_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask, params: list,
+                             meter) -> int | None:
+    """Peak of the stage's backward above the memory before it when its parameters' ``.grad`` is None
+    (PyTorch's default ``zero_grad(set_to_none=True)``): the gradients it makes stay instead of being
+    added into ``.grad`` and freed (OptionCosts.bwd_overhead_new_grads_bytes). None where the stage
+    has no trainable parameter or no backward. The parameters' ``.grad`` are put back after."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return None
+    saved = [p.grad for p in trainable]
+    try:
+        for p in trainable:
+            p.grad = None
+        anchor = torch.empty(0, device=x.device, requires_grad=True) if requires_grad else None
+        with torch.enable_grad():
+            out = call(tap_input(x.detach(), anchor)[0])
+        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+        del out
+        if all(e is None for e in edges):
+            return None
+        meter.reset_peak()
+        base = meter.live_bytes
+        backward_through(edges, grads)
+        return meter.peak_bytes - base
+    finally:
+        for p, g in zip(trainable, saved):
+            p.grad = g
 
 
 def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,

@@ -27,7 +27,7 @@ from ..store.cache import CacheKey, OptionsCache
 log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
-STAGE_COST_VERSION = "stage-4"
+STAGE_COST_VERSION = "stage-5"  # 5: the backward with .grad None (bwd_overhead_new_grads_bytes)
 
 
 @dataclass(frozen=True)

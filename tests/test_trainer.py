@@ -1,0 +1,136 @@
+"""Hugging Face's Trainer with its default arguments trains a remat'd model (issue 35, item 2).
+
+Trainer keeps the dataset columns the model's forward names (``remove_unused_columns=True``), reads
+``config`` and ``main_input_name`` from the model, calls PyTorch's default ``zero_grad`` (every
+``.grad`` None between steps) and, with dynamic padding, sees a new length in many batches.
+"""
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import hierremat as hr
+from hierremat.device import LiveTensorTracker
+
+from models import tiny_gpt2
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = (12, 20, 12, 20, 20, 12, 12, 20)
+
+
+class Rows(torch.utils.data.Dataset):
+    """Token rows of several lengths, with a text column the model does not take."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.rows = [torch.randint(1, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i], "text": f"row {i}"}
+
+
+def pad_to_longest(features):
+    """Dynamic padding, as DataCollatorWithPadding does: each batch as long as its longest row;
+    padding masked out of the attention and of the loss (-100)."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[row, :n] = torch.tensor(f["input_ids"])
+        mask[row, :n] = 1
+        labels[row, :n] = torch.tensor(f["labels"])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class MeasuredTrainer(transformers.Trainer):
+    """Trainer recording the live-tensor peak of each training step (forward and backward)."""
+
+    peaks: list
+
+    def training_step(self, *args, **kwargs):
+        with LiveTensorTracker() as tracker:
+            loss = super().training_step(*args, **kwargs)
+        self.peaks.append(tracker.peak_bytes)
+        return loss
+
+
+def _train(model, tmp_path, name, steps: int = 4, resume: bool = False):
+    """Train to ``steps`` (from the checkpoint Trainer saved at the end of the last run, ``resume``)."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / name), max_steps=steps, per_device_train_batch_size=2,
+                                          logging_steps=1, report_to=[], seed=0)
+    trainer = MeasuredTrainer(model=model, args=args, train_dataset=Rows(), data_collator=pad_to_longest)
+    trainer.peaks = []
+    trainer.train(resume_from_checkpoint=resume or None)
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], trainer.peaks
+
+
+def test_trainer_with_default_arguments_trains_exactly_within_the_budget(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=64)
+    reference = copy.deepcopy(model)
+    example = pad_to_longest([Rows()[1], Rows()[2]])  # the longest length, one row padded
+    ids = example.pop("input_ids")
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), example, budget="1KiB")
+    budget = err.value.min_budget_bytes
+    module = hr.remat(model, (ids,), example, budget=f"{budget}B")
+    assert inspect.signature(module.forward) == inspect.signature(model.forward)
+    assert module.config is model.config and module.main_input_name == "input_ids"
+    assert list(module.state_dict()) == list(model.state_dict())
+
+    plain_losses, _ = _train(reference, tmp_path, "plain")
+    losses, peaks = _train(module, tmp_path, "remat")  # saves a checkpoint at the end, as by default
+    assert len(losses) == 4 and losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert max(peaks) <= budget, (peaks, budget)
+    assert all(p.grad is None for p in model.parameters())  # Trainer's zero_grad: the step allocates them
+    assert any(plan.chain.costs.step_grad_bytes for plan in module.plans)
+
+    # resume from the checkpoints on fresh models: two more steps, as plain Trainer resumes
+    torch.manual_seed(0)
+    fresh, fresh_reference = tiny_gpt2(n_layer=2, n_embd=64), tiny_gpt2(n_layer=2, n_embd=64)
+    plain_more, _ = _train(fresh_reference, tmp_path, "plain", steps=6, resume=True)
+    more, peaks = _train(hr.remat(fresh, (ids,), example, budget=f"{budget}B"), tmp_path, "remat", steps=6, resume=True)
+    assert len(more) == 6 and more[:4] == losses and more == plain_more  # (the log restored with the state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), fresh_reference.state_dict().values()))
+    assert max(peaks) <= budget
+
+
+def test_accelerate_prepare_and_loop_train_exactly_within_the_budget():
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=64)
+    reference = copy.deepcopy(model)
+    example = pad_to_longest([Rows()[1], Rows()[2]])
+    ids = example.pop("input_ids")
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), example, budget="1KiB")
+    budget = err.value.min_budget_bytes
+    runs = []
+    for net in (reference, hr.remat(model, (ids,), example, budget=f"{budget}B")):
+        accelerator = accelerate.Accelerator(cpu=True)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        loader = torch.utils.data.DataLoader(Rows(), batch_size=2, collate_fn=pad_to_longest)
+        net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+        losses, peaks = [], []
+        torch.manual_seed(1)
+        for batch in loader:
+            with LiveTensorTracker() as tracker:
+                loss = net(**batch).loss
+                accelerator.backward(loss)
+            peaks.append(tracker.peak_bytes)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, peaks))
+    (plain_losses, _), (losses, peaks) = runs
+    assert losses == plain_losses and max(peaks) <= budget, (peaks, budget)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
