@@ -316,12 +316,17 @@ def in_backward_thread(fn: Callable[[], object], device: torch.device) -> None:
     _CallInBackward.apply(anchor, fn).backward()
 
 
+def _grad_forward(call: Callable, x: torch.Tensor, requires_grad: bool):
+    """The stage's forward with grad on x, its input gradient (if ``requires_grad``) caught by a tap."""
+    anchor = torch.empty(0, device=x.device, requires_grad=True) if requires_grad else None
+    with torch.enable_grad():
+        return call(tap_input(x, anchor)[0])
+
+
 def _run_forward_and_backward(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask) -> None:
     with torch.no_grad():
         call(x)
-    anchor = torch.empty(0, device=x.device, requires_grad=True) if requires_grad else None
-    with torch.enable_grad():
-        out = call(tap_input(x, anchor)[0])
+    out = _grad_forward(call, x, requires_grad)
     mask = default_grad_mask(out) if grad_mask is None else grad_mask
     edges, grads = gradient_edges(out), _ones_for(out, mask)
     del out
@@ -425,9 +430,7 @@ def _bwd_peak_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: boo
     try:
         for p in trainable:
             p.grad = None
-        anchor = torch.empty(0, device=x.device, requires_grad=True) if requires_grad else None
-        with torch.enable_grad():
-            out = call(tap_input(x.detach(), anchor)[0])
+        out = _grad_forward(call, x, requires_grad)
         edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out
         if all(e is None for e in edges):
@@ -447,11 +450,7 @@ def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: i
     with torch.no_grad():
         nograd_time = median_seconds(lambda: call(x), repeats, device)
 
-    def grad_forward():
-        anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
-        with torch.enable_grad():
-            return call(tap_input(x, anchor)[0])
-
+    grad_forward = functools.partial(_grad_forward, call, x, requires_grad)
     warm = grad_forward()  # first grad-mode run and backward pay one-off costs: not timed
     backward_through(gradient_edges(warm), _ones_for(warm, grad_mask))
     del warm
