@@ -44,6 +44,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_in_place.py
 	$(BIN)/python benchmarks/bench_kernels.py
 	$(BIN)/python benchmarks/bench_step_grads.py
+	$(BIN)/python benchmarks/bench_shapes.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,6 @@
 """Command line for the block-option cache (a thin wrapper over :class:`OptionsCache`).
 
-    python -m hierremat.cache [--dir DIR] list [--json]   # table of entries (or JSON)
+    python -m hierremat.cache [--dir DIR] list [--json]   # table of entries (or JSON), their size and the cap
     python -m hierremat.cache [--dir DIR] clear           # delete every entry
     python -m hierremat.cache [--dir DIR] export OUT      # all valid entries -> one JSON bundle
     python -m hierremat.cache [--dir DIR] import IN       # add a bundle's valid entries
@@ -18,9 +18,9 @@ import sys
 import time
 
 from .budget import format_bytes
-from .store.cache import OptionsCache
+from .store.cache import MAX_BYTES_ENV_VAR, OptionsCache
 
-_COLUMNS = ("digest", "signature", "device", "dtype", "cost model", "formulation", "size", "written", "status")
+_COLUMNS = ("digest", "signature", "device", "dtype", "cost model", "formulation", "size", "last used", "status")
 
 
 def _row(e: dict) -> tuple[str, ...]:
@@ -34,11 +34,11 @@ def _row(e: dict) -> tuple[str, ...]:
 
 
 def _list(cache: OptionsCache, as_json: bool) -> None:
-    entries = cache.entries()
+    entries = sorted(cache.entries(), key=lambda e: e["created"])  # least recently used (next evicted) first
     if as_json:
         print(json.dumps(entries, indent=1))
         return
-    print(f"cache directory: {cache.directory}")
+    print(f"cache directory: {cache.directory} (least recently used first)")
     if not entries:
         print("no entries")
         return
@@ -48,7 +48,8 @@ def _list(cache: OptionsCache, as_json: bool) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     total = sum(e["size"] for e in entries)
     bad = sum(not e["valid"] for e in entries)
-    print(f"{len(entries)} entries, {format_bytes(total)}" + (f", {bad} invalid" if bad else ""))
+    print(f"{len(entries)} entries, {format_bytes(total)} of a {format_bytes(cache.max_bytes)} cap (least recently used "
+          f"removed beyond it; ${MAX_BYTES_ENV_VAR} sets it)" + (f", {bad} invalid" if bad else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

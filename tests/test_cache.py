@@ -267,6 +267,42 @@ def test_cli(tmp_path):
     assert r.returncode == 1 and "error" in r.stderr
 
 
+def _age(cache: OptionsCache, key: CacheKey, seconds_ago: float) -> None:
+    """Set an entry's last use (its file's modification time) to ``seconds_ago``."""
+    when = time.time() - seconds_ago
+    os.utime(cache.path_for(key), (when, when))
+
+
+def test_least_recently_used_entries_are_evicted_beyond_the_cap(tmp_path):
+    writer = OptionsCache(tmp_path)
+    for name in ("a", "b", "c"):
+        writer.put(_key(name), PAYLOAD)
+    size = writer.path_for(_key("a")).stat().st_size
+    _age(writer, _key("a"), 300), _age(writer, _key("b"), 200), _age(writer, _key("c"), 100)
+    assert OptionsCache(tmp_path).get(_key("a")) == PAYLOAD  # a read is a use: "a" is now the most recent
+    capped = OptionsCache(tmp_path, max_bytes=3 * size)
+    capped.put(_key("d"), PAYLOAD)  # four entries over a cap of three: the least recently used one goes
+    assert not capped.path_for(_key("b")).exists()
+    assert all(capped.path_for(_key(n)).exists() for n in ("a", "c", "d"))
+    tiny = OptionsCache(tmp_path, max_bytes=1)
+    tiny.put(_key("e"), PAYLOAD)  # the entry just written stays, whatever the cap
+    assert [p.name for _, _, p in tiny.usage()] == [tiny.path_for(_key("e")).name]
+    assert tiny.get(_key("e")) == PAYLOAD
+
+
+def test_cap_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("HIERREMAT_CACHE_MAX_BYTES", "1KiB")
+    assert OptionsCache(tmp_path).max_bytes == 1024
+    OptionsCache(tmp_path).put(_key(), PAYLOAD)
+    r = _cli("--dir", str(tmp_path), "list", HIERREMAT_CACHE_MAX_BYTES="2MiB")
+    assert r.returncode == 0 and "of a 2.00 MiB cap" in r.stdout, r.stdout + r.stderr
+    monkeypatch.setenv("HIERREMAT_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="HIERREMAT_CACHE_MAX_BYTES"):
+        OptionsCache(tmp_path)
+    with pytest.raises(ValueError, match="max_bytes"):
+        OptionsCache(tmp_path, max_bytes=0)
+
+
 def test_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"

@@ -11,8 +11,10 @@ import inspect
 import json
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import fx, nn
@@ -21,6 +23,8 @@ from torch.utils import _pytree as pytree
 from ..graphs.capture import capture, check_outputs, uncompiled
 from ..graphs.eager_masks import has_value_branch, padding_key
 from ..graphs.hf import call_kwargs
+from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
+from ..graphs.symbolic import SymbolicCapture, capture_symbolic
 from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from ..budget import format_bytes, parse_budget
 from ..dp.solve import DEFAULT_SLOTS
@@ -38,8 +42,13 @@ from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_opt
 from .sequential import check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from ..planning.menus import StageMenu, build_menus
+from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern
 
 log = logging.getLogger(__name__)
+
+#: How many input shapes' plans a RematModule keeps (least recently used dropped first): each holds
+#: its graphs, about a megabyte for a 12-layer GPT-2; a dropped shape plans again when it comes back.
+DEFAULT_MAX_SHAPES = 64
 
 
 class ChainModule(nn.Module):
@@ -96,6 +105,10 @@ class _Compiled:
         self.chain = chain
         self._plan = plan
         self.chain_module = chain_module
+        self.family: tuple = ()  # the inputs' _family_key, set by RematModule
+        self.sample: ShapeSample | None = None  # its measured times (None: fitted, or run from a saved plan)
+        self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
+        self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.graphs.sources)
 
     @property
     def plan(self) -> ModelPlan:
@@ -201,16 +214,17 @@ class PlanSettings:
 
 
 def _captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, autocast: AutocastState,
-                    started: float):
-    """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds)."""
-    captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs)
+                    started: float, symbolic: SymbolicCapture | None = None):
+    """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds,
+    whether the capture was specialized from ``symbolic``)."""
+    captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs, symbolic=symbolic)
     try:
         chain = build_chain_graph(captured, model, settings.segmentation, context=autocast.key())
     except (ValueError, StopIteration) as err:
         raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
     capture_seconds = time.perf_counter() - started
     x0, shared = chain_inputs(chain, args, kwargs)
-    return chain, x0, tuple(shared), capture_seconds
+    return chain, x0, tuple(shared), capture_seconds, captured.specialized
 
 
 @dataclass
@@ -225,26 +239,37 @@ class _ProfiledChain:
     profile_seconds: float
     menus: object  # hierremat.planning.menus.ChainMenus, or None
 
+    fitted: ShapeFit | None = None
+
     @classmethod
     def of(
         cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
+        fitted: ShapeFit | None = None,
     ) -> "_ProfiledChain":
-        """deadline: when building the block menus must be done (``time.perf_counter()``)."""
+        """deadline: when building the block menus must be done (``time.perf_counter()``).
+        fitted: this shape's times fitted from shapes measured before (hierremat.planning.shape_fit):
+        then only memory is measured."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
         profile = profile_chain(
             chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache()),
-            residents=chain.residents,
+            residents=chain.residents, timed=fitted is None,
         )
+        if fitted is not None:
+            profile = replace(profile, costs=fitted.stage_costs(profile.costs))
         profile_seconds = time.perf_counter() - started
         menus = None
         if settings.block_options == "ilp" and settings.strategy == "optimal":
             menus = build_menus(
                 chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants,
                 deadline=deadline, residents=chain.residents,
-                recompute_across_dropouts=settings.segmentation != "none",
+                recompute_across_dropouts=settings.segmentation != "none", fitted=fitted,
             )
-        return cls(chain, x0, shared, settings, profile, profile_seconds, menus)
+        return cls(chain, x0, shared, settings, profile, profile_seconds, menus, fitted)
+
+    def sample(self) -> ShapeSample:
+        """This shape's measured times (bindings unset), to fit later shapes' from."""
+        return ShapeSample.of(self.profile.costs, self.menus, [info.signature for info in self.chain.infos])
 
     @property
     def shared_bytes(self) -> int:
@@ -271,7 +296,8 @@ class _ProfiledChain:
         except InfeasibleBudgetError as err:
             raise err.plus(budget_bytes, self.beside_chain_bytes) from None
 
-    def model_plan(self, chain_plan: SequentialPlan, capture_seconds: float, compiled: bool = False) -> ModelPlan:
+    def model_plan(self, chain_plan: SequentialPlan, capture_seconds: float, compiled: bool = False,
+                   specialized: bool = False) -> ModelPlan:
         menus = self.menus
         return ModelPlan(
             chain_plan, tuple(self.chain.infos), self.shared_bytes, capture_seconds,
@@ -280,12 +306,18 @@ class _ProfiledChain:
             segmentation=self.settings.segmentation, variants=self.settings.variants, compiled=compiled,
             outputs=self.settings.outputs,
             compile_seconds=menus.compile_seconds if menus else 0.0,
+            capture_kind="specialized" if specialized else "exported",
+            times=self.fitted.describe() if self.fitted is not None else "measured",
         )
 
 
 def _compile(
-    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings
+    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
+    symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (),
 ) -> _Compiled:
+    """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
+    samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
+    span this shape, its times are fitted from them and only its memory is measured."""
     started = time.perf_counter()
     model = uncompiled(model)
     if is_sharded(model):
@@ -296,11 +328,19 @@ def _compile(
         )
     check_devices(_device_types(args, kwargs), "the example inputs")
     autocast = AutocastState.capture(_device_types(args, kwargs))
-    chain, x0, shared, capture_seconds = _captured_chain(model, args, kwargs, settings, autocast, started)
+    chain, x0, shared, capture_seconds, specialized = _captured_chain(
+        model, args, kwargs, settings, autocast, started, symbolic
+    )
     signatures = [info.signature for info in chain.infos]
     menus = None
+    fitted = None
+    bindings = symbolic.bindings(args, kwargs) if symbolic is not None and specialized else None
+    if plan is None and bindings:
+        fitted = ShapeFit.of(samples, bindings, chain_pattern(signatures))
+    sample = None
     if plan is None:
-        profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started))
+        profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted)
+        sample = profiled.sample() if fitted is None else None
         menus = profiled.menus
         compiled = menus is not None and resolve_compile(settings.compile, x0.device)
         if compiled:
@@ -310,7 +350,7 @@ def _compile(
             )
         else:
             chain_plan = profiled.solve(budget_bytes)
-        plan = profiled.model_plan(chain_plan, capture_seconds, compiled)
+        plan = profiled.model_plan(chain_plan, capture_seconds, compiled, specialized)
         log.info(
             "planned %s: %d stages, predicted peak %s, step %.1f ms", type(model).__name__, len(plan.stages),
             format_bytes(plan.predicted_peak_bytes), plan.predicted_step_time * 1e3,
@@ -350,12 +390,27 @@ def _compile(
     )
     chain_module = ChainModule(chain.stages, planned)
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
-    return _Compiled(chain, plan, chain_module)
+    compiled = _Compiled(chain, plan, chain_module)
+    compiled.sample = sample
+    compiled.skeleton = pytree.tree_map(
+        lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
+    )
+    return compiled
 
 
 def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
     leaves = pytree.tree_leaves((args, kwargs))
     return tuple(dict.fromkeys(v.device.type for v in leaves if isinstance(v, torch.Tensor)))
+
+
+def _family_key(args: tuple, kwargs: dict) -> tuple:
+    """What one symbolic capture serves (hierremat.graphs.symbolic): the inputs' structure, dtypes,
+    devices, ranks and non-tensor values, and the autocast setting; not their sizes."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    autocast = AutocastState.capture(_device_types(args, kwargs)).key()
+    return (str(spec), autocast) + tuple(
+        (v.dim(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v) for v in leaves
+    )
 
 
 def _input_key(model: nn.Module, args: tuple, kwargs: dict, padding: bool) -> tuple:
@@ -386,15 +441,21 @@ class RematModule(nn.Module):
     ...: the model's), and the model's ``state_dict`` keys (saved and loaded without a prefix).
     """
 
-    def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings):
+    def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings,
+                 max_shapes: int = DEFAULT_MAX_SHAPES):
         super().__init__()
         if on_new_shape not in ("replan", "error"):
             raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
+        if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
+            raise ValueError(f"max_shapes must be a positive int (how many input shapes' plans are kept), got {max_shapes!r}")
         self.model = uncompiled(model)
         self.budget_bytes = budget_bytes
         self.on_new_shape = on_new_shape
         self.settings = settings
-        self._compiled: dict[tuple, _Compiled] = {}
+        self.max_shapes = max_shapes
+        self._compiled: OrderedDict[tuple, _Compiled] = OrderedDict()  # least recently used first
+        self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
+        self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
         self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
         self._present_signature()
         self.register_state_dict_post_hook(_without_model_prefix)
@@ -423,12 +484,60 @@ class RematModule(nn.Module):
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
         kwargs = call_kwargs(self.model, kwargs)
-        compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.settings)
+        check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
+        symbolic = self._symbolic_capture(args, kwargs) if plan is None else None
+        samples = self._samples.setdefault(_family_key(args, kwargs), [])
+        sources: list[str] = []
+        try:
+            with recorded_sources() as sources:
+                compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.settings, symbolic, samples)
+        except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
+            forget_sources(sources)
+            raise
+        compiled.sources = sources
+        if self._compiled:  # a new shape: what torch cached for this one's traces is not needed again
+            clear_fake_tensor_cache()
+        bindings = symbolic.bindings(args, kwargs) if symbolic is not None else None
+        if compiled.sample is not None and bindings:
+            add_sample(samples, compiled.sample.bound(bindings))
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
             self._per_padding = True
-            self._compiled.clear()  # (keyed without the padding state; planned again when called)
+            self._drop_plans()  # (keyed without the padding state; planned again when called)
+        compiled.family = _family_key(args, kwargs)
         self._compiled[_input_key(self.model, args, kwargs, self._per_padding)] = compiled
+        while len(self._compiled) > self.max_shapes:
+            _, dropped = self._compiled.popitem(last=False)
+            forget_sources(dropped.sources)
         return compiled
+
+    def _drop_plans(self) -> None:
+        for compiled in self._compiled.values():
+            forget_sources(compiled.sources)
+        self._compiled.clear()
+
+    def _symbolic_capture(self, args: tuple, kwargs: dict) -> SymbolicCapture | None:
+        """The symbolic capture for calls like this one (hierremat.graphs.symbolic), made when a second
+        shape of them comes (a model called at one shape never pays for it); None before that, or
+        where the model has none."""
+        if not self._compiled or is_sharded(self.model):  # the first shape; FSDP2 shards (export cannot run them)
+            return None
+        family = _family_key(args, kwargs)
+        if family in self._symbolic:
+            return self._symbolic[family]
+        if not any(c.family == family for c in self._compiled.values()):
+            return None
+        started = time.perf_counter()
+        symbolic = capture_symbolic(self.model, args, kwargs)
+        self._symbolic[family] = symbolic
+        for c in self._compiled.values():  # the shapes measured before: samples to fit later shapes' times from
+            bindings = symbolic.bindings(*c.skeleton) if symbolic is not None and c.family == family else None
+            if c.sample is not None and bindings:
+                add_sample(self._samples.setdefault(family, []), c.sample.bound(bindings))
+        if symbolic is not None:
+            log.info("%s has a new input shape: captured once with symbolic sizes (%d dimensions) in %.2f s; "
+                     "every later shape is specialized from it", type(self.model).__name__,
+                     len(symbolic.symbolic_dims), time.perf_counter() - started)
+        return symbolic
 
     def forward(self, *args, **kwargs):
         orchestrator, kwargs = self._orchestrator(args, kwargs)
@@ -444,6 +553,8 @@ class RematModule(nn.Module):
         kwargs = call_kwargs(self.model, kwargs)
         key = _input_key(self.model, args, kwargs, self._per_padding)
         compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
         if compiled is None or not compiled.sharded:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
                 raise UnsupportedModelError(
@@ -468,7 +579,9 @@ class RematModule(nn.Module):
         return compiled.chain.orchestrator, kwargs
 
     def _apply(self, fn, recurse=True):
-        self._compiled.clear()  # captured graphs hold the old tensors: re-plan after .to()/.cuda()
+        self._drop_plans()  # captured graphs hold the old tensors: re-plan after .to()/.cuda()
+        self._symbolic.clear()
+        self._samples.clear()
         return super()._apply(fn, recurse)
 
 
@@ -647,7 +760,7 @@ def explore(
     started = time.perf_counter()
     check_devices(_device_types(args, kwargs), "the example inputs")
     autocast = AutocastState.capture(_device_types(args, kwargs))
-    chain, x0, shared, capture_seconds = _captured_chain(model, args, kwargs, settings, autocast, started)
+    chain, x0, shared, capture_seconds, _ = _captured_chain(model, args, kwargs, settings, autocast, started)
     return BudgetExplorer(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started)), capture_seconds)
 
 
@@ -669,12 +782,19 @@ def remat(
     compile: bool | str | None = None,
     outputs: str | tuple[str, ...] | None = None,
     time_limit: float | None = PLAN_TIME_LIMIT,
+    max_shapes: int = DEFAULT_MAX_SHAPES,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
     strategy, output_held, block_options, cache, segmentation, variants, compile, outputs,
     time_limit (each plan's, re-plans for new shapes included): as for hierremat.plan (segmentation, variants, compile and outputs default to ``plan``'s,
     else 'blocks', True, "auto" and None).
+    on_new_shape: "replan" (default): a call whose inputs have a new shape is planned for it. From
+    the second shape on, the model is captured once with symbolic sizes and each new shape's graph
+    is specialized from that capture (no trace; hierremat.graphs.symbolic), and the block menus
+    solved for another shape are re-costed at the new sizes (no ILP solve); "error": raise.
+    max_shapes: how many shapes' plans are kept (least recently used dropped first; a dropped
+    shape is planned again when it comes back).
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -691,6 +811,6 @@ def remat(
     settings = PlanSettings(
         slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit
     )
-    module = RematModule(model, budget_bytes, on_new_shape, settings)
+    module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes)
     module._add(args, example_kwargs or {}, plan)
     return module

@@ -27,17 +27,22 @@ from .variants.embedding import use_grad_in_place_embeddings
 from .causal_attention import restore_causal_attention
 from .eager_masks import restore_unpadded_bias_masks
 from .hf import eager_mask_decisions, register_cache_pytrees
+from .symbolic import SymbolicCapture
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class CapturedModel:
-    """The exported program, its unlifted GraphModule and per-node information."""
+    """The unlifted GraphModule of the model's program at one input shape, and per-node information.
 
-    exported: torch.export.ExportedProgram
+    specialized: True where the module was specialized from a symbolic capture
+    (hierremat.graphs.symbolic), False where it was exported at this shape.
+    """
+
     module: fx.GraphModule
     nodes: dict[str, NodeInfo]
+    specialized: bool = False
 
 
 def _explain(err: Exception) -> str:
@@ -104,7 +109,7 @@ def keep_outputs(gm: fx.GraphModule, names: tuple[str, ...], model_name: str) ->
 
 def capture(
     model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, variants: bool = True,
-    outputs: tuple[str, ...] | None = None,
+    outputs: tuple[str, ...] | None = None, symbolic: SymbolicCapture | None = None,
 ) -> CapturedModel:
     """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem.
 
@@ -112,21 +117,17 @@ def capture(
     applies (hierremat.graphs.variants: the row-blocked cross-entropy, embeddings whose backward adds
     into ``.grad``).
     outputs: the names of the outputs to return (hierremat.plan's ``outputs=``); None: all.
+    symbolic: the model's symbolic capture: its program specialized at these inputs' sizes
+    stands for the export where it holds for them (hierremat.graphs.symbolic).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
-    register_cache_pytrees(model)
-    try:
-        with eager_mask_decisions(model):
-            exported = torch.export.export(model, args, kwargs or {}, strict=False)
-    except Exception as err:  # torch raises many types here; all mean "cannot capture"
-        raise UnsupportedModelError(
-            f"hierremat could not capture {type(model).__name__} as one graph with torch.export: {_explain(err)} "
-            "Wrap the part that trains as a chain (hierremat.checkpoint_sequential) or make the forward traceable."
-        ) from err
-    module = exported.module()
+    module = symbolic.specialize(args, kwargs or {}) if symbolic is not None else None
+    specialized = module is not None
+    if module is None:
+        module = _export(model, args, kwargs or {})
     if outputs is not None:
         keep_outputs(module, outputs, type(model).__name__)
     restore_causal_attention(module)
@@ -135,5 +136,19 @@ def capture(
         use_row_blocked_cross_entropy(module)
         use_grad_in_place_embeddings(module)
     nodes = {n.name: describe(n) for n in module.graph.nodes}
-    log.debug("captured %s: %d nodes", type(model).__name__, len(nodes))
-    return CapturedModel(exported, module, nodes)
+    log.debug("captured %s: %d nodes%s", type(model).__name__, len(nodes), " (specialized)" if specialized else "")
+    return CapturedModel(module, nodes, specialized)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """The unlifted module of ``model``'s program exported at these inputs' shapes."""
+    register_cache_pytrees(model)
+    try:
+        with eager_mask_decisions(model):
+            exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as err:  # torch raises many types here; all mean "cannot capture"
+        raise UnsupportedModelError(
+            f"hierremat could not capture {type(model).__name__} as one graph with torch.export: {_explain(err)} "
+            "Wrap the part that trains as a chain (hierremat.checkpoint_sequential) or make the forward traceable."
+        ) from err
+    return exported.module()

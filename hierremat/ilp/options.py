@@ -502,6 +502,26 @@ def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:
     return OptionSimulation(t_f, t_b, peak_f - entry_f, peak_b - entry_b, kept)
 
 
+def recost_options(graph: BlockGraph, options) -> list[BlockOption]:
+    """``options``, solved for a graph of the same structure at other sizes (another input shape), with
+    their costs on ``graph``: times, kept bytes and peaks as :func:`simulate_option` replays them
+    (exact for these sizes; which values an option keeps or recomputes stays as solved). In the same
+    order and none dropped, so that option k is the same option at every shape (the chain DP passes
+    over one another dominates here). None is proven optimal at these sizes (``optimal`` False, no
+    MIP gap: the solve that made them was not stopped). Raises ValueError where an option's op lists
+    do not replay on ``graph``."""
+    recosted = []
+    for option in options:
+        sim = simulate_option(graph, option)
+        recosted.append(replace(
+            option, fwd_time=sim.fwd_time, bwd_time=sim.bwd_time, kept_bytes=sim.kept_bytes,
+            fwd_peak_bytes=sim.fwd_peak_bytes, bwd_peak_bytes=sim.bwd_peak_bytes,
+            input_grad_bytes=graph.input_bytes if graph.input_grad_name else 0,
+            optimal=False, mip_gap=0.0, kept_budget=None, peak_budget=None,
+        ))
+    return recosted
+
+
 def forward_only(graph: BlockGraph, also: frozenset = frozenset()) -> ForwardOnly:
     """The no-grad forward of ``graph``: its forward nodes that the output, a random node or a
     node of ``also`` (buffer updates) depends on, in graph order, each value freed at its last

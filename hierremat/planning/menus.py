@@ -48,6 +48,7 @@ from typing import Sequence
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from ..plans.block_graph import FORWARD, BlockGraph
 from ..graphs.eager_masks import has_value_branch
@@ -55,10 +56,11 @@ from ..graphs.joint import JointGraph, to_block_graph, trace_joint
 from ..runtime.node_profile import profile_nodes
 from ..plans.costs import OptionCosts
 from ..store.cache import CacheKey, OptionsCache, default_cache
-from ..ilp.options import MENU_TIME_LIMIT, forward_only, solve_menu
+from ..ilp.options import MENU_TIME_LIMIT, forward_only, recost_options, solve_menu
 from ..plans.block_options import BlockOption
 from ..ilp.solve import solve_count
 from .output_stage import fused_head_option
+from .shape_fit import ShapeFit
 from ..device.autocast import AutocastState
 from ..runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOption, OptionExecutor
 from ..runtime.option_codegen import StageBinding
@@ -84,12 +86,15 @@ class StageMenu:
     """The solved menu of one stage signature: its block graph and options (node-time units).
 
     coarse: why the options are heuristic rather than the ILP sweep's ("" when they are the
-    sweep's; see hierremat.plans.block_options.BlockOptions)."""
+    sweep's; see hierremat.plans.block_options.BlockOptions).
+    recosted: True where the options were solved for this block at other sizes (another input
+    shape) and re-costed on this graph (hierremat.ilp.options.recost_options), not solved for it."""
 
     graph: BlockGraph
     options: tuple[BlockOption, ...]
     solve_seconds: float
     coarse: str = ""
+    recosted: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -97,6 +102,7 @@ class StageMenu:
             "options": [o.to_dict() for o in self.options],
             "solve_seconds": self.solve_seconds,
             "coarse": self.coarse,
+            "recosted": self.recosted,
         }
 
     @classmethod
@@ -106,6 +112,7 @@ class StageMenu:
             options=tuple(BlockOption.from_dict(o) for o in d["options"]),
             solve_seconds=float(d.get("solve_seconds", 0.0)),
             coarse=str(d.get("coarse", "")),
+            recosted=bool(d.get("recosted", False)),
         )
 
 
@@ -466,6 +473,7 @@ def build_menus(
     variants: bool = True,
     residents=None,
     recompute_across_dropouts: bool = True,
+    fitted: "ShapeFit | None" = None,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
@@ -483,6 +491,9 @@ def build_menus(
     only), nor does the output stage its fused head when it touches residents.
     recompute_across_dropouts: False where a stage is a whole model (``segmentation="none"``):
     its ILP's recomputation stops at dropouts (hierremat.ilp.formulation.structure).
+    fitted: at an input shape whose times are fitted from shapes measured before
+    (hierremat.planning.shape_fit): node times and executor speeds come from it, not measured
+    (on CPU, where node workspace is not seen anyway), where it has them for a stage.
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
@@ -519,6 +530,10 @@ def build_menus(
         if isinstance(getattr(stage, "graph_module", None), fx.GraphModule) and has_value_branch(stage.graph_module):
             log.info("stage %d (%s): no block options: it branches on tensor values (an attention mask)", i, signature)
             continue
+        if signature not in joints and _returns_several_tensors(stage):  # (known without tracing it)
+            log.info("stage %d (%s): no block options: the stage returns several tensors", i, signature)
+            joints[signature] = None
+            continue
         if signature not in joints:
             try:
                 if not isinstance(stage, torch.nn.Module):
@@ -547,8 +562,9 @@ def build_menus(
             graph_keys[signature] = _graph_key(signature, graph)  # menus and executor speeds of the traced graph
             menu_key = graph_keys[signature] if recompute_across_dropouts else f"{graph_keys[signature]}+cut-at-dropouts"
             name = getattr(stage, "stage_name", type(stage).__name__)
+            node_costs = fitted.node_costs(i, joint) if fitted is not None and x0.device.type == "cpu" else None
             menu = _menu(joint, xs[i], shareds[i], signature, menu_key, cache, stored, time_limit, deadline, name,
-                         recompute_across_dropouts)
+                         recompute_across_dropouts, node_costs)
             if menu is not None:
                 menus[signature] = menu
         joint, menu = joints.get(signature), menus.get(signature)
@@ -564,6 +580,8 @@ def build_menus(
             OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])
         ]
         forward_executors[i] = ForwardExecutor(forwards[signature], binding)
+        if signature not in speeds and fitted is not None and fitted.speeds(i) is not None:
+            speeds[signature] = fitted.speeds(i)
         if signature not in speeds:
             speeds[signature] = cost_cache.get_speeds(graph_keys[signature], xs[i])
             if speeds[signature] is None:
@@ -577,6 +595,17 @@ def build_menus(
         forwards={sig: f.forward for sig, f in forwards.items()}, forward_executors=forward_executors,
         output_option=output_option, residents=residents,
     )
+
+
+def _returns_several_tensors(stage) -> bool:
+    """Whether a stage's graph returns more than one tensor (an output stage's loss and logits): a block
+    graph has one output, so such a stage gets no menu, and tracing its joint graph would be wasted."""
+    gm = getattr(stage, "graph_module", None)
+    if not isinstance(gm, fx.GraphModule):
+        return False
+    (output,) = gm.graph.find_nodes(op="output")
+    values = {a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)}
+    return sum(isinstance(v.meta.get("val"), torch.Tensor) for v in values) > 1
 
 
 _SOLVER_FAILURES: list[str] = []
@@ -632,11 +661,14 @@ def _progress_bar(description: str):
         yield advance
 
 
-def graph_structure(graph: BlockGraph) -> tuple:
-    """Everything of a BlockGraph but its measured costs: equal structures, interchangeable menus."""
-    return tuple((n.name, n.op, n.phase, n.inputs, n.out_bytes, n.alias_of, n.random, n.in_place) for n in graph.nodes) + (
-        graph.input_name, graph.output_name, graph.output_grad_name, graph.input_grad_name, graph.held_grad_names,
-    )
+def graph_structure(graph: BlockGraph, sizes: bool = True) -> tuple:
+    """Everything of a BlockGraph but its measured costs: equal structures, interchangeable menus.
+    sizes=False leaves the bytes out too: equal then for one block at two input shapes, whose
+    menus are re-costed from each other (:func:`_recosted_menu`)."""
+    return tuple(
+        (n.name, n.op, n.phase, n.inputs, n.out_bytes if sizes else None, n.alias_of, n.random, n.in_place)
+        for n in graph.nodes
+    ) + (graph.input_name, graph.output_name, graph.output_grad_name, graph.input_grad_name, graph.held_grad_names)
 
 
 def _graph_key(signature: str, graph: BlockGraph) -> str:
@@ -647,16 +679,64 @@ def _graph_key(signature: str, graph: BlockGraph) -> str:
     return f"{signature}/{digest}"
 
 
+#: Without a cache (``cache=False``), the menu this process solved last for each block structure (by its
+#: any-shape key's digest), re-costed at new sizes. One entry per distinct block structure.
+_SOLVED_IN_PROCESS: dict[str, StageMenu] = {}
+
+
+def _family_key(graph: BlockGraph, recompute_across_dropouts: bool) -> str:
+    """The cache signature of a block's menus at every size: a digest of its structure without bytes
+    (:func:`graph_structure`); the entry names the key of the menu solved last, at whatever sizes."""
+    digest = hashlib.sha256(repr(graph_structure(graph, sizes=False)).encode()).hexdigest()[:16]
+    return f"any-shape/{digest}" + ("" if recompute_across_dropouts else "+cut-at-dropouts")
+
+
+def _solved_at_other_sizes(cache: OptionsCache, family: CacheKey) -> dict | None:
+    """The menu solved last for this block structure at any sizes (a StageMenu dict), or None: the one
+    the cache's any-shape entry names (None where that menu was since evicted or is damaged), or
+    without a cache the one this process solved."""
+    if not cache.enabled:
+        solved = _SOLVED_IN_PROCESS.get(family.digest())
+        return solved.to_dict() if solved is not None else None
+    pointer = cache.get(family)
+    try:
+        return cache.get(CacheKey.from_dict(pointer["menu_key"])) if pointer is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _recosted_menu(graph: BlockGraph, payload: dict | None, signature: str) -> StageMenu | None:
+    """The menu solved for this block at other sizes (``payload``, a cached StageMenu), its options
+    re-costed on ``graph`` (hierremat.ilp.options.recost_options); None where there is none or it
+    does not fit this graph (then the menu is solved)."""
+    if payload is None:
+        return None
+    try:
+        solved = StageMenu.from_dict(payload)
+        if graph_structure(solved.graph, sizes=False) != graph_structure(graph, sizes=False):
+            return None
+        options = recost_options(graph, solved.options)
+    except (KeyError, TypeError, ValueError) as err:
+        log.info("stage signature %s: the menu solved at other sizes does not re-cost here (%s); solving", signature, err)
+        return None
+    log.info("stage signature %s: %d options re-costed from the menu solved at other sizes", signature, len(options))
+    return StageMenu(graph, tuple(options), 0.0, solved.coarse, recosted=True)
+
+
 def _menu(
     joint, x, shared, signature, key_signature, cache, stored, time_limit, deadline, name, recompute_across_dropouts,
+    node_costs: dict | None = None,
 ) -> StageMenu | None:
-    """The stage's menu: from a saved plan, else from the cache, else solved (and cached,
-    unless the planning deadline cut it short); None when solving fails (the stage then
-    offers autograd's option only, with a warning). name: the stage's, for the progress bar.
+    """The stage's menu: from a saved plan, else from the cache, else re-costed from the menu solved
+    at other sizes, else solved (and cached, unless the planning deadline cut it short); None when
+    solving fails (the stage then offers autograd's option only, with a warning). name: the
+    stage's, for the progress bar. node_costs: fitted node costs (name -> (seconds, workspace
+    bytes)) to re-cost with instead of measuring; a menu re-costed with them is not cached.
 
     A saved or cached menu is used only if its block graph has the structure of the one
     traced now (op lists name nodes of that graph)."""
-    structure = graph_structure(to_block_graph(joint))
+    unprofiled = to_block_graph(joint)
+    structure = graph_structure(unprofiled)
     if stored is not None and signature in stored:
         menu = stored[signature]
         if graph_structure(menu.graph) == structure:
@@ -670,6 +750,8 @@ def _menu(
         cost_model_version=f"{COST_MODEL_VERSION}/torch-{torch.__version__}",
         formulation_version=FORMULATION_VERSION,
     )
+    # the menu last solved for this block at any sizes: options re-costed from it where no menu was solved at these
+    family = replace(key, signature=_family_key(unprofiled, recompute_across_dropouts))
     payload = cache.get(key)
     if payload is not None:
         try:
@@ -679,7 +761,16 @@ def _menu(
             log.warning("cached options for %s do not match the traced graph; solving again", signature)
         except (KeyError, TypeError, ValueError) as err:
             log.warning("cached options for %s are unreadable (%s); solving again", signature, err)
+    solved_before = _solved_at_other_sizes(cache, family)
+    if solved_before is not None and node_costs is not None:
+        recosted = _recosted_menu(to_block_graph(joint, node_costs), solved_before, signature)
+        if recosted is not None:
+            return recosted
     graph = to_block_graph(joint, profile_nodes(joint, x, shared))
+    recosted = _recosted_menu(graph, solved_before, signature)
+    if recosted is not None:
+        cache.put(key, recosted.to_dict())  # a later plan at these sizes measures nothing again
+        return recosted
     try:
         with _progress_bar(f"hierremat: block {name} ({signature})") as advance:
             solved = solve_menu(graph, time_limit=time_limit, progress=advance, label=signature, deadline=deadline,
@@ -690,5 +781,8 @@ def _menu(
     menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds, solved.coarse)
     if not solved.cut_by_deadline:
         cache.put(key, menu.to_dict())
+        cache.put(family, {"menu_key": key.to_dict()})
+        if not cache.enabled:
+            _SOLVED_IN_PROCESS[family.digest()] = menu
     log.info("stage signature %s: %d options from %d ILP solves in %.2f s", signature, len(menu.options), solved.n_solves, solved.solve_seconds)
     return menu

@@ -33,6 +33,11 @@ class ModelPlan:
         from Inductor's cache).
     outputs: the names of the outputs the module returns (the others are None), as asked with
         ``outputs=``; None: every output the model returns.
+    capture_kind: how the model's graph at this shape was made: "exported" (traced at this
+        shape) or "specialized" (the model's symbolic capture, made once for every shape, at this
+        shape's sizes: hierremat.graphs.symbolic).
+    times: "measured", or how the times were fitted from shapes measured before
+        (hierremat.planning.shape_fit; memory is measured at every shape).
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
     (hierremat.plans.costs.ResidentCosts), counted while they are live.
@@ -52,6 +57,8 @@ class ModelPlan:
     compiled: bool = False
     compile_seconds: float = 0.0
     outputs: tuple[str, ...] | None = None
+    capture_kind: str = "exported"
+    times: str = "measured"
 
     @property
     def beside_chain_bytes(self) -> int:
@@ -104,7 +111,7 @@ class ModelPlan:
                  "module's group, a prefetched group, reduce-scatter buffers); block options off"]
                 if self.gathered_stage_bytes else []
             ),
-            f"  planning: capture {self.capture_seconds:.2f} s, profile {c.profile_seconds:.2f} s, block options "
+            f"  planning: capture {self.capture_seconds:.2f} s ({self.capture_line()}), profile {c.profile_seconds:.2f} s, block options "
             f"{self.options_seconds:.2f} s ({len(self.menus)} menus, {self.options_solves} ILP solves), "
             f"chain DP {c.solve_seconds:.3f} s"
             + (f", compiling block options {self.compile_seconds:.1f} s" if self.compiled else ""),
@@ -122,8 +129,19 @@ class ModelPlan:
         lines += [f"  ({c.ACTIONS_LEGEND})", *c.unproven_lines()]
         coarse = {sig: m.get("coarse", "") for sig, m in self.menus.items() if m.get("coarse")}
         lines += [f"  heuristic block options for {sig}: {why}" for sig, why in coarse.items()]
+        recosted = [sig for sig, m in self.menus.items() if m.get("recosted")]
+        if self.times != "measured":
+            lines.append(f"  {self.times}; memory measured at this shape")
+        if recosted:
+            lines.append(f"  block options of {', '.join(recosted)}: solved at other input sizes, re-costed at these "
+                         "(not proven optimal here)")
         lines += ["", f"  schedule: {c.schedule}"]
         return "\n".join(lines)
+
+    def capture_line(self) -> str:
+        if self.capture_kind == "specialized":
+            return "the symbolic capture specialized to this shape"
+        return "exported at this shape"
 
     def to_json(self) -> str:
         return json.dumps(
@@ -143,6 +161,8 @@ class ModelPlan:
                 "compiled": self.compiled,
                 "compile_seconds": self.compile_seconds,
                 "outputs": None if self.outputs is None else list(self.outputs),
+                "capture_kind": self.capture_kind,
+                "times": self.times,
             }
         )
 
@@ -169,4 +189,6 @@ class ModelPlan:
             compiled=bool(d.get("compiled", False)),
             compile_seconds=float(d.get("compile_seconds", 0.0)),
             outputs=None if d.get("outputs") is None else tuple(str(n) for n in d["outputs"]),
+            capture_kind=str(d.get("capture_kind", "exported")),
+            times=str(d.get("times", "measured")),
         )

@@ -168,6 +168,7 @@ def profile_chain(
     output_grad_mask: tuple[bool, ...] | None = None,
     cost_cache: StageCostCache | None = None,
     residents=None,
+    timed: bool = True,
 ) -> ChainProfile:
     """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
 
@@ -179,6 +180,8 @@ def profile_chain(
     and stored after. residents: the values carried beside the activation
     (hierremat.plans.stage_info.ResidentLayout), or None; their bytes and their gradients' are the
     costs' ``residents`` (hierremat.plans.costs.ResidentCosts).
+    timed: False measures memory only (the times are those of the single memory runs, for the
+    caller to replace: hierremat.planning.shape_fit); such costs are not cached.
     """
     cost_cache = cost_cache or StageCostCache(None)
     device = x0.device
@@ -224,13 +227,14 @@ def profile_chain(
             else:
                 with scratch_grads(stage):
                     cost, names, y, mask = _profile_stage(
-                        i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced
+                        i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced, timed
                     )
                 if last:
                     output_grad_mask = mask
                 if signature is not None:
                     measured[signature] = i
-                    cost_cache.put_stage(signature, x, requires_grad, wanted_mask, cost, mask if last else None)
+                    if timed:
+                        cost_cache.put_stage(signature, x, requires_grad, wanted_mask, cost, mask if last else None)
             stage_costs.append(cost)
             mutated.append(names)
             y, made = split_output(y, residents, i)
@@ -336,12 +340,13 @@ def _run_forward_and_backward(call: Callable, x: torch.Tensor, requires_grad: bo
 
 def _profile_stage(
     i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
-    grad_mask: tuple[bool, ...] | None, produced: int = 0,
+    grad_mask: tuple[bool, ...] | None, produced: int = 0, timed: bool = True,
 ):
     """Costs of one stage on input x, its backward fed gradients for the outputs in ``grad_mask``
     (None: hierremat.runtime.executor.default_grad_mask). ``produced``: how many residents it
     makes (outputs after x_{i+1}, each fed a gradient; their bytes are the plan's resident
-    reserve, not the stage's). Returns (StageCosts, mutated buffer names, output, the mask used)."""
+    reserve, not the stage's). ``timed`` False: memory only, the times of the single runs.
+    Returns (StageCosts, mutated buffer names, output, the mask used)."""
     params, _ = _modules_state([stage])
     with torch.no_grad(), WeightCastCounter(params) as casts:
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
@@ -393,7 +398,7 @@ def _profile_stage(
             bwd_peak = meter.peak_bytes - base
         del edges, grads, sink
         bwd_new_grads_peak = _bwd_peak_with_new_grads(call, x, requires_grad, grad_mask, params, meter)
-    if not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
+    if timed and not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
         nograd_time, fwd_time, bwd_time = _timed_runs(call, x, requires_grad, repeats, device, grad_mask)
 
     grad_bytes = storage_bytes(x) if requires_grad else 0

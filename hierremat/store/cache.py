@@ -12,6 +12,11 @@ On disk, each key is one UTF-8 JSON file ``<directory>/<key.digest()>.json``::
      "checksum": sha256 hex of canonical JSON of {"key": ..., "payload": ...}}
 
 Canonical JSON = ``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True)``.
+
+The directory is bounded: a file's modification time is when its entry was last written or
+first read by a process (its last use), and after each write the entries used least recently
+are removed until the files take at most ``max_bytes`` (default 64 MiB, or
+``$HIERREMAT_CACHE_MAX_BYTES``, bytes or e.g. ``"256MiB"``); the entry just written stays.
 A file that is unreadable, not JSON (corrupted, truncated), of another format or
 format_version, holding another key, or whose checksum does not match is never trusted:
 it is logged (logger ``hierremat.cache``, WARNING, naming the file and the reason) and
@@ -37,15 +42,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..budget import parse_budget
+
 __all__ = [
     "BUNDLE_FORMAT",
     "CacheKey",
+    "DEFAULT_MAX_BYTES",
     "ENV_VAR",
+    "MAX_BYTES_ENV_VAR",
     "FORMAT",
     "FORMAT_VERSION",
     "OptionsCache",
     "default_cache",
     "default_directory",
+    "default_max_bytes",
 ]
 
 logger = logging.getLogger("hierremat.cache")
@@ -54,6 +64,8 @@ FORMAT = "hierremat-options"
 FORMAT_VERSION = 1
 BUNDLE_FORMAT = "hierremat-options-bundle"
 ENV_VAR = "HIERREMAT_CACHE_DIR"
+MAX_BYTES_ENV_VAR = "HIERREMAT_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 64 * 2**20
 
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
 _TEMP_NAME = re.compile(r"^\.[0-9a-f]{64}\..*\.tmp$")
@@ -197,6 +209,25 @@ def _atomic_write(path: Path, text: str) -> None:
         pass
 
 
+def _touch(path: Path) -> None:
+    """Mark an entry file used now (its modification time; the eviction order)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def default_max_bytes() -> int:
+    """``$HIERREMAT_CACHE_MAX_BYTES`` (bytes, or a size such as ``"256MiB"``) if set, else 64 MiB."""
+    text = os.environ.get(MAX_BYTES_ENV_VAR)
+    if not text:
+        return DEFAULT_MAX_BYTES
+    try:
+        return parse_budget(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"${MAX_BYTES_ENV_VAR}={text!r} is not a size: {e}") from None
+
+
 def default_directory() -> Path:
     """``$HIERREMAT_CACHE_DIR`` if set and non-empty, else ``~/.cache/hierremat``."""
     return Path(os.environ.get(ENV_VAR) or "~/.cache/hierremat").expanduser()
@@ -211,15 +242,20 @@ class OptionsCache:
         enabled: ``False`` (what ``cache=False`` maps to) makes :meth:`get` return None
             and :meth:`put` do nothing. The maintenance methods (:meth:`entries`,
             :meth:`clear`, :meth:`export`, :meth:`import_`) work on the directory either way.
+        max_bytes: the most the entry files may take; after a write, the least recently used
+            entries are removed down to it (module docstring). Default :func:`default_max_bytes`.
 
     Payloads are copied in and out (via JSON), so callers may mutate what they get.
     Disk errors on write are logged and swallowed: a cache never fails a training run.
     Thread-safe; safe across processes sharing the directory.
     """
 
-    def __init__(self, directory: str | os.PathLike | None = None, enabled: bool = True):
+    def __init__(self, directory: str | os.PathLike | None = None, enabled: bool = True, max_bytes: int | None = None):
         self.directory = Path(directory).expanduser() if directory is not None else default_directory()
         self.enabled = bool(enabled)
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
+        if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be a positive number of bytes, got {self.max_bytes!r}")
         self._memory: dict[str, str] = {}  # digest -> canonical JSON of the payload
         self._lock = threading.Lock()
         self._disk_warned = False  # disk trouble (unwritable, full, unreadable) is warned about once
@@ -263,6 +299,7 @@ class OptionsCache:
             return None
         with self._lock:
             self._memory[digest] = canonical_json(payload)
+        _touch(path)  # used now: the last to be evicted
         return payload
 
     def put(self, key: CacheKey, payload: dict) -> None:
@@ -288,10 +325,44 @@ class OptionsCache:
         path = self.path_for(key)
         try:
             _atomic_write(path, canonical_json(_document(key, payload)) + "\n")
-            return True
         except OSError as e:  # unwritable, full (ENOSPC), read-only: the plan goes on, unsaved
             self._disk_trouble(f"could not write {path}: {e}; planning goes on without saving to the cache")
             return False
+        self.evict(keep=path)
+        return True
+
+    def usage(self) -> list[tuple[float, int, Path]]:
+        """(last use, bytes, file) of every entry file, least recently used first."""
+        out = []
+        for path in self._files():
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # removed meanwhile
+            out.append((st.st_mtime, st.st_size, path))
+        return sorted(out)
+
+    def evict(self, keep: Path | None = None) -> int:
+        """Remove the least recently used entry files until they take at most ``max_bytes`` (never
+        ``keep``; entries this process holds in memory stay usable by it). Returns how many."""
+        files = self.usage()
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        for _, size, path in files:
+            if total <= self.max_bytes:
+                break
+            if path == keep:
+                continue
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            total -= size
+            removed += 1
+        if removed:
+            logger.info("hierremat cache: removed %d least recently used entries from %s (cap %d bytes)",
+                        removed, self.directory, self.max_bytes)
+        return removed
 
     def _disk_trouble(self, message: str) -> None:
         """Log disk trouble once per cache as a WARNING (then at DEBUG): a cache never fails a run."""
@@ -311,7 +382,8 @@ class OptionsCache:
         """Metadata of every entry file on disk, sorted by file name. Each is a dict:
         the six key fields (None if the file is invalid), ``digest`` (str), ``size``
         (file size in bytes), ``created`` (file mtime, seconds since the epoch: when the
-        entry was last written), ``file`` (str path), ``valid`` (bool) and ``problem``
+        entry was last written or first read by a process, its last use: the eviction order),
+        ``file`` (str path), ``valid`` (bool) and ``problem``
         (why it is invalid, else None). Does not log."""
         out = []
         for path in self._files():

@@ -1,0 +1,233 @@
+"""Dynamic padding: a training loop whose every batch has its own length (CPU, one run).
+
+A collator with dynamic padding gives each batch the length of its longest row, so a run sees many
+lengths. hierremat plans each new length: from the second on, from one symbolic capture specialized to
+it (no trace) with the block menus solved at another length re-costed (no ILP solve).
+
+The loop (issue 35): GPT-2 (random weights, fp32, train mode, 4 layers, 256 wide, vocabulary 8192),
+batch 4, ``--steps`` steps whose lengths are drawn from ``--lengths`` lengths evenly spaced over 64..512,
+each batch dynamically padded (rows of random lengths up to the batch's, padding masked, labels -100),
+AdamW, PyTorch's default ``optimizer.zero_grad()``. Methods, each on the same weights and batches:
+  plain       eager autograd;
+  hf          Hugging Face gradient checkpointing (``gradient_checkpointing_enable()``);
+  hierremat   ``hierremat.remat`` at 0.5x plain's allocator peak at the longest length, planned at it
+              with a fresh cache (every block menu solved in the run).
+Steps are interleaved: at every step each method runs once, in a seeded shuffled order; a method's wall
+time is the sum of its steps (hierremat's includes its planning). Per length: planning seconds (the plan's
+capture + profile + block options + DP), the allocator-meter and live-tensor-tracker peaks of one extra
+step (not timed) against the budget, the predicted and measured (median) step time, and whether every
+gradient equals plain's bitwise at every step.
+
+    python benchmarks/bench_shapes.py [--steps 36] [--lengths 12]
+    python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2)
+
+Writes benchmarks/results/bench_shapes.md (the ``--rss`` table to bench_shapes_rss.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import common as C
+import hierremat as hr
+from hierremat.device import LiveTensorTracker
+
+RESULTS = C.RESULTS_DIR / "bench_shapes.md"
+RSS_RESULTS = C.RESULTS_DIR / "bench_shapes_rss.md"
+SEED = 1234
+BATCH = 4
+
+
+def _gpt2(n_layer: int, n_embd: int, vocab: int, positions: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab, n_positions=positions,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).train()
+
+
+def padded_batch(length: int, vocab: int, seed: int) -> dict:
+    """A dynamically padded batch: row lengths drawn up to ``length``, the longest exactly it."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, length), generator=g)
+    rows = torch.randint(length // 2, length + 1, (BATCH,), generator=g)
+    rows[0] = length
+    mask = (torch.arange(length)[None, :] < rows[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@dataclass
+class Method:
+    name: str
+    model: torch.nn.Module
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    seconds: float = 0.0
+    step_seconds: dict = field(default_factory=dict)  # length -> [seconds of steps after its first]
+    grads: list | None = None
+
+    def step(self, batch: dict) -> float:
+        started = time.perf_counter()
+        self.optimizer.zero_grad()
+        self.module(**batch).loss.backward()
+        elapsed = time.perf_counter() - started
+        self.grads = [p.grad for p in self.model.parameters()]
+        self.optimizer.step()
+        return elapsed
+
+
+def _loop_lengths(steps: int, count: int) -> list[int]:
+    lengths = [64 + round(i * (512 - 64) / (count - 1)) for i in range(count)]
+    schedule = [lengths[i % count] for i in range(steps)]
+    random.Random(SEED).shuffle(schedule)
+    return schedule
+
+
+def run_loop(steps: int, count: int, cache: str) -> str:
+    vocab = 8192
+    torch.manual_seed(SEED)
+    base = _gpt2(4, 256, vocab, 512)
+    schedule = _loop_lengths(steps, count)
+    longest = padded_batch(512, vocab, SEED)
+    probe = copy.deepcopy(base)
+    plain_peak = C.allocator_peak_bytes(lambda: probe(**longest).loss.backward())
+    budget = plain_peak // 2
+    methods = []
+    for name in ("plain", "hf", "hierremat"):
+        model = copy.deepcopy(base)
+        module = model
+        if name == "hf":  # (transformers 5 renamed it; the old name warns)
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        started = time.perf_counter()
+        if name == "hierremat":  # a fresh cache: every block menu solved in this run
+            module = hr.remat(model, (), longest, budget=budget, cache=cache)
+        method = Method(name, model, module, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        method.seconds = time.perf_counter() - started  # hierremat's first plan
+        methods.append(method)
+    rng = random.Random(SEED)
+    bitwise = True
+    seen: set[int] = set()
+    per_length: dict[int, dict] = {}
+    for step, length in enumerate(schedule):
+        batch = padded_batch(length, vocab, SEED + step)
+        first = length not in seen
+        seen.add(length)
+        order = list(methods)
+        rng.shuffle(order)
+        for method in order:
+            torch.manual_seed(step)  # dropout: the same masks for every method
+            elapsed = method.step(batch)
+            method.seconds += elapsed
+            if not first:
+                method.step_seconds.setdefault(length, []).append(elapsed)
+        plain, remat = methods[0], methods[2]
+        bitwise &= all(torch.equal(a, b) for a, b in zip(plain.grads, remat.grads))
+        if first:
+            plan = remat.module.plans[-1]
+            per_length[length] = {"plan": plan, "bitwise": True}
+    for length, row in per_length.items():  # one extra step per length, measured, not timed
+        batch = padded_batch(length, vocab, SEED)
+        remat = methods[2]
+
+        def step():
+            remat.optimizer.zero_grad()
+            remat.module(**batch).loss.backward()
+
+        step()
+        row["alloc"] = C.allocator_peak_bytes(step)
+        with LiveTensorTracker() as tracker:
+            step()
+        row["tracker"] = tracker.peak_bytes
+        remat.optimizer.zero_grad()
+    hf_seconds = methods[1].seconds
+    summary = C.markdown_table(
+        ["method", "wall s (36 steps incl. planning)", "x hf", "x plain"],
+        [[m.name, C.fmt(m.seconds, ".1f"), C.fmt(m.seconds / hf_seconds, ".2f"),
+          C.fmt(m.seconds / methods[0].seconds, ".2f")] for m in methods],
+    )
+    rows = []
+    for length in sorted(per_length):
+        row = per_length[length]
+        plan = row["plan"]
+        measured = statistics.median(methods[2].step_seconds.get(length, [float("nan")]))
+        plan_seconds = plan.capture_seconds + plan.chain.profile_seconds + plan.options_seconds + plan.chain.solve_seconds
+        rows.append([
+            str(length), plan.capture_kind, "measured" if plan.times == "measured" else "fitted",
+            str(plan.options_solves), C.fmt(plan_seconds, ".2f"),
+            C.fmt(row["alloc"] / C.MIB), C.fmt(row["tracker"] / C.MIB), C.fmt(row["alloc"] / budget, ".3f"),
+            C.fmt(plan.predicted_peak_bytes / C.MIB), C.fmt(plan.predicted_step_time * 1e3, ".0f"),
+            C.fmt(measured * 1e3, ".0f"), C.fmt(plan.predicted_step_time / measured, ".2f"),
+        ])
+    detail = C.markdown_table(
+        ["length", "capture", "times", "ILP solves", "plan s", "alloc peak MiB", "tracker MiB", "peak/budget",
+         "predicted MiB", "predicted ms", "measured ms", "predicted/measured"], rows,
+    )
+    return (f"budget {budget / C.MIB:.1f} MiB = 0.5 x plain's allocator peak at 512 ({plain_peak / C.MIB:.1f} MiB); "
+            f"lengths {sorted(set(schedule))}; gradients bitwise equal to plain's at every step: {bitwise}\n\n"
+            f"{summary}\n\n{detail}")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def run_rss(count: int) -> str:
+    torch.manual_seed(SEED)
+    model = _gpt2(2, 64, 512, 1024)
+    module = hr.remat(model, (), padded_batch(8, 512, SEED), budget="64GiB")
+    marks = sorted({1, *range(50, count + 1, 50), count})
+    lengths = list(range(9, 9 + count))
+    random.Random(SEED).shuffle(lengths)  # the longest steps early: what grows after is what planning keeps
+    rows, started = [], time.perf_counter()
+    base_rss = None
+    for i, length in enumerate(lengths, 1):
+        module(**padded_batch(length, 512, SEED + i)).loss.backward()
+        model.zero_grad()
+        if i in marks:
+            rss = _rss_bytes()
+            base_rss = base_rss or rss
+            rows.append([str(i), C.fmt(rss / C.MIB, ".0f"), C.fmt((rss - base_rss) / C.MIB, ".0f"),
+                         str(len(module.plans)), C.fmt(time.perf_counter() - started, ".0f")])
+    return (f"tiny GPT-2 (2 layers, 64 wide, vocabulary 512), batch {BATCH}, one step at each of {count} distinct lengths "
+            f"9..{8 + count} in a shuffled order; plans kept: max_shapes={module.max_shapes}; growth from the first "
+            "length's RSS\n\n"
+            + C.markdown_table(["lengths seen", "RSS MiB", "growth MiB", "plans kept", "elapsed s"], rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--steps", type=int, default=36)
+    parser.add_argument("--lengths", type=int, default=12)
+    parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    info = ", ".join(f"{k} {v}" for k, v in C.device_info(torch.device("cpu"), torch.get_num_threads()).items())
+    if args.rss:
+        text = run_rss(args.rss)
+        command, path = f"--rss {args.rss}", RSS_RESULTS
+    else:
+        with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
+            text = run_loop(args.steps, args.lengths, cache)
+        command, path = f"--steps {args.steps} --lengths {args.lengths}", RESULTS
+    header = (f"# bench_shapes\n\n{info}\n\n"
+              f"`python benchmarks/bench_shapes.py {command}` ({time.perf_counter() - started:.0f} s)\n\n")
+    C.write_results(path, header + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

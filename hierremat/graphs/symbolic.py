@@ -1,0 +1,162 @@
+"""One capture for every input shape: a symbolic export, specialized per shape without tracing.
+
+``torch.export`` with every dimension of every tensor input marked ``Dim.AUTO`` traces a model
+once with symbolic sizes (batch, sequence length, ...). Where the model's code needs a size to
+be one value (a reshape against a weight, a branch on a size), export specializes that
+dimension and keeps the others symbolic; :attr:`SymbolicCapture.symbolic_dims` says which
+stayed symbolic. A call at a new shape then needs no trace: :meth:`SymbolicCapture.specialize`
+gives the program's graph with every node's metadata propagated at the call's sizes (fake
+tensors, no computation) and every size-valued node folded to its integer, which is the graph
+an export at that shape gives up to view-only nodes (``slice(x, 0, 0, end)``) that a concrete
+trace drops. Everything downstream (segmentation, joint tracing, profiling) sees a concrete
+graph, as after a per-shape export.
+
+The program is valid for the sizes its range constraints allow and its guards accept
+(``ExportedProgram.range_constraints``, the module's ``_guards_fn``); a call outside them
+gets None, and the caller exports at that shape alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import Dim
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+
+from .hf import eager_mask_decisions, register_cache_pytrees
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SymbolicCapture:
+    """A model exported once with symbolic input sizes.
+
+    exported: the program. input_sizes: per flattened input (``(args, kwargs)`` leaves), the
+    size of each dimension: an int where export specialized it, else the sympy symbol.
+    symbolic_dims: ``(input index, dim)`` of each dimension that stayed symbolic.
+    """
+
+    exported: torch.export.ExportedProgram
+    input_sizes: tuple
+    symbolic_dims: tuple[tuple[int, int], ...]
+    keywords: tuple[str, ...]
+
+    def leaves(self, args: tuple, kwargs: dict) -> list | None:
+        """The call's inputs flattened as the program takes them (keyword arguments in the captured
+        call's order); None for a call of another structure."""
+        if set(kwargs) != set(self.keywords):
+            return None
+        leaves, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in self.keywords}))
+        return leaves if len(leaves) == len(self.input_sizes) else None
+
+    def bindings(self, args: tuple, kwargs: dict) -> dict | None:
+        """Each symbol's value for a call with these inputs; None where the call does not fit the
+        program (another structure, a specialized dimension of another size, a symbol bound to two
+        values or outside its range)."""
+        leaves = self.leaves(args, kwargs)
+        if leaves is None:
+            return None
+        values: dict = {}
+        for leaf, sizes in zip(leaves, self.input_sizes):
+            if sizes is None:
+                continue
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() != len(sizes):
+                return None
+            for size, actual in zip(sizes, leaf.shape):
+                if isinstance(size, int):
+                    if size != actual:
+                        return None
+                elif values.setdefault(size, int(actual)) != actual:
+                    return None
+        for symbol, value in values.items():
+            bounds = self.exported.range_constraints.get(symbol)
+            if bounds is not None and not (bounds.lower <= value <= bounds.upper):
+                return None
+        return values
+
+    def specialize(self, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        """The program's module at these inputs' sizes (module docstring), or None where it does not
+        hold for them (the caller then exports at this shape)."""
+        if self.bindings(args, kwargs) is None:
+            return None
+        module = self.exported.module()
+        leaves = self.leaves(args, kwargs)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in leaves]
+        try:
+            FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
+        except Exception as err:  # a guard of the program fails at these sizes
+            log.info("the symbolic capture does not hold at these sizes (%s): exporting at this shape", err)
+            return None
+        _fold_sizes(module)
+        return module
+
+
+def _fold_sizes(module: fx.GraphModule) -> None:
+    """Replace every node that computes a size (``sym_size``, arithmetic on sizes) by its value."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        value = node.meta.get("val")
+        if node.op == "call_function" and isinstance(value, int) and not isinstance(value, bool):
+            node.replace_all_uses_with(value)
+            graph.erase_node(node)
+    module.recompile()
+
+
+def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict) -> SymbolicCapture | None:
+    """Export ``model(*args, **kwargs)`` with every input dimension ``Dim.AUTO``; None where export
+    fails that way (logged; the caller exports per shape) or leaves no dimension symbolic."""
+    dynamic = pytree.tree_map(
+        lambda v: {i: Dim.AUTO for i in range(v.dim())} if isinstance(v, torch.Tensor) else None, (args, kwargs)
+    )
+    register_cache_pytrees(model)
+    try:
+        with eager_mask_decisions(model):
+            exported = torch.export.export(
+                model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic), strict=False
+            )
+    except Exception as err:  # many types; each means "no symbolic capture"
+        log.info("%s has no symbolic capture (%s: %s): each input shape is exported on its own",
+                 type(model).__name__, type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+        return None
+    user_inputs = [n for n in exported.module().graph.nodes if n.op == "placeholder"]
+    if len(user_inputs) != len(pytree.tree_leaves((args, kwargs))):
+        log.info("%s's symbolic capture takes its inputs otherwise than the call: each input shape is exported on its "
+                 "own", type(model).__name__)
+        return None
+    sizes = []
+    for node in user_inputs:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            sizes.append(tuple(int(s) if isinstance(s, int) else s.node.expr for s in value.shape))
+        else:
+            sizes.append(None)
+    symbolic = tuple(
+        (i, d) for i, s in enumerate(sizes) if s is not None for d, size in enumerate(s) if isinstance(size, sympy.Symbol)
+    )
+    if any(s is not None and any(not isinstance(v, (int, sympy.Symbol)) for v in s) for s in sizes):
+        log.info("%s's symbolic capture has input sizes that are expressions: each input shape is exported on its own",
+                 type(model).__name__)
+        return None
+    if not symbolic:
+        log.info("%s specializes every input size: each input shape is exported on its own", type(model).__name__)
+        return None
+    return SymbolicCapture(exported, tuple(sizes), symbolic, tuple(kwargs))
+
+
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic) -> tuple | dict:
+    """``dynamic_shapes`` in the form export expects for a call with ``args`` and ``kwargs``: the
+    positional part by the forward's parameter names when there are keyword arguments."""
+    specs_args, specs_kwargs = dynamic
+    if not kwargs:
+        return tuple(specs_args)
+    names = list(inspect.signature(model.forward).parameters)
+    return {**dict(zip(names, specs_args)), **specs_kwargs}

@@ -1,0 +1,186 @@
+"""Times at a new input shape, fitted from the shapes measured before (issue 35: every shape from one profile).
+
+A model called at many shapes (dynamic padding) is measured in full at its first few shapes: each
+distinct stage's times (hierremat.runtime.profile), each block graph's node times
+(hierremat.runtime.node_profile) and the speed of each block's generated code. At a later shape
+those times are fitted, each one on its own, by least squares over the monomials of the model's
+symbolic sizes (hierremat.graphs.symbolic) that varied among the measured shapes (sizes equal at
+every measured shape counted once):
+
+    t(sizes) = c0 + c1 * n + sum_v c_v * n * v,    n = the product of the varying sizes,
+
+linear terms in the tokens a shape holds, plus the quadratic term attention adds (Korthikanti et
+al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198:
+activations and work per layer linear in the sequence length s plus a term in s^2). With one
+varying size (the sequence length) that is a quadratic in it, fitted from three shapes or more.
+
+Memory is never fitted: every byte count of a fitted shape is measured (the stage profile's
+memory runs) or exact from its graph (block options re-costed on its joint graph).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from ..plans.costs import ChainCosts
+from ..runtime.stage_cost_cache import ExecutorSpeeds
+
+#: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
+MAX_SAMPLES = 8
+#: How far outside the measured sizes a fit reaches (a factor on either side); a shape farther out is measured.
+EXTRAPOLATION = 1.25
+
+
+@dataclass(frozen=True)
+class ShapeSample:
+    """The times measured at one input shape, by stage index.
+
+    bindings: (size symbol, value) pairs of the shape (hierremat.graphs.symbolic). pattern: per
+    stage, the index of the first stage with its signature (the chain's structure).
+    stage_times: per stage, (no-grad forward, forward, backward) seconds of autograd's option.
+    node_times: per stage, its block graph's node times by name (None without a menu).
+    speeds: per stage, (scale, no-grad forward seconds) of its generated code (None without).
+    """
+
+    bindings: tuple[tuple[str, int], ...]
+    pattern: tuple[int, ...]
+    stage_times: tuple[tuple[float, float, float], ...]
+    node_times: tuple[dict | None, ...]
+    speeds: tuple[tuple[float, float] | None, ...]
+
+    @classmethod
+    def of(cls, costs: ChainCosts, menus, signatures: Sequence[str]) -> "ShapeSample":
+        """A sample (bindings unset) from a shape's measured costs and its ChainMenus (or None)."""
+        pattern = chain_pattern(signatures)
+        stage_times = tuple(
+            (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time) for st in costs.stages
+        )
+        node_times, speeds = [], []
+        for i in range(len(costs.stages)):
+            signature = menus.signatures[i] if menus is not None else None
+            menu = menus.menus.get(signature) if menus is not None else None
+            node_times.append({n.name: n.time for n in menu.graph.nodes} if menu is not None else None)
+            speed = menus.speeds.get(signature) if menus is not None else None
+            speeds.append((speed.scale, speed.forward_seconds) if speed is not None else None)
+        return cls((), pattern, stage_times, tuple(node_times), tuple(speeds))
+
+    def bound(self, bindings: dict) -> "ShapeSample":
+        return replace(self, bindings=tuple(sorted((str(k), int(v)) for k, v in bindings.items())))
+
+
+def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
+    """Add ``new`` to ``samples`` (in place), keeping at most MAX_SAMPLES: beyond that the sample closest
+    to another one (in log sizes) goes, so that the samples keep spanning every size measured."""
+    samples.append(new)
+    while len(samples) > MAX_SAMPLES:
+        logs = [np.log([max(v, 1) for _, v in s.bindings]) for s in samples]
+
+        def crowding(i: int) -> float:
+            return min(float(np.abs(logs[i] - logs[j]).sum()) for j in range(len(samples)) if j != i)
+
+        samples.pop(min(range(len(samples) - 1), key=crowding))  # never the one just measured
+
+
+def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
+    """Per stage, the index of the first stage with its signature: equal for chains of one structure."""
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(sig, i) for i, sig in enumerate(signatures))
+
+
+class ShapeFit:
+    """Fitted times at one shape (``bindings``) from samples measured at others (module docstring)."""
+
+    def __init__(self, samples: Sequence[ShapeSample], bindings: dict, varying: tuple[str, ...]):
+        self.samples = tuple(samples)
+        self.bindings = {str(k): int(v) for k, v in bindings.items()}
+        self.varying = varying
+        scale = {v: max(dict(s.bindings)[v] for s in self.samples) for v in varying}
+        self._rows = np.array([self._features(dict(s.bindings), scale) for s in self.samples])
+        self._target = np.array(self._features(self.bindings, scale))
+
+    @classmethod
+    def of(cls, samples: Sequence[ShapeSample], bindings: dict, pattern: tuple[int, ...]) -> "ShapeFit | None":
+        """A fit at ``bindings`` where enough samples of the same chain structure (``pattern``) span
+        it: one more than the monomials, and every size that differs from theirs varied among
+        them; else None (the shape is measured)."""
+        samples = [s for s in samples if s.pattern == pattern and s.bindings]
+        if not samples:
+            return None
+        target = {str(k): int(v) for k, v in bindings.items()}
+        values = [dict(s.bindings) for s in samples]
+        if any(set(v) != set(target) for v in values):
+            return None
+        changing = sorted(k for k in target if len({v[k] for v in values}) > 1)
+        if any(target[k] != values[0][k] for k in target if k not in changing):
+            return None  # a size that never varied: nothing to fit it from
+        # sizes equal at every measured shape are one size (export may give a sequence length two symbols)
+        groups: dict[tuple, list[str]] = {}
+        for k in changing:
+            groups.setdefault(tuple(v[k] for v in values), []).append(k)
+        if any(len({target[k] for k in members}) > 1 for members in groups.values()):
+            return None
+        varying = tuple(members[0] for members in groups.values())
+        if not varying or len(samples) < len(varying) + 3:
+            return None
+        for k in varying:  # interpolate, or extrapolate a little: a shape far outside is measured (a sample more)
+            low, high = min(v[k] for v in values), max(v[k] for v in values)
+            if not low / EXTRAPOLATION <= target[k] <= high * EXTRAPOLATION:
+                return None
+        return cls(samples, target, varying)
+
+    def _features(self, bindings: dict, scale: dict) -> list[float]:
+        sizes = [bindings[v] / scale[v] for v in self.varying]
+        n = math.prod(sizes)
+        return [1.0, n, *(n * size for size in sizes)]
+
+    def _predict(self, values: list[list[float]]) -> list[float]:
+        """Each column of ``values`` (one row per sample) fitted and evaluated at the target, >= 0. The
+        residuals are weighed relative to the values (a 1 ms node and a 100 ms stage both fitted to a
+        share of themselves)."""
+        values = np.array(values, dtype=float)
+        out = []
+        for column in values.T:
+            weights = 1.0 / np.maximum(np.abs(column), max(float(np.abs(column).max()) * 1e-6, 1e-12))
+            coefficients, *_ = np.linalg.lstsq(self._rows * weights[:, None], column * weights, rcond=None)
+            out.append(max(0.0, float(self._target @ coefficients)))
+        return out
+
+    def stage_costs(self, costs: ChainCosts) -> ChainCosts:
+        """``costs`` (measured for memory) with each stage's autograd times fitted."""
+        fitted = self._predict([[t for st in s.stage_times for t in st] for s in self.samples])
+        stages = []
+        for i, st in enumerate(costs.stages):
+            nograd, fwd, bwd = fitted[3 * i: 3 * i + 3]
+            option = replace(st.options[0], fwd_time=fwd, bwd_time=bwd)
+            stages.append(replace(st, nograd_fwd_time=nograd, options=(option, *st.options[1:])))
+        return replace(costs, stages=tuple(stages))
+
+    def node_costs(self, stage: int, joint) -> dict | None:
+        """Fitted (seconds, workspace 0) of every node of stage ``stage``'s block graph, by name; None
+        where a sample has no menu there or other node names than ``joint`` (then they are measured)."""
+        per_sample = [s.node_times[stage] for s in self.samples]
+        names = [n.name for n in joint.compute_nodes()]
+        if any(t is None or not set(t) <= set(names) for t in per_sample):
+            return None
+        keys = sorted(per_sample[0])
+        if any(sorted(t) != keys for t in per_sample):
+            return None
+        fitted = self._predict([[t[k] for k in keys] for t in per_sample])
+        return {k: (seconds, 0) for k, seconds in zip(keys, fitted)}
+
+    def speeds(self, stage: int) -> ExecutorSpeeds | None:
+        """The fitted speeds of stage ``stage``'s generated code (None where a sample has none)."""
+        per_sample = [s.speeds[stage] for s in self.samples]
+        if any(p is None for p in per_sample):
+            return None
+        scale, forward = self._predict([list(p) for p in per_sample])
+        return ExecutorSpeeds(scale if scale > 0 else min(p[0] for p in per_sample), forward)
+
+    def describe(self) -> str:
+        """Which shapes the times were fitted from, for summaries."""
+        shapes = "; ".join(", ".join(f"{k}={v}" for k, v in s.bindings if k in self.varying) for s in self.samples)
+        return f"times fitted over {', '.join(self.varying)} from {len(self.samples)} measured shapes ({shapes})"
