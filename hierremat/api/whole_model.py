@@ -107,6 +107,7 @@ class _Compiled:
         self.chain_module = chain_module
         self.family: tuple = ()  # the inputs' _family_key, set by RematModule
         self.sample: ShapeSample | None = None  # its measured times (None: fitted, or run from a saved plan)
+        self.bindings: dict | None = None  # its sizes by symbol in the symbolic capture it was planned with
         self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
         self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.graphs.sources)
 
@@ -334,8 +335,8 @@ def _compile(
     signatures = [info.signature for info in chain.infos]
     menus = None
     fitted = None
-    bindings = symbolic.bindings(args, kwargs) if symbolic is not None and specialized else None
-    if plan is None and bindings:
+    bindings = symbolic.bindings(args, kwargs) if symbolic is not None else None
+    if plan is None and bindings and specialized:
         fitted = ShapeFit.of(samples, bindings, chain_pattern(signatures))
     sample = None
     if plan is None:
@@ -392,6 +393,7 @@ def _compile(
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
     compiled = _Compiled(chain, plan, chain_module)
     compiled.sample = sample
+    compiled.bindings = bindings
     compiled.skeleton = pytree.tree_map(
         lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
@@ -497,9 +499,8 @@ class RematModule(nn.Module):
         compiled.sources = sources
         if self._compiled:  # a new shape: what torch cached for this one's traces is not needed again
             clear_fake_tensor_cache()
-        bindings = symbolic.bindings(args, kwargs) if symbolic is not None else None
-        if compiled.sample is not None and bindings:
-            add_sample(samples, compiled.sample.bound(bindings))
+        if compiled.sample is not None and compiled.bindings:
+            add_sample(samples, compiled.sample.bound(compiled.bindings))
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)

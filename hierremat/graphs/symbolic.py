@@ -54,7 +54,7 @@ class SymbolicCapture:
         call's order); None for a call of another structure."""
         if set(kwargs) != set(self.keywords):
             return None
-        leaves, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in self.keywords}))
+        leaves = pytree.tree_leaves((args, {k: kwargs[k] for k in self.keywords}))
         return leaves if len(leaves) == len(self.input_sizes) else None
 
     def bindings(self, args: tuple, kwargs: dict) -> dict | None:

@@ -580,8 +580,10 @@ def build_menus(
             OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])
         ]
         forward_executors[i] = ForwardExecutor(forwards[signature], binding)
-        if signature not in speeds and fitted is not None and fitted.speeds(i) is not None:
-            speeds[signature] = fitted.speeds(i)
+        if signature not in speeds and fitted is not None:
+            fitted_speeds = fitted.speeds(i)
+            if fitted_speeds is not None:
+                speeds[signature] = fitted_speeds
         if signature not in speeds:
             speeds[signature] = cost_cache.get_speeds(graph_keys[signature], xs[i])
             if speeds[signature] is None:
