@@ -166,19 +166,32 @@ def run_loop(steps: int, count: int, cache: str) -> str:
         measured = statistics.median(methods[2].step_seconds.get(length, [float("nan")]))
         plan_seconds = plan.capture_seconds + plan.chain.profile_seconds + plan.options_seconds + plan.chain.solve_seconds
         rows.append([
-            str(length), plan.capture_kind, "measured" if plan.times == "measured" else "fitted",
+            str(length), plan.capture_kind, _fitted(plan.times),
             str(plan.options_solves), C.fmt(plan_seconds, ".2f"),
             C.fmt(row["alloc"] / C.MIB), C.fmt(row["tracker"] / C.MIB), C.fmt(row["alloc"] / budget, ".3f"),
             C.fmt(plan.predicted_peak_bytes / C.MIB), C.fmt(plan.predicted_step_time * 1e3, ".0f"),
             C.fmt(measured * 1e3, ".0f"), C.fmt(plan.predicted_step_time / measured, ".2f"),
         ])
     detail = C.markdown_table(
-        ["length", "capture", "times", "ILP solves", "plan s", "alloc peak MiB", "tracker MiB", "peak/budget",
+        ["length", "capture", "costs", "ILP solves", "plan s", "alloc peak MiB", "tracker MiB", "peak/budget",
          "predicted MiB", "predicted ms", "measured ms", "predicted/measured"], rows,
     )
     return (f"budget {budget / C.MIB:.1f} MiB = 0.5 x plain's allocator peak at 512 ({plain_peak / C.MIB:.1f} MiB); "
             f"lengths {sorted(set(schedule))}; gradients bitwise equal to plain's at every step: {bitwise}\n\n"
             f"{summary}\n\n{detail}")
+
+
+def _fitted(times: str) -> str:
+    """What of a plan's costs was fitted (ModelPlan.times): "measured", "times fitted", "times+memory fitted"
+    (every stage's memory too) or "times+memory fitted but s5" (stage 5's memory measured)."""
+    if times == "measured":
+        return "measured"
+    if not times.startswith("times and memory"):
+        return "times fitted"
+    if "the memory of stage(s)" in times:
+        stages = times.split("the memory of stage(s) ")[1].split(" measured")[0]
+        return f"times+memory fitted but s{stages}"
+    return "times+memory fitted"
 
 
 def _rss_bytes() -> int:

@@ -248,16 +248,23 @@ class _ProfiledChain:
         fitted: ShapeFit | None = None,
     ) -> "_ProfiledChain":
         """deadline: when building the block menus must be done (``time.perf_counter()``).
-        fitted: this shape's times fitted from shapes measured before (hierremat.planning.shape_fit):
-        then only memory is measured."""
+        fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
+        its times, and its memory where the fit is exact (else measured)."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
-        profile = profile_chain(
-            chain.stages, x0, shared=shared, signatures=signatures, cost_cache=StageCostCache(settings.options_cache()),
-            residents=chain.residents, timed=fitted is None,
-        )
-        if fitted is not None:
-            profile = replace(profile, costs=fitted.stage_costs(profile.costs))
+        known, measure = fitted.profile() if fitted is not None else None, ()
+        if known is not None:
+            known, measure = known
+        if known is None or measure:
+            profile = profile_chain(
+                chain.stages, x0, shared=shared, signatures=signatures,
+                cost_cache=StageCostCache(settings.options_cache()), residents=chain.residents, timed=fitted is None,
+                known=known, measure=frozenset(measure),
+            )
+            if fitted is not None:
+                profile = replace(profile, costs=fitted.stage_costs(profile.costs))
+        else:
+            profile = known
         profile_seconds = time.perf_counter() - started
         menus = None
         if settings.block_options == "ilp" and settings.strategy == "optimal":
@@ -270,7 +277,7 @@ class _ProfiledChain:
 
     def sample(self) -> ShapeSample:
         """This shape's measured times (bindings unset), to fit later shapes' from."""
-        return ShapeSample.of(self.profile.costs, self.menus, [info.signature for info in self.chain.infos])
+        return ShapeSample.of(self.profile, self.menus, [info.signature for info in self.chain.infos])
 
     @property
     def shared_bytes(self) -> int:

@@ -81,10 +81,12 @@ class LiveTensorTracker(TorchDispatchMode):
         tracker.peak_bytes
 
     ``reset_peak()`` restarts the peak at the current live bytes; ``timeline`` (when
-    ``record_timeline=True``) lists (op name, live bytes after it).
+    ``record_timeline=True``) lists (op name, live bytes after it); ``allocations`` (when
+    ``record_allocations=True``, else None) the live bytes just after each storage it counted,
+    so that the peak since any moment is the largest of them since then (or the live bytes then).
     """
 
-    def __init__(self, record_timeline: bool = False):
+    def __init__(self, record_timeline: bool = False, record_allocations: bool = False):
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -92,6 +94,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._lock = threading.Lock()
         self.record_timeline = record_timeline
         self.timeline: list[tuple[str, int]] = []
+        self.allocations: list[int] | None = [] if record_allocations else None
 
     def __enter__(self) -> "LiveTensorTracker":
         _active_trackers().append(self)
@@ -127,6 +130,8 @@ class LiveTensorTracker(TorchDispatchMode):
             self._tracked[key] = nbytes
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            if self.allocations is not None:
+                self.allocations.append(self.live_bytes)
         weakref.finalize(storage, self._release, key, nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -203,12 +208,13 @@ class CpuAllocatorMeter:
             self.peak_bytes = max(self.peak_bytes, live)
 
 
-def memory_meter(device: torch.device | str):
-    """The meter the budget is checked with on ``device``: allocator stats on CUDA, the tracker elsewhere."""
+def memory_meter(device: torch.device | str, record_allocations: bool = False):
+    """The meter the budget is checked with on ``device``: allocator stats on CUDA, the tracker elsewhere
+    (recording the live bytes after each allocation where ``record_allocations``: LiveTensorTracker)."""
     device = torch.device(device)
     if device.type == "cuda":
         return CudaPeakMeter(device)
-    return LiveTensorTracker()
+    return LiveTensorTracker(record_allocations=record_allocations)
 
 
 @contextmanager

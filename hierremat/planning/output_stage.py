@@ -86,7 +86,7 @@ def fused_head_option(
     key = f"{signature}+{FUSED_HEAD}"
     cached = cost_cache.get_stage(key, x, requires_grad, None)
     if cached is not None and cached[1] is not None:
-        costs, mask = cached
+        costs, mask, _ = cached
     else:
         costs, mask = profile_stage(index, fused, x, shared, last=True, requires_grad=requires_grad)
         cost_cache.put_stage(key, x, requires_grad, None, costs, mask)

@@ -1,4 +1,4 @@
-"""Times at a new input shape, fitted from the shapes measured before (issue 35: every shape from one profile).
+"""Costs at a new input shape, fitted from the shapes measured before (issue 35: every shape from one profile).
 
 A model called at many shapes (dynamic padding) is measured in full at its first few shapes: each
 distinct stage's times (hierremat.runtime.profile), each block graph's node times
@@ -14,12 +14,21 @@ al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv
 activations and work per layer linear in the sequence length s plus a term in s^2). With one
 varying size (the sequence length) that is a quadratic in it, fitted from three shapes or more.
 
-Memory is never fitted: every byte count of a fitted shape is measured (the stage profile's
-memory runs) or exact from its graph (block options re-costed on its joint graph).
+Memory is fitted exactly, or measured. Each byte count of the chain profile is kept with the
+candidates it is the largest of (hierremat.plans.memory_trace: a peak's live bytes after each
+allocation, a size itself), each a sum of storage sizes and so a polynomial in the same monomials
+(a storage of batch x seq x width bytes is linear in n, attention's batch x heads x seq x seq is
+n x seq). Every candidate is fitted over the measured shapes, and the fit is used only where it
+reproduces each of them to the byte at every measured shape (one shape more than the monomials);
+then a figure at the new shape is its largest fitted candidate, with no run of the model. Where a
+sample has no trace (CUDA, whose allocator the budget is checked with, records none) or a fit is
+not exact, the shape's memory is measured (the stage profile's memory runs). Block options are
+re-costed on the shape's own joint graph (exact).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -27,7 +36,11 @@ from typing import Sequence
 import numpy as np
 
 from ..plans.costs import ChainCosts
+from ..plans.memory_trace import with_memory
+from ..runtime.profile import ChainProfile
 from ..runtime.stage_cost_cache import ExecutorSpeeds
+
+log = logging.getLogger(__name__)
 
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
@@ -37,10 +50,11 @@ EXTRAPOLATION = 1.25
 
 @dataclass(frozen=True)
 class ShapeSample:
-    """The times measured at one input shape, by stage index.
+    """The costs measured at one input shape, by stage index.
 
     bindings: (size symbol, value) pairs of the shape (hierremat.graphs.symbolic). pattern: per
     stage, the index of the first stage with its signature (the chain's structure).
+    profile: the chain profile measured there (its memory trace, where recorded, to fit memory from).
     stage_times: per stage, (no-grad forward, forward, backward) seconds of autograd's option.
     node_times: per stage, its block graph's node times by name (None without a menu).
     speeds: per stage, (scale, no-grad forward seconds) of its generated code (None without).
@@ -51,10 +65,12 @@ class ShapeSample:
     stage_times: tuple[tuple[float, float, float], ...]
     node_times: tuple[dict | None, ...]
     speeds: tuple[tuple[float, float] | None, ...]
+    profile: ChainProfile | None = None
 
     @classmethod
-    def of(cls, costs: ChainCosts, menus, signatures: Sequence[str]) -> "ShapeSample":
-        """A sample (bindings unset) from a shape's measured costs and its ChainMenus (or None)."""
+    def of(cls, profile: ChainProfile, menus, signatures: Sequence[str]) -> "ShapeSample":
+        """A sample (bindings unset) from a shape's measured profile and its ChainMenus (or None)."""
+        costs = profile.costs
         pattern = chain_pattern(signatures)
         stage_times = tuple(
             (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time) for st in costs.stages
@@ -66,7 +82,7 @@ class ShapeSample:
             node_times.append({n.name: n.time for n in menu.graph.nodes} if menu is not None else None)
             speed = menus.speeds.get(signature) if menus is not None else None
             speeds.append((speed.scale, speed.forward_seconds) if speed is not None else None)
-        return cls((), pattern, stage_times, tuple(node_times), tuple(speeds))
+        return cls((), pattern, stage_times, tuple(node_times), tuple(speeds), profile)
 
     def bound(self, bindings: dict) -> "ShapeSample":
         return replace(self, bindings=tuple(sorted((str(k), int(v)) for k, v in bindings.items())))
@@ -101,6 +117,7 @@ class ShapeFit:
         scale = {v: max(dict(s.bindings)[v] for s in self.samples) for v in varying}
         self._rows = np.array([self._features(dict(s.bindings), scale) for s in self.samples])
         self._target = np.array(self._features(self.bindings, scale))
+        self.unfitted_memory: frozenset[int] | None = None  # set by profile(): stages whose memory is measured
 
     @classmethod
     def of(cls, samples: Sequence[ShapeSample], bindings: dict, pattern: tuple[int, ...]) -> "ShapeFit | None":
@@ -159,6 +176,55 @@ class ShapeFit:
             stages.append(replace(st, nograd_fwd_time=nograd, options=(option, *st.options[1:])))
         return replace(costs, stages=tuple(stages))
 
+    def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
+        """This shape's chain profile with its times fitted and every byte count that fits exactly
+        (module docstring), and the stages whose memory does not (to measure: their figures in the
+        profile are the last sample's); None where the chain's own sizes do not fit or a sample has no
+        memory trace or another structure (which storages a stage's tape keeps, its weight casts, its
+        buffer updates): then every stage is measured."""
+        template = self.samples[-1].profile
+        if any(s.profile is None for s in self.samples):
+            return None
+        traces = [s.profile.memory_trace for s in self.samples]
+        if any(t is None for t in traces) or any(_structure(s.profile) != _structure(template) for s in self.samples):
+            return None
+        keys = [key for key, _ in traces[0].figures]
+        if any([key for key, _ in t.figures] != keys for t in traces[1:]):
+            return None
+        values, unfitted = template.memory_trace.values(), set()
+        for k, key in enumerate(keys):
+            figure = self._exact_figure([t.figures[k][1] for t in traces])
+            if figure is None:
+                if not key.startswith("stage"):
+                    log.debug("memory not fitted: %s is not a polynomial in %s", key, ", ".join(self.varying))
+                    return None
+                unfitted.add(int(key[len("stage"):key.index(".")]))
+            else:
+                values[key] = figure
+        costs, loss_bytes = with_memory(template.costs, values)
+        self.unfitted_memory = frozenset(unfitted)
+        profile = replace(template, costs=self.stage_costs(costs), loss_bytes=loss_bytes, memory_trace=None)
+        return profile, frozenset(unfitted)
+
+    def _exact_figure(self, candidates: list[tuple[int, ...]]) -> int | None:
+        """A figure at the target from its candidates at each sample: the largest of the candidates whose
+        fit reproduces every sample to the byte, where those are the largest at every sample and the
+        others (sizes that depend on the data, such as an embedding gradient's distinct rows), raised by
+        their largest miss, stay below them at the target; else None."""
+        if len({len(c) for c in candidates}) > 1:
+            return None  # allocations differ in number (a loop over chunks whose count depends on the size)
+        measured = np.array(candidates, dtype=float)
+        coefficients, *_ = np.linalg.lstsq(self._rows, measured, rcond=None)
+        misses = np.abs(self._rows @ coefficients - measured).max(axis=0)
+        exact = misses <= 0.5
+        if not exact.any() or (measured[:, exact].max(axis=1) < measured.max(axis=1)).any():
+            return None
+        at_target = self._target @ coefficients
+        figure = at_target[exact].max()
+        if (~exact).any() and (at_target[~exact] + misses[~exact]).max() > figure:
+            return None
+        return int(np.rint(figure)) if figure > -0.5 else None
+
     def node_costs(self, stage: int, joint) -> dict | None:
         """Fitted (seconds, workspace 0) of every node of stage ``stage``'s block graph, by name; None
         where a sample has no menu there or other node names than ``joint`` (then they are measured)."""
@@ -181,6 +247,22 @@ class ShapeFit:
         return ExecutorSpeeds(scale if scale > 0 else min(p[0] for p in per_sample), forward)
 
     def describe(self) -> str:
-        """Which shapes the times were fitted from, for summaries."""
+        """What was fitted from which shapes, for summaries."""
         shapes = "; ".join(", ".join(f"{k}={v}" for k, v in s.bindings if k in self.varying) for s in self.samples)
-        return f"times fitted over {', '.join(self.varying)} from {len(self.samples)} measured shapes ({shapes})"
+        unfitted = self.unfitted_memory
+        what = "times" if unfitted is None else "times and memory"
+        line = f"{what} fitted over {', '.join(self.varying)} from {len(self.samples)} measured shapes ({shapes})"
+        if unfitted is None:
+            return f"{line}; memory measured at this shape"
+        if unfitted:
+            return f"{line}; the memory of stage(s) {', '.join(map(str, sorted(unfitted)))} measured at this shape"
+        return line
+
+
+def _structure(profile: ChainProfile) -> tuple:
+    """What a profile holds besides sizes and times: equal at every shape a memory fit spans."""
+    stages = tuple(
+        (st.name, st.weight_cast_bytes, st.options[0].pins_input, st.options[0].pins_output)
+        for st in profile.costs.stages
+    )
+    return stages, profile.mutated_buffers, profile.output_grad_mask, profile.costs.input_requires_grad

@@ -36,8 +36,8 @@ class ModelPlan:
     capture_kind: how the model's graph at this shape was made: "exported" (traced at this
         shape) or "specialized" (the model's symbolic capture, made once for every shape, at this
         shape's sizes: hierremat.graphs.symbolic).
-    times: "measured", or how the times were fitted from shapes measured before
-        (hierremat.planning.shape_fit; memory is measured at every shape).
+    times: "measured", or what was fitted from shapes measured before: the times, and the memory
+        where it fits them to the byte (else measured at this shape): hierremat.planning.shape_fit.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
     (hierremat.plans.costs.ResidentCosts), counted while they are live.
@@ -131,7 +131,7 @@ class ModelPlan:
         lines += [f"  heuristic block options for {sig}: {why}" for sig, why in coarse.items()]
         recosted = [sig for sig, m in self.menus.items() if m.get("recosted")]
         if self.times != "measured":
-            lines.append(f"  {self.times}; memory measured at this shape")
+            lines.append(f"  {self.times}")
         if recosted:
             lines.append(f"  block options of {', '.join(recosted)}: solved at other input sizes, re-costed at these "
                          "(not proven optimal here)")

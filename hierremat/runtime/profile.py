@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
+from ..plans.memory_trace import MemoryTrace, stage_trace
 from .executor import (
     as_tuple, backward_through, check_stage_output, default_grad_mask, detach_output, gradient_edges, watch_storages,
 )
@@ -60,6 +61,7 @@ class ChainProfile:
     mutated_buffers: tuple[tuple[str, ...], ...]
     output_grad_mask: tuple[bool, ...]
     loss_bytes: int = 0
+    memory_trace: MemoryTrace | None = None
 
 
 def storage_bytes(value) -> int:
@@ -169,6 +171,8 @@ def profile_chain(
     cost_cache: StageCostCache | None = None,
     residents=None,
     timed: bool = True,
+    known: ChainProfile | None = None,
+    measure: frozenset[int] = frozenset(),
 ) -> ChainProfile:
     """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
 
@@ -182,14 +186,28 @@ def profile_chain(
     costs' ``residents`` (hierremat.plans.costs.ResidentCosts).
     timed: False measures memory only (the times are those of the single memory runs, for the
     caller to replace: hierremat.planning.shape_fit); such costs are not cached.
+    known, measure: where ``known`` is given, only the stages in ``measure`` are measured, the others
+    take their costs and buffer updates from ``known`` (fitted: hierremat.planning.shape_fit) and are
+    only run without grad, for the next stage's input. The chain's sizes are measured.
     """
     cost_cache = cost_cache or StageCostCache(None)
     device = x0.device
     autocast = AutocastState.capture((device.type,))
     activation_bytes = [storage_bytes(x0)]
-    stage_costs, mutated = [], []
+    stage_costs, mutated, traces = [], [], []
     measured: dict[str, int] = {}
     values: dict[int, torch.Tensor] = {}
+
+    def _next_input(i: int, cost: StageCosts, names: tuple, trace: MemoryTrace | None, y):
+        """Record stage i's costs; returns its output's activation: the next stage's input."""
+        stage_costs.append(cost)
+        traces.append(trace)
+        mutated.append(names)
+        y, made = split_output(y, residents, i)
+        keep_made(values, residents, i, made)
+        activation_bytes.append(storage_bytes(y))
+        return y
+
     with no_side_effects(stages, x0):
         x = x0.detach()
         for i, stage in enumerate(stages):
@@ -203,6 +221,14 @@ def profile_chain(
             requires_grad = i > 0 or x0.requires_grad
             wanted_mask = output_grad_mask if last else None
             cached = None
+            if known is not None and i not in measure:
+                with torch.no_grad():
+                    y = call(x)
+                cost, names, trace = known.costs.stages[i], known.mutated_buffers[i], None
+                if last:
+                    output_grad_mask = known.output_grad_mask
+                x = _next_input(i, cost, names, trace, y)
+                continue
             if signature is None or signature not in measured:
                 if device.type == "cuda":  # measured or cached, this process' threads need the kernels warm
                     with scratch_grads(stage):
@@ -218,15 +244,16 @@ def profile_chain(
                 y = outputs[0]
                 if signature in measured:
                     cost = replace(stage_costs[measured[signature]], name=_stage_name(i, stage))
+                    trace = traces[measured[signature]]
                 else:
-                    cost, mask = cached
+                    cost, mask, trace = cached
                     cost = replace(cost, name=_stage_name(i, stage))
                     if last:
                         output_grad_mask = mask
                     measured[signature] = i
             else:
                 with scratch_grads(stage):
-                    cost, names, y, mask = _profile_stage(
+                    cost, names, y, mask, trace = _profile_stage(
                         i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced, timed
                     )
                 if last:
@@ -234,22 +261,36 @@ def profile_chain(
                 if signature is not None:
                     measured[signature] = i
                     if timed:
-                        cost_cache.put_stage(signature, x, requires_grad, wanted_mask, cost, mask if last else None)
-            stage_costs.append(cost)
-            mutated.append(names)
-            y, made = split_output(y, residents, i)
-            keep_made(values, residents, i, made)
-            activation_bytes.append(storage_bytes(y))
-            x = y
+                        cost_cache.put_stage(
+                            signature, x, requires_grad, wanted_mask, cost, mask if last else None, trace
+                        )
+            x = _next_input(i, cost, names, trace, y)
     if output_grad_mask is None:  # the last stage shared a signature with an earlier one: one output
         output_grad_mask = (True,)
-    with_grad = [o for o, m in zip(as_tuple(y), output_grad_mask) if m]
+    with_grad = [o for o, m in zip(as_tuple(x), output_grad_mask) if m]
     losses = tuple(o for o in with_grad if o.numel() == 1)
     costs = ChainCosts(
         tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad,
         output_grad_bytes=storage_bytes(tuple(with_grad)), residents=_resident_costs(residents, values),
     )
-    return ChainProfile(costs, tuple(mutated), output_grad_mask, storage_bytes(losses) if losses else 0)
+    loss_bytes = storage_bytes(losses) if losses else 0
+    return ChainProfile(
+        costs, tuple(mutated), output_grad_mask, loss_bytes, _chain_trace(costs, traces, loss_bytes),
+    )
+
+
+def _chain_trace(costs: ChainCosts, traces: list[MemoryTrace | None], loss_bytes: int) -> MemoryTrace | None:
+    """The chain's MemoryTrace: its stages' (None where one has none) and its sizes, each its own candidate."""
+    if any(t is None for t in traces):
+        return None
+    sizes = [(f"activation{j}", (b,)) for j, b in enumerate(costs.activation_bytes)]
+    sizes += [("output_grad", (costs.output_grad_bytes,)), ("loss", (loss_bytes,))]
+    for r, resident in enumerate(costs.residents):
+        sizes += [(f"resident{r}.value", (resident.value_bytes,)), (f"resident{r}.grad", (resident.grad_bytes,))]
+    chain = MemoryTrace(tuple(sizes))
+    for i, trace in enumerate(traces):
+        chain = chain.plus(trace.prefixed(f"stage{i}."))
+    return chain
 
 
 def _resident_costs(layout, values: dict[int, torch.Tensor]) -> tuple[ResidentCosts, ...]:
@@ -274,7 +315,7 @@ def profile_stage(
     autocast = AutocastState.capture((x.device.type,))
     call = functools.partial(_call_stage, stage, shared, last, index, autocast)
     with no_side_effects([stage], x), scratch_grads(stage):
-        cost, _, _, mask = _profile_stage(index, stage, call, x.detach(), requires_grad, repeats, x.device, grad_mask)
+        cost, _, _, mask, _ = _profile_stage(index, stage, call, x.detach(), requires_grad, repeats, x.device, grad_mask)
     return cost, mask
 
 
@@ -338,6 +379,34 @@ def _run_forward_and_backward(call: Callable, x: torch.Tensor, requires_grad: bo
         backward_through(edges, grads)
 
 
+class _PeakRun:
+    """A peak on ``meter`` from now on: ``end()`` sets ``peak``, the most bytes live until then above
+    those live now, and ``candidates``, the live bytes above them after each storage allocated
+    meanwhile (with 0: their largest is the peak), where the meter records allocations (the
+    live-tensor tracker), else None (hierremat.plans.memory_trace)."""
+
+    def __init__(self, meter):
+        meter.reset_peak()
+        self.meter, self.base = meter, meter.live_bytes
+        allocations = getattr(meter, "allocations", None)
+        self._start = None if allocations is None else len(allocations)
+        self.candidates: tuple[int, ...] | None = None
+        self.peak = 0
+
+    def end(self) -> int:
+        if self._start is not None:
+            self.candidates = (0, *(a - self.base for a in self.meter.allocations[self._start:]))
+        self.peak = self.meter.peak_bytes - self.base
+        return self.peak
+
+
+def _with_floor(run: _PeakRun | None, *floors: int) -> tuple[int, ...] | None:
+    """The candidates of a peak that is at least ``floors`` (None without the run's candidates)."""
+    if run is None:
+        return (0, *floors)
+    return None if run.candidates is None else run.candidates + floors
+
+
 def _profile_stage(
     i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
     grad_mask: tuple[bool, ...] | None, produced: int = 0, timed: bool = True,
@@ -346,62 +415,62 @@ def _profile_stage(
     (None: hierremat.runtime.executor.default_grad_mask). ``produced``: how many residents it
     makes (outputs after x_{i+1}, each fed a gradient; their bytes are the plan's resident
     reserve, not the stage's). ``timed`` False: memory only, the times of the single runs.
-    Returns (StageCosts, mutated buffer names, output, the mask used)."""
+    Returns (StageCosts, mutated buffer names, output, the mask used, the costs' MemoryTrace or None
+    where the meter records no allocations)."""
     params, _ = _modules_state([stage])
     with torch.no_grad(), WeightCastCounter(params) as casts:
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
-    meter = memory_meter(device)
+    meter = memory_meter(device, record_allocations=True)
     with meter:
-        meter.reset_peak()
-        base = meter.live_bytes
+        run = _PeakRun(meter)
         started = time.perf_counter()
         with tapeless():  # as the runner runs F_none / F_ck of the stage itself
             y = detach_output(call(x))
         _sync(device)
         nograd_time = time.perf_counter() - started
         slow = nograd_time > SLOW_STAGE_SECONDS
-        nograd_peak = meter.peak_bytes - base
+        nograd_peak, nograd_run = run.end(), run
         out_bytes = storage_bytes(y[0] if produced else y)
 
         anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
         x_copy = x.detach().clone()  # a storage of its own, to see whether the tape keeps it
         inp, sink = tap_input(x_copy, anchor)
-        meter.reset_peak()
-        base = meter.live_bytes
+        run = _PeakRun(meter)
         started = time.perf_counter()
         with torch.enable_grad():
             out = call(inp)
         _sync(device)
         fwd_time = time.perf_counter() - started
-        fwd_peak = meter.peak_bytes - base
+        fwd_peak, fwd_run = run.end(), run
         grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
+        held = meter.live_bytes - run.base  # what the forward left: output, tape (and the residents' gradients)
         if produced:  # the residents it made count as kept only where its tape keeps them
             edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
             out = out[0]
-            kept = max(0, meter.live_bytes - base - out_bytes - storage_bytes(tuple(g for g in grads if g is not None)))
+            held -= storage_bytes(tuple(g for g in grads if g is not None))
         else:
-            kept = max(0, meter.live_bytes - base - out_bytes)
             edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+        kept = max(0, held - out_bytes)
         input_freed, _ = watch_storages(x_copy)
         outputs_freed, output_storage_bytes = watch_storages(out)
         del out, inp, x_copy
         _sync(device)
         pins_input, pins_output = not input_freed, sum(outputs_freed) < output_storage_bytes
-        bwd_peak, bwd_time = 0, 0.0
+        bwd_peak, bwd_time, bwd_run = 0, 0.0, None
         if any(e is not None for e in edges):
-            meter.reset_peak()
-            base = meter.live_bytes
+            run = _PeakRun(meter)
             started = time.perf_counter()
             backward_through(edges, grads)
             _sync(device)
             bwd_time = time.perf_counter() - started
-            bwd_peak = meter.peak_bytes - base
+            bwd_peak, bwd_run = run.end(), run
         del edges, grads, sink
-        bwd_new_grads_peak = _bwd_peak_with_new_grads(call, x, requires_grad, grad_mask, params, meter)
+        new_grads_run = _bwd_run_with_new_grads(call, x, requires_grad, grad_mask, params, meter)
     if timed and not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
         nograd_time, fwd_time, bwd_time = _timed_runs(call, x, requires_grad, repeats, device, grad_mask)
 
     grad_bytes = storage_bytes(x) if requires_grad else 0
+    bwd_new_grads_peak = None if new_grads_run is None else new_grads_run.peak
     option = OptionCosts(
         fwd_time=fwd_time,
         bwd_time=bwd_time,
@@ -419,15 +488,24 @@ def _profile_stage(
         name=_stage_name(i, stage),
         weight_cast_bytes=casts.bytes,
     )
-    return cost, mutated, y, grad_mask
+    trace = None
+    if nograd_run.candidates is not None:  # kept + out_bytes = max(out_bytes, held)
+        trace = stage_trace(
+            nograd_fwd_overhead_bytes=_with_floor(nograd_run, out_bytes),
+            kept_bytes=(0, held - out_bytes),
+            fwd_overhead_bytes=_with_floor(fwd_run, out_bytes, held),
+            bwd_overhead_bytes=_with_floor(bwd_run, grad_bytes),
+            bwd_overhead_new_grads_bytes=None if new_grads_run is None else _with_floor(new_grads_run, grad_bytes),
+        )
+    return cost, mutated, y, grad_mask, trace
 
 
-def _bwd_peak_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask, params: list,
-                             meter) -> int | None:
-    """Peak of the stage's backward above the memory before it when its parameters' ``.grad`` is None
-    (PyTorch's default ``zero_grad(set_to_none=True)``): the gradients it makes stay instead of being
-    added into ``.grad`` and freed (OptionCosts.bwd_overhead_new_grads_bytes). None where the stage
-    has no trainable parameter or no backward. The parameters' ``.grad`` are put back after."""
+def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask, params: list,
+                            meter) -> _PeakRun | None:
+    """The stage's backward run when its parameters' ``.grad`` is None (PyTorch's default
+    ``zero_grad(set_to_none=True)``): the gradients it makes stay instead of being added into ``.grad``
+    and freed (its peak: OptionCosts.bwd_overhead_new_grads_bytes). None where the stage has no
+    trainable parameter or no backward. The parameters' ``.grad`` are put back after."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         return None
@@ -440,10 +518,10 @@ def _bwd_peak_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: boo
         del out
         if all(e is None for e in edges):
             return None
-        meter.reset_peak()
-        base = meter.live_bytes
+        run = _PeakRun(meter)
         backward_through(edges, grads)
-        return meter.peak_bytes - base
+        run.end()
+        return run
     finally:
         for p, g in zip(trainable, saved):
             p.grad = g

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from ..plans.costs import StageCosts
+from ..plans.memory_trace import MemoryTrace
 from ..store.cache import CacheKey, OptionsCache
 
 log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
-STAGE_COST_VERSION = "stage-5"  # 5: the backward with .grad None (bwd_overhead_new_grads_bytes)
+STAGE_COST_VERSION = "stage-6"  # 5: the backward with .grad None; 6: memory traces (plans.memory_trace)
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ class StageCostCache:
 
     def get_stage(
         self, signature: str, x: torch.Tensor, requires_grad: bool, grad_mask: tuple[bool, ...] | None
-    ) -> tuple[StageCosts, tuple[bool, ...] | None] | None:
-        """(costs, the output gradient mask they were measured with) or None."""
+    ) -> tuple[StageCosts, tuple[bool, ...] | None, MemoryTrace | None] | None:
+        """(costs, the output gradient mask they were measured with, their memory trace if recorded) or None."""
         if self.cache is None:
             return None
         payload = self.cache.get(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)))
@@ -86,18 +87,23 @@ class StageCostCache:
             return None
         try:
             mask = payload["grad_mask"]
-            return StageCosts.from_dict(payload["costs"]), None if mask is None else tuple(bool(m) for m in mask)
+            trace = payload.get("trace")
+            return (
+                StageCosts.from_dict(payload["costs"]), None if mask is None else tuple(bool(m) for m in mask),
+                None if trace is None else MemoryTrace.from_dict(trace),
+            )
         except (KeyError, TypeError, ValueError) as err:
             log.warning("cached stage costs for %s are unreadable (%s); measuring again", signature, err)
             return None
 
     def put_stage(
         self, signature: str, x: torch.Tensor, requires_grad: bool, grad_mask: tuple[bool, ...] | None,
-        costs: StageCosts, measured_mask: tuple[bool, ...] | None,
+        costs: StageCosts, measured_mask: tuple[bool, ...] | None, trace: MemoryTrace | None = None,
     ) -> None:
         if self.cache is None:
             return
-        payload = {"costs": costs.to_dict(), "grad_mask": None if measured_mask is None else list(measured_mask)}
+        payload = {"costs": costs.to_dict(), "grad_mask": None if measured_mask is None else list(measured_mask),
+                   "trace": None if trace is None else trace.to_dict()}
         self.cache.put(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)), payload)
 
     def get_speeds(self, signature: str, x: torch.Tensor) -> ExecutorSpeeds | None:
