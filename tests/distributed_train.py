@@ -8,7 +8,8 @@ and to the model, and each rank trains on its share of every global batch; the f
 re-plans for the shards. ``--parallel ddp``: the planned model is wrapped in
 DistributedDataParallel. Without ``--parallel``, one process trains plainly on the whole
 global batches. ``--autocast bf16``: every forward, and the planning, under bf16 autocast.
-``--set-to-none``: every step starts with PyTorch's default ``zero_grad(set_to_none=True)``, so
+``--lengths 96,64,80``: the Llama's steps take those sequence lengths in turn (a new length is planned
+on each rank when it first comes). ``--set-to-none``: every step starts with PyTorch's default ``zero_grad(set_to_none=True)``, so
 it allocates the gradients (counted in the budget); else ``.grad`` is kept between steps.
 Both write the final parameters and the first step's gradients (rank 0; with ``--parallel``
 also those of the first step of FSDP2 or DDP alone on the same batches) and a report per rank (peaks,
@@ -57,10 +58,12 @@ def shard(model) -> None:
     fully_shard(model)
 
 
-def global_batches(name: str, steps: int, device: torch.device) -> list[dict]:
-    """Each step's global batch of 8 (keyword arguments of the model's call)."""
+def global_batches(name: str, steps: int, device: torch.device, lengths: list[int] | None = None) -> list[dict]:
+    """Each step's global batch of 8 (keyword arguments of the model's call); a Llama's of the sequence
+    lengths ``lengths`` in turn (default 96)."""
     if name == "llama":
-        ids = [torch.randint(0, 256, (8, 96), device=device) for _ in range(steps)]
+        lengths = lengths or [96]
+        ids = [torch.randint(0, 256, (8, lengths[step % len(lengths)]), device=device) for step in range(steps)]
         return [{"input_ids": i, "labels": i} for i in ids]
     return [{k: v.to(device) for k, v in seq2seq_call(8, 48, 24, seed=step).items()} for step in range(steps)]
 
@@ -137,6 +140,8 @@ def main() -> None:
     p.add_argument("--set-to-none", action="store_true",
                    help="zero_grad(set_to_none=True), PyTorch's default: every step allocates the gradients")
     p.add_argument("--steps", type=int, default=3, help="the last is a steady step: DDP rebuilds its buckets in the second")
+    p.add_argument("--lengths", default=None,
+                   help="comma-separated sequence lengths the Llama's steps take in turn (each rank plans each new one)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -145,7 +150,8 @@ def main() -> None:
     if args.parallel:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     model = new_model(args.model, device)
-    batches = global_batches(args.model, args.steps, device)
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
+    batches = global_batches(args.model, args.steps, device, lengths)
     local = [{k: v[rank * len(v) // world : (rank + 1) * len(v) // world] for k, v in b.items()} for b in batches]
     report = {"world": world}
     runner = model
@@ -185,8 +191,9 @@ def main() -> None:
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
     if args.parallel:
         remat = runner.module if args.parallel == "ddp" else runner
-        report["plan"] = remat.plans[0].to_json()
-        report["summary"] = remat.plans[0].summary()
+        report["plan"] = remat.plans[-1].to_json()  # the plan of the shape used last (rank 0's, broadcast)
+        report["summary"] = remat.plans[-1].summary()
+        report["plans"] = len(remat.plans)
     if args.parallel == "fsdp":
         report["all_gathers"] = count_all_gathers(runner, local[0], forward_context(device, args.autocast))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -64,34 +64,35 @@ def _run(cmd: list[str], device: str = "cpu") -> str:
 
 
 def _train(tmp_path, ranks: int, device: str, model: str, parallel: str, budget: str, autocast: str = "off",
-           set_to_none: bool = False) -> tuple[list[dict], dict, dict | None]:
+           set_to_none: bool = False, extra: tuple[str, ...] = ()) -> tuple[list[dict], dict, dict | None]:
     """Run the ranks (and, in fp32, one process on the whole batches): (the reports, rank 0's final
     parameters, the single process's or None). Checks that the first step's gradients are bitwise
     those of FSDP2 or DDP alone on the same batches (module docstring)."""
     spread, single = tmp_path / parallel, tmp_path / "single"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), str(SCRIPT),
           "--model", model, "--parallel", parallel, "--budget", budget, "--device", device, "--autocast", autocast,
-          "--out", str(spread), *(["--set-to-none"] if set_to_none else [])], device)
+          "--out", str(spread), *(["--set-to-none"] if set_to_none else []), *extra], device)
     grads, plain_grads = torch.load(spread / "grads.pt"), torch.load(spread / "plain_grads.pt")
     assert grads.keys() == plain_grads.keys()
     assert [k for k in grads if not torch.equal(grads[k], plain_grads[k])] == []
     single_params = None
     if autocast == "off":
-        _run([sys.executable, str(SCRIPT), "--model", model, "--device", device, "--out", str(single)], device)
+        _run([sys.executable, str(SCRIPT), "--model", model, "--device", device, "--out", str(single), *extra], device)
         single_params = torch.load(single / "params.pt")
     reports = [json.loads((spread / f"report{r}.json").read_text()) for r in range(ranks)]
     return reports, torch.load(spread / "params.pt"), single_params
 
 
-def _check(reports, spread_params, single_params, slack: int = 0) -> hr.ModelPlan:
+def _check(reports, spread_params, single_params, slack: int = 0, recomputes: bool = True) -> hr.ModelPlan:
     """What every run checks (the module docstring); returns rank 0's plan. single_params: None
-    under bf16 autocast, where one process's and two ranks' reductions round differently."""
+    under bf16 autocast, where one process's and two ranks' reductions round differently.
+    recomputes: whether rank 0's plan must recompute some layer whole (else block options may do it all)."""
     for rank, report in enumerate(reports):
         steady = report["peaks"][-1]
         assert steady <= report["budget"] + slack, (rank, steady, report["budget"])
         assert steady < report["plain_peak"], (rank, steady, report["plain_peak"])
     plan = hr.ModelPlan.from_json(reports[0]["plan"])
-    assert max(plan.chain.schedule.forward_counts()[1:-1]) > 1, "some layer must be recomputed"
+    assert not recomputes or max(plan.chain.schedule.forward_counts()[1:-1]) > 1, "some layer must be recomputed"
     chains = [{k: v for k, v in json.loads(report["plan"])["chain"].items() if k != "solve_seconds"} for report in reports]
     assert all(chain == chains[0] for chain in chains), "every rank must run rank 0's plan"
     if single_params is not None:
@@ -146,6 +147,18 @@ def test_two_ddp_ranks_train_a_t5_like_one_process_within_budget(tmp_path, autoc
     assert all(report["world"] == 2 for report in reports)
     plan = _check(reports, ddp_params, single_params)
     assert plan.chain.costs.residents != ()
+
+
+def test_two_ddp_ranks_train_varying_lengths_with_default_zero_grad_within_budget(tmp_path):
+    """DDP over steps of other sequence lengths (each rank plans each new one on its own: no collective
+    in planning), PyTorch's default zero_grad: parameters as one process's, the steady step (a length
+    seen before) within the budget on every rank."""
+    steps = ("--lengths", "96,64,80", "--steps", "4")  # 96 64 80 96
+    reports, ddp_params, single_params = _train(tmp_path, 2, "cpu", "llama", "ddp", "2.6MiB", set_to_none=True,
+                                                extra=steps)
+    plan = _check(reports, ddp_params, single_params, recomputes=False)
+    assert plan.chain.costs.step_grad_bytes and not plan.chain.schedule.keeps_everything
+    assert all(report["plans"] == 3 for report in reports)
 
 
 @pytest.mark.cuda
