@@ -27,7 +27,7 @@ test: setup
 
 # `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~25 min on 2 CPU cores, the small models ~15).
 # BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.
-# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality, torch.compile, operator-variant kernels, gradients made in the step).
+# The single-purpose scripts stay callable: `make bench-extra` (DP kernel, sequential chain, planning time, plan quality, torch.compile, operator-variant kernels, gradients made in the step, input shapes, a 7B shape planned on meta).
 BENCH_ARGS ?=
 
 bench: setup
@@ -45,6 +45,7 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_kernels.py
 	$(BIN)/python benchmarks/bench_step_grads.py
 	$(BIN)/python benchmarks/bench_shapes.py
+	$(BIN)/python benchmarks/bench_meta.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

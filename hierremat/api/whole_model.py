@@ -7,6 +7,7 @@ returned module runs the model's own graph with the chain executed by the schedu
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -21,6 +22,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..graphs.capture import capture, check_outputs, uncompiled
+from ..graphs.fake_weights import weights_faked_on
 from ..graphs.eager_masks import has_value_branch, padding_key
 from ..graphs.hf import call_kwargs
 from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
@@ -34,12 +36,13 @@ from ..plans.sequential_plan import SequentialPlan
 from ..device.autocast import AutocastState
 from ..runtime.executor import as_tuple
 from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered
+from ..runtime.lent_weights import bind_to_model, has_meta_weights, lent_inputs, lent_weights
 from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
 from ..runtime.stage_cost_cache import StageCostCache
 from ..runtime.step_grads import StepGrads
 from ..store.cache import OptionsCache, default_cache
 from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_options, plan_from_profile, resolve_compile
-from .sequential import check_devices, check_slots, check_time_limit
+from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from ..planning.menus import StageMenu, build_menus
 from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern
@@ -110,6 +113,27 @@ class _Compiled:
         self.bindings: dict | None = None  # its sizes by symbol in the symbolic capture it was planned with
         self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
         self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.graphs.sources)
+        self.lent = False  # planned on meta with lent weights: bound to the model's own when it has them
+
+    def graphs(self) -> list[nn.Module]:
+        """Every graph that reads the model's tensors: the orchestrator, the stages and their other forms."""
+        forms = [self.chain.orchestrator, *self.chain.stages]
+        menus = self.chain_module.planned.menus
+        if menus is not None:
+            forms += [e.stage for executors in menus.executors for e in executors if hasattr(e, "stage")]
+        return forms
+
+    def bind_to(self, model: nn.Module) -> None:
+        """Compute with ``model``'s own parameters and buffers (a model planned on meta, materialized
+        since with ``to_empty`` and initialized); raises where it still has none."""
+        if has_meta_weights(model):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} was planned on the meta device and still has meta parameters or buffers: "
+                "materialize it before training (model.to_empty(device=...), then initialize its weights)"
+            )
+        bind_to_model(self.graphs(), model)
+        self.chain_module.planned.reread_tensors()
+        self.lent = False
 
     @property
     def plan(self) -> ModelPlan:
@@ -190,8 +214,17 @@ class PlanSettings:
     compile: bool | str = "auto"
     outputs: tuple[str, ...] | None = None
     time_limit: float | None = PLAN_TIME_LIMIT
+    device: str | None = None
 
     def __post_init__(self) -> None:
+        if self.device is not None:
+            try:
+                kind = torch.device(self.device).type
+            except (RuntimeError, TypeError) as err:
+                raise ValueError(f"device must name a device ('cuda', 'cuda:1', 'cpu'), got {self.device!r}") from err
+            if kind not in SUPPORTED_DEVICES:
+                raise ValueError(f"device must be where the model trains ({' or '.join(SUPPORTED_DEVICES)}), "
+                                 f"got {self.device!r}")
         check_block_options(self.block_options)
         check_slots(self.slots)
         check_time_limit(self.time_limit)
@@ -214,17 +247,50 @@ class PlanSettings:
         return cache.directory / "inductor" if cache.enabled else None
 
 
+def _lending_device(model: nn.Module, args: tuple, kwargs: dict, device: str | None) -> torch.device | None:
+    """Where a model without weights (meta parameters or inputs) is planned with lent weights
+    (hierremat.runtime.lent_weights): ``device``; None for a model that has its weights, planned where
+    they are (``device``, if given, must be that device)."""
+    meta_inputs = "meta" in _device_types(args, kwargs)
+    if not (has_meta_weights(model) or meta_inputs):
+        if device is not None:
+            wanted = torch.device(device)
+            where = {p.device for p in model.parameters()}
+            if any(d.type != wanted.type or (wanted.index is not None and d.index != wanted.index) for d in where):
+                raise ValueError(
+                    f"device={device!r}, but {type(model).__name__}'s parameters are on "
+                    f"{', '.join(sorted(str(d) for d in where))}: hierremat plans a model where its weights are. "
+                    "Leave device= out, or build the model on meta to plan it for another device"
+                )
+        return None
+    if device is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has parameters or inputs on the meta device: pass device='cuda' (or 'cpu'), "
+            "where it will train. hierremat then lends each distinct stage real weights there while it plans"
+        )
+    return torch.device(device)
+
+
 def _captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, autocast: AutocastState,
-                    started: float, symbolic: SymbolicCapture | None = None):
+                    started: float, symbolic: SymbolicCapture | None = None, lent_to: torch.device | None = None):
     """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds,
-    whether the capture was specialized from ``symbolic``)."""
-    captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs, symbolic=symbolic)
+    whether the capture was specialized from ``symbolic``). lent_to: a model without weights is captured as on
+    this device (hierremat.graphs.fake_weights), its chain inputs computed there with lent weights."""
+    inputs = (args, kwargs)
+    if lent_to is None:
+        captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs, symbolic=symbolic)
+    else:  # captured as on lent_to with fake weights, bound to the model's own (meta) ones after
+        inputs = lent_inputs(inputs, lent_to)
+        with weights_faked_on(model, lent_to) as fake:
+            captured = capture(model, *fake(inputs), variants=settings.variants, outputs=settings.outputs)
+        bind_to_model([captured.module], model)
     try:
         chain = build_chain_graph(captured, model, settings.segmentation, context=autocast.key())
     except (ValueError, StopIteration) as err:
         raise UnsupportedModelError(f"{type(model).__name__} could not be cut into a chain of stages: {err}") from err
     capture_seconds = time.perf_counter() - started
-    x0, shared = chain_inputs(chain, args, kwargs)
+    with lent_weights([chain.orchestrator], ["orchestrator"], lent_to) if lent_to else contextlib.nullcontext():
+        x0, shared = chain_inputs(chain, *inputs)
     return chain, x0, tuple(shared), capture_seconds, captured.specialized
 
 
@@ -241,6 +307,9 @@ class _ProfiledChain:
     menus: object  # hierremat.planning.menus.ChainMenus, or None
 
     fitted: ShapeFit | None = None
+    #: a model planned on meta: the gradients its step allocates are its own parameters' (the lent copies
+    #: are shared by identical stages), read from it by name
+    weights_of: nn.Module | None = None
 
     @classmethod
     def of(
@@ -300,6 +369,7 @@ class _ProfiledChain:
                 self.chain.stages, profile, budget_bytes - self.beside_chain_bytes, self.x0.device,
                 slots=self.settings.slots, profile_seconds=self.profile_seconds,
                 strategy=strategy or self.settings.strategy, output_held=self.settings.output_held,
+                step_grads=StepGrads(self.chain.stages, self.weights_of).bytes() if self.weights_of is not None else None,
             )
         except InfeasibleBudgetError as err:
             raise err.plus(budget_bytes, self.beside_chain_bytes) from None
@@ -319,6 +389,27 @@ class _ProfiledChain:
         )
 
 
+def _profile_and_solve(
+    chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
+    fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
+) -> tuple[_ProfiledChain, SequentialPlan, bool]:
+    """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
+    its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
+    weights_of: the model, where it is planned on meta (_ProfiledChain.weights_of)."""
+    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted)
+    profiled.weights_of = weights_of
+    menus = profiled.menus
+    compiled = menus is not None and resolve_compile(settings.compile, x0.device)
+    if compiled:
+        chain_plan = plan_compiled(
+            menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p), chain.stages, x0, shared,
+            settings.inductor_cache(), settings.deadline(started),
+        )
+    else:
+        chain_plan = profiled.solve(budget_bytes)
+    return profiled, chain_plan, compiled
+
+
 def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (),
@@ -334,10 +425,18 @@ def _compile(
             "hierremat.remat(model, ...) before fully_shard (as activation checkpointing is applied before it), then "
             "fully_shard each block and the model; the first call re-plans for the shards"
         )
-    check_devices(_device_types(args, kwargs), "the example inputs")
-    autocast = AutocastState.capture(_device_types(args, kwargs))
+    lent_to = _lending_device(model, args, kwargs, settings.device)
+    if lent_to is None:
+        check_devices(_device_types(args, kwargs), "the example inputs")
+        autocast = AutocastState.capture(_device_types(args, kwargs))
+    else:
+        if plan is not None:
+            raise UnsupportedModelError("a saved plan runs on a materialized model: call remat(..., plan=) after "
+                                        "to_empty and initialization, or plan the model on meta here")
+        symbolic = None  # (each shape of a model without weights is exported on meta)
+        autocast = AutocastState.capture((lent_to.type,))
     chain, x0, shared, capture_seconds, specialized = _captured_chain(
-        model, args, kwargs, settings, autocast, started, symbolic
+        model, args, kwargs, settings, autocast, started, symbolic, lent_to
     )
     signatures = [info.signature for info in chain.infos]
     menus = None
@@ -347,18 +446,13 @@ def _compile(
         fitted = ShapeFit.of(samples, bindings, chain_pattern(signatures))
     sample = None
     if plan is None:
-        profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted)
+        with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
+            profiled, chain_plan, compiled = _profile_and_solve(
+                chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None
+            )
         sample = profiled.sample() if fitted is None else None
         menus = profiled.menus
-        compiled = menus is not None and resolve_compile(settings.compile, x0.device)
-        if compiled:
-            chain_plan = plan_compiled(
-                menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p), chain.stages, x0, shared,
-                settings.inductor_cache(), settings.deadline(started),
-            )
-        else:
-            chain_plan = profiled.solve(budget_bytes)
-        plan = profiled.model_plan(chain_plan, capture_seconds, compiled, specialized)
+        plan = replace(profiled.model_plan(chain_plan, capture_seconds, compiled, specialized), lent_weight_bytes=lent)
         log.info(
             "planned %s: %d stages, predicted peak %s, step %.1f ms", type(model).__name__, len(plan.stages),
             format_bytes(plan.predicted_peak_bytes), plan.predicted_step_time * 1e3,
@@ -399,6 +493,9 @@ def _compile(
     chain_module = ChainModule(chain.stages, planned)
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
     compiled = _Compiled(chain, plan, chain_module)
+    if lent_to is not None:  # other forms (the fused head) were made while weights were lent: give them back
+        bind_to_model(compiled.graphs(), model)
+        compiled.lent = True
     compiled.sample = sample
     compiled.bindings = bindings
     compiled.skeleton = pytree.tree_map(
@@ -493,8 +590,11 @@ class RematModule(nn.Module):
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
         kwargs = call_kwargs(self.model, kwargs)
+        lent_to = self.settings.device if has_meta_weights(self.model) or "meta" in _device_types(args, kwargs) else None
+        if lent_to is not None:  # planned for inputs on the device it trains on
+            args, kwargs = lent_inputs((args, kwargs), torch.device(lent_to))
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
-        symbolic = self._symbolic_capture(args, kwargs) if plan is None else None
+        symbolic = self._symbolic_capture(args, kwargs) if plan is None and lent_to is None else None
         samples = self._samples.setdefault(_family_key(args, kwargs), [])
         sources: list[str] = []
         try:
@@ -518,10 +618,12 @@ class RematModule(nn.Module):
             forget_sources(dropped.sources)
         return compiled
 
-    def _drop_plans(self) -> None:
-        for compiled in self._compiled.values():
-            forget_sources(compiled.sources)
-        self._compiled.clear()
+    def _drop_plans(self, keep_lent: bool = False) -> None:
+        """Forget every plan (``keep_lent``: but those made on meta, not yet bound to the model's tensors)."""
+        for key, compiled in list(self._compiled.items()):
+            if not (keep_lent and compiled.lent):
+                forget_sources(compiled.sources)
+                del self._compiled[key]
 
     def _symbolic_capture(self, args: tuple, kwargs: dict) -> SymbolicCapture | None:
         """The symbolic capture for calls like this one (hierremat.graphs.symbolic), made when a second
@@ -584,10 +686,14 @@ class RematModule(nn.Module):
                     "call hierremat.remat(..., on_new_shape='replan') to plan per shape"
                 )
             compiled = self._add(args, kwargs)
+        if compiled.lent:  # planned on meta: the model's own weights from now on
+            compiled.bind_to(self.model)
         return compiled.chain.orchestrator, kwargs
 
     def _apply(self, fn, recurse=True):
-        self._drop_plans()  # captured graphs hold the old tensors: re-plan after .to()/.cuda()
+        # captured graphs hold the old tensors: re-plan after .to()/.cuda(), but for plans made on meta
+        # (to_empty materializes the model they were made for: they bind to its tensors when next called)
+        self._drop_plans(keep_lent=True)
         self._symbolic.clear()
         self._samples.clear()
         return super()._apply(fn, recurse)
@@ -646,6 +752,7 @@ def plan(
     compile: bool | str = "auto",
     outputs: str | tuple[str, ...] | None = None,
     time_limit: float | None = PLAN_TIME_LIMIT,
+    device: str | torch.device | None = None,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -687,10 +794,17 @@ def plan(
     (keep everything, recompute everything, keep what is costliest to recompute), as does a
     block whose ILP would be too large; the summary says which. Every solve also has a
     limit of its own; an option its limit stopped shows its MIP gap in the summary.
+    device: where the model trains, for a model built without its weights (``torch.device("meta")``:
+    parameters with shapes and no storage; example inputs may be meta too): it is captured on meta and
+    planned with real weights lent per distinct stage on ``device`` (hierremat.runtime.lent_weights), so
+    planning holds one block's weights, not the model's. The plan is then used once the model is
+    materialized (``to_empty(device=...)`` and its initialization). None (default): where the model's
+    parameters are; a model on meta needs it.
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(
-        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
+        None if device is None else str(device),
     )
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
     return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
@@ -791,6 +905,7 @@ def remat(
     outputs: str | tuple[str, ...] | None = None,
     time_limit: float | None = PLAN_TIME_LIMIT,
     max_shapes: int = DEFAULT_MAX_SHAPES,
+    device: str | torch.device | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
@@ -803,6 +918,8 @@ def remat(
     solved for another shape are re-costed at the new sizes (no ILP solve); "error": raise.
     max_shapes: how many shapes' plans are kept (least recently used dropped first; a dropped
     shape is planned again when it comes back).
+    device: as for hierremat.plan. A module planned on meta computes with the model's own weights from
+    its first call after ``to_empty`` and initialization (a call before raises).
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -817,7 +934,8 @@ def remat(
     if outputs is None and plan is not None:
         outputs = plan.outputs
     settings = PlanSettings(
-        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit
+        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
+        None if device is None else str(device),
     )
     module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes)
     module._add(args, example_kwargs or {}, plan)

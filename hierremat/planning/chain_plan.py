@@ -280,6 +280,12 @@ class PlannedChain:
         self._by_step_grads = {}
         self._bind(plan)
 
+    def reread_tensors(self) -> None:
+        """Read the stages' parameters and buffers again (a model planned on meta and materialized since:
+        hierremat.runtime.lent_weights): the gradients each backward makes, and the buffers replays restore."""
+        self.step_grads = StepGrads(self.stages, self.sharded.model if self.sharded is not None else None)
+        self._bind(self.plan)
+
     @property
     def assumed_output_use(self) -> OutputUse:
         return OutputUse(self.plan.costs.held_output, self.plan.output_grad_mask)

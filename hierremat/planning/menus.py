@@ -375,21 +375,30 @@ def stage_inputs(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=No
     return stage_arguments(stages, x0, shared, residents)[0]
 
 
-def stage_arguments(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=None
-                    ) -> tuple[list[torch.Tensor], list[tuple]]:
+def stage_arguments(stages: Sequence, x0: torch.Tensor, shared: tuple, residents=None,
+                    signatures: Sequence[str] | None = None) -> tuple[list[torch.Tensor], list[tuple]]:
     """(x_0 .. x_{L-1}, what each stage is called with after x: the shared values, then the
-    residents made before it, None for the others), as :func:`stage_inputs` runs the chain."""
+    residents made before it, None for the others), as :func:`stage_inputs` runs the chain.
+    signatures: where given, a stage whose signature ran before and that makes no residents is not run
+    again: the first one's output stands for its (the same shape: what menus are built from)."""
     xs = [x0.detach()]
     values: dict[int, torch.Tensor] = {}
     shareds = []
+    outputs_of: dict[str, object] = {}
     autocast = AutocastState.capture((x0.device.type,))
     with no_side_effects(stages, x0), torch.no_grad():
         for i, stage in enumerate(stages):
             shareds.append(stage_shared(shared, values, residents))
             if i == len(stages) - 1:
                 break
+            makes = residents is not None and residents.produced_by(i)
+            if signatures is not None and not makes and signatures[i] in outputs_of:
+                xs.append(outputs_of[signatures[i]])
+                continue
             with autocast.stage_scope():
                 out = stage(xs[-1], *shareds[-1])
+            if signatures is not None and not makes:
+                outputs_of[signatures[i]] = out
             y, made = split_output(out, residents, i)
             keep_made(values, residents, i, made)
             xs.append(y)
@@ -499,7 +508,7 @@ def build_menus(
     cache = cache if cache is not None else default_cache()
     cost_cache = StageCostCache(cache)
     L = len(stages)
-    xs, shareds = stage_arguments(stages, x0, shared, residents)
+    xs, shareds = stage_arguments(stages, x0, shared, residents, signatures)
     if signatures is None:
         signatures = [module_signature(stage, x) for stage, x in zip(stages, xs)]
     if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own

@@ -38,6 +38,9 @@ class ModelPlan:
         shape's sizes: hierremat.graphs.symbolic).
     times: "measured", or what was fitted from shapes measured before: the times, and the memory
         where it fits them to the byte (else measured at this shape): hierremat.planning.shape_fit.
+    lent_weight_bytes: for a model planned without its weights (on meta), the bytes of the real
+        weights lent to it while planning, one copy per distinct stage (hierremat.runtime.lent_weights);
+        0 for a model planned with its own.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
     (hierremat.plans.costs.ResidentCosts), counted while they are live.
@@ -59,6 +62,7 @@ class ModelPlan:
     outputs: tuple[str, ...] | None = None
     capture_kind: str = "exported"
     times: str = "measured"
+    lent_weight_bytes: int = 0
 
     @property
     def beside_chain_bytes(self) -> int:
@@ -132,6 +136,9 @@ class ModelPlan:
         recosted = [sig for sig, m in self.menus.items() if m.get("recosted")]
         if self.times != "measured":
             lines.append(f"  {self.times}")
+        if self.lent_weight_bytes:
+            lines.append(f"  planned on meta: {format_bytes(self.lent_weight_bytes)} of weights lent while planning, "
+                         "one copy per distinct stage (the model's own are used once materialized)")
         if recosted:
             lines.append(f"  block options of {', '.join(recosted)}: solved at other input sizes, re-costed at these "
                          "(not proven optimal here)")
@@ -163,6 +170,7 @@ class ModelPlan:
                 "outputs": None if self.outputs is None else list(self.outputs),
                 "capture_kind": self.capture_kind,
                 "times": self.times,
+                "lent_weight_bytes": self.lent_weight_bytes,
             }
         )
 
@@ -191,4 +199,5 @@ class ModelPlan:
             outputs=None if d.get("outputs") is None else tuple(str(n) for n in d["outputs"]),
             capture_kind=str(d.get("capture_kind", "exported")),
             times=str(d.get("times", "measured")),
+            lent_weight_bytes=int(d.get("lent_weight_bytes", 0)),
         )

@@ -150,7 +150,7 @@ class CompiledOptionExecutor:
             y, *rest = self.compiled.forward(args)
         n_kept = len(self.program.kept_slots)
         for target, value in zip(self.program.buffer_updates, rest[n_kept:]):
-            self.binding.buffers[target].copy_(value)
+            self.binding.buffer(target).copy_(value)
         return y, OptionTape.of(self.option, rest[:n_kept], x, y)
 
     def backward(self, tape: OptionTape, dy: torch.Tensor, shared: tuple) -> torch.Tensor | None:
@@ -233,7 +233,7 @@ class CompiledForwardExecutor:
         with torch.no_grad(), AutocastState.off((x.device.type,)).applied():
             y, *updates = self.compiled.compiled(args)
             for target, value in zip(program.buffer_updates, updates):
-                self.binding.buffers[target].copy_(value)
+                self.binding.buffer(target).copy_(value)
         return y
 
     def measure(self, x: torch.Tensor, shared: tuple, repeats: int = 3) -> tuple[float, int]:

@@ -88,20 +88,27 @@ class OptionProgram:
 class StageBinding:
     """One stage's parameters and buffers by joint-graph placeholder: builds a program's inputs.
 
-    Parameters are read from their modules at each call, so a stand-in the runner puts in
-    their place for one call is what the program gets (hierremat.runtime.tied)."""
+    Parameters and buffers are read from their modules at each call, so a stand-in the runner puts
+    in their place for one call is what the program gets (hierremat.runtime.tied), and so are the
+    model's own once a model planned on meta is materialized (hierremat.runtime.lent_weights)."""
 
     def __init__(self, joint: JointGraph):
-        buffers = dict(joint.stage.named_buffers(remove_duplicate=False))
-        self._param_slots = {}
-        for name, target in joint.param_inputs.items():
-            path, _, leaf = target.rpartition(".")
-            self._param_slots[name] = (joint.stage.get_submodule(path), leaf)
-        self.buffers = {name: buffers[target] for name, target in joint.buffer_inputs.items()}
+        self._param_slots = {name: self._slot(joint, target) for name, target in joint.param_inputs.items()}
+        self._buffer_slots = {name: self._slot(joint, target) for name, target in joint.buffer_inputs.items()}
+
+    @staticmethod
+    def _slot(joint: JointGraph, target: str) -> tuple[torch.nn.Module, str]:
+        path, _, leaf = target.rpartition(".")
+        return joint.stage.get_submodule(path), leaf
 
     def param(self, name: str) -> torch.nn.Parameter:
         """The parameter the stage computes with now for the placeholder ``name``."""
         holder, leaf = self._param_slots[name]
+        return getattr(holder, leaf)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The buffer the stage computes with now for the placeholder ``name``."""
+        holder, leaf = self._buffer_slots[name]
         return getattr(holder, leaf)
 
     def args(self, sources: tuple[InputSource, ...], x, shared: tuple, dy=None, tape=None, seeds=None) -> list:
@@ -112,7 +119,7 @@ class StageBinding:
             if kind == "param":
                 args.append(self.param(key))  # (programs run without grad)
             elif kind == "buffer":
-                args.append(self.buffers[key])
+                args.append(self.buffer(key))
             elif kind == "x":
                 args.append(x)
             elif kind == "shared":

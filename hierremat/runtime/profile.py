@@ -176,7 +176,10 @@ def profile_chain(
 ) -> ChainProfile:
     """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
 
-    Stages with equal ``signatures`` (same graph, shapes and dtypes) are measured once.
+    Stages with equal ``signatures`` (same graph, shapes and dtypes) are measured once, and run once: a
+    later one that makes no residents and updates no buffers passes on the first one's output (the
+    same shape; its values only matter to sizes that depend on the data), so that a 32-layer model
+    runs one layer, not 32.
     output_grad_mask: which outputs of the last stage receive a gradient (default:
     hierremat.runtime.executor.default_grad_mask). The costs assume the caller holds the
     whole output through the backward (``output_held_bytes``); planning may relax that.
@@ -196,6 +199,7 @@ def profile_chain(
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated, traces = [], [], []
     measured: dict[str, int] = {}
+    outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the next input of the others)
     values: dict[int, torch.Tensor] = {}
 
     def _next_input(i: int, cost: StageCosts, names: tuple, trace: MemoryTrace | None, y):
@@ -238,10 +242,14 @@ def profile_chain(
                 if signature is not None:
                     cached = cost_cache.get_stage(signature, x, requires_grad, wanted_mask)
             if signature is not None and (signature in measured or cached is not None):
-                outputs = []
-                with torch.no_grad():
-                    names = _mutated_buffer_names(stage, lambda: outputs.append(call(x)))
-                y = outputs[0]
+                first = measured.get(signature)
+                if first is not None and not produced and not mutated[first] and signature in outputs_of:
+                    y, names = outputs_of[signature], ()  # an identical stage: its first one's output will do
+                else:
+                    outputs = []
+                    with torch.no_grad():
+                        names = _mutated_buffer_names(stage, lambda: outputs.append(call(x)))
+                    y = outputs[0]
                 if signature in measured:
                     cost = replace(stage_costs[measured[signature]], name=_stage_name(i, stage))
                     trace = traces[measured[signature]]
@@ -264,6 +272,8 @@ def profile_chain(
                         cost_cache.put_stage(
                             signature, x, requires_grad, wanted_mask, cost, mask if last else None, trace
                         )
+            if signature is not None:
+                outputs_of.setdefault(signature, y)
             x = _next_input(i, cost, names, trace, y)
     if output_grad_mask is None:  # the last stage shared a signature with an earlier one: one output
         output_grad_mask = (True,)
