@@ -8,7 +8,8 @@ and to the model, and each rank trains on its share of every global batch; the f
 re-plans for the shards. ``--parallel ddp``: the planned model is wrapped in
 DistributedDataParallel. Without ``--parallel``, one process trains plainly on the whole
 global batches. ``--autocast bf16``: every forward, and the planning, under bf16 autocast.
-``--lengths 96,64,80``: the Llama's steps take those sequence lengths in turn (a new length is planned
+``--meta`` (FSDP2): torchtitan's order, the model built on meta, planned there, sharded, then
+materialized (``to_empty``) and given ``new_model``'s weights. ``--lengths 96,64,80``: the Llama's steps take those sequence lengths in turn (a new length is planned
 on each rank when it first comes). ``--set-to-none``: every step starts with PyTorch's default ``zero_grad(set_to_none=True)``, so
 it allocates the gradients (counted in the budget); else ``.grad`` is kept between steps.
 Both write the final parameters and the first step's gradients (rank 0; with ``--parallel``
@@ -44,6 +45,19 @@ def new_model(name: str, device: torch.device):
     return model.to(device)
 
 
+def materialize(model, name: str, device: torch.device) -> None:
+    """A model built on meta and sharded: ``to_empty``, then the weights ``new_model`` gives (its whole state
+    dict set into the shards; the buffers outside it, Llama's rotary frequencies, copied)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reference = new_model(name, device)
+    model.to_empty(device=device)
+    set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        for buffer_name, buffer in reference.named_buffers():
+            model.get_buffer(buffer_name).copy_(buffer)
+
+
 def layers(model) -> list:
     if hasattr(model, "encoder"):  # T5
         return [*model.encoder.block, *model.decoder.block]
@@ -63,7 +77,9 @@ def global_batches(name: str, steps: int, device: torch.device, lengths: list[in
     lengths ``lengths`` in turn (default 96)."""
     if name == "llama":
         lengths = lengths or [96]
-        ids = [torch.randint(0, 256, (8, lengths[step % len(lengths)]), device=device) for step in range(steps)]
+        generator = torch.Generator().manual_seed(1)  # (not the global RNG: a model built on meta draws nothing)
+        ids = [torch.randint(0, 256, (8, lengths[step % len(lengths)]), generator=generator).to(device)
+               for step in range(steps)]
         return [{"input_ids": i, "labels": i} for i in ids]
     return [{k: v.to(device) for k, v in seq2seq_call(8, 48, 24, seed=step).items()} for step in range(steps)]
 
@@ -140,6 +156,8 @@ def main() -> None:
     p.add_argument("--set-to-none", action="store_true",
                    help="zero_grad(set_to_none=True), PyTorch's default: every step allocates the gradients")
     p.add_argument("--steps", type=int, default=3, help="the last is a steady step: DDP rebuilds its buckets in the second")
+    p.add_argument("--meta", action="store_true",
+                   help="with --parallel fsdp: build on meta, plan (device=), shard, to_empty, then load the weights")
     p.add_argument("--lengths", default=None,
                    help="comma-separated sequence lengths the Llama's steps take in turn (each rank plans each new one)")
     p.add_argument("--out", type=Path, required=True)
@@ -149,7 +167,12 @@ def main() -> None:
     device = torch.device(args.device)
     if args.parallel:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
-    model = new_model(args.model, device)
+    meta = args.meta and args.parallel == "fsdp"
+    if meta:  # torchtitan's order: built on meta, planned, sharded, then materialized and initialized
+        with torch.device("meta"):
+            model = new_model(args.model, torch.device("meta"))
+    else:
+        model = new_model(args.model, device)
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
     batches = global_batches(args.model, args.steps, device, lengths)
     local = [{k: v[rank * len(v) // world : (rank + 1) * len(v) // world] for k, v in b.items()} for b in batches]
@@ -161,7 +184,7 @@ def main() -> None:
             args.model, args.parallel, local, device, args.autocast)
     with forward_context(device, args.autocast):  # plans are made for the autocast setting they run under
         if args.parallel == "fsdp":
-            runner = hr.remat(model, (), local[0], budget=args.budget)  # plan first
+            runner = hr.remat(model, (), local[0], budget=args.budget, device=device if meta else None)
         elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
             box = [hr.plan(model, (), local[0], budget=args.budget).to_json() if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
@@ -170,6 +193,8 @@ def main() -> None:
         report["budget"] = hr.parse_budget(args.budget)
     if args.parallel == "fsdp":
         shard(model)  # then shard: the first call re-plans for FSDP2
+        if meta:
+            materialize(model, args.model, device)
     elif args.parallel == "ddp":
         runner = torch.nn.parallel.DistributedDataParallel(runner)
     if not args.set_to_none:  # .grad allocated before the first step and kept: not part of any step's budget

@@ -270,8 +270,10 @@ def test_generated_forwards_and_options_preferred_train_exactly_within_budget(wh
         forms = [st.nograd_form for st in plan.chain.costs.stages]
         assert forms.count("generated") >= 2, forms
         assert any(st.called_as_module().nograd_fwd_time > st.nograd_fwd_time for st in plan.chain.costs.stages)
-        if budget == lo:
-            assert any("*" in a for a in plan.chain.stage_actions()), plan.summary()  # F_none/F_ck generated
+        # forwards without grad (F_none/F_ck) run as generated code ("*") where a stage has it (whether the plan
+        # at a budget recomputes a stage whole, or uses block options instead, depends on the measured times)
+        nograd = [f for a in plan.chain.stage_actions() for f in a.split(", ") if f.startswith(("none", "ck"))]
+        assert not nograd or any("*" in f for f in nograd), plan.summary()
         plan, _ = _check_steps(module, model, reference, args, kwargs, budget)
         for a, b in zip(model.buffers(), reference.buffers()):
             assert torch.equal(a, b)

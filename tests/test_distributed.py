@@ -149,6 +149,18 @@ def test_two_ddp_ranks_train_a_t5_like_one_process_within_budget(tmp_path, autoc
     assert plan.chain.costs.residents != ()
 
 
+@pytest.mark.parametrize("autocast", ["off", "bf16"])
+def test_two_fsdp2_ranks_plan_on_meta_then_shard_and_materialize(tmp_path, autocast):
+    """torchtitan's order (issue 33): a Llama built on meta, hr.remat(device=) plans it with lent weights,
+    fully_shard per layer and on the root, to_empty, the weights set into the shards, two AdamW steps:
+    the first step's gradients bitwise FSDP2 alone's, the parameters one process's, every rank on rank 0's
+    plan and within the budget."""
+    reports, sharded_params, single_params = _train(tmp_path, 2, "cpu", "llama", "fsdp", "3.3MiB", autocast,
+                                                    extra=("--meta",))
+    plan = _check_fsdp(reports, sharded_params, single_params)
+    assert plan.lent_weight_bytes > 0 and "planned on meta" in reports[0]["summary"]
+
+
 def test_two_ddp_ranks_train_varying_lengths_with_default_zero_grad_within_budget(tmp_path):
     """DDP over steps of other sequence lengths (each rank plans each new one on its own: no collective
     in planning), PyTorch's default zero_grad: parameters as one process's, the steady step (a length

@@ -119,3 +119,15 @@ def test_wrong_uses_of_device_are_refused_with_what_to_do():
         hr.plan(tiny_gpt2(n_layer=1), (ids,), budget="1GiB", cache=False, device="cuda")
     with pytest.raises(ValueError, match="device"):
         hr.plan(tiny_gpt2(n_layer=1), (ids,), budget="1GiB", cache=False, device="tpu")
+
+
+def test_weights_that_cannot_be_lent_are_named_with_their_bytes(monkeypatch):
+    from hierremat.runtime import lent_weights
+
+    def no_room(like, device, generator=None):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(lent_weights, "lent_value", no_room)
+    ids = torch.randint(0, 256, (2, 16))
+    with pytest.raises(hr.UnsupportedModelError, match=r"MiB\) could not be allocated"):
+        hr.plan(_on_meta(lambda: tiny_gpt2(n_layer=1)), (ids,), budget="1GiB", cache=False, device="cpu")

@@ -11,7 +11,9 @@ Order: plan first, shard second, as torchtitan applies activation checkpointing 
     trained(ids, labels=ids).loss.backward()  # the first call re-plans for the shards
 
 Planning needs the model's parameters on one device (not its gradients or optimizer
-states, which FSDP2 shards too). The first call after ``fully_shard`` finds the FSDP2
+states, which FSDP2 shards too), or the model built on meta and planned with ``device=``
+(hierremat.runtime.lent_weights: one lent copy per distinct stage), then sharded, ``to_empty``
+and initialized: torchtitan's order. The first call after ``fully_shard`` finds the FSDP2
 modules and re-plans the chain (no capture, no profiling: only the chain DP) with what
 FSDP2 gathers counted (:class:`ShardedChain`); rank 0's plan is broadcast so that every
 rank runs the same schedule, hence the same collectives in the same order.

@@ -29,6 +29,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import fx, nn
 
+from ..errors import UnsupportedModelError
+
 #: Seed of the lent values (the same on every rank).
 LENT_SEED = 20261125
 #: Standard deviation of lent floating values (GPT-2's and Llama's initializer range).
@@ -95,9 +97,22 @@ def _graph_of(stage: nn.Module) -> fx.GraphModule | None:
     return gm if isinstance(gm, fx.GraphModule) else None
 
 
+def _lend(own: torch.Tensor, device: torch.device, generator: torch.Generator, stage: nn.Module, target: str):
+    """A lent copy of ``own``; where ``device`` cannot hold it, an error naming the stage, the tensor and its bytes."""
+    try:
+        return lent_value(own, device, generator)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        nbytes = own.numel() * own.element_size()
+        name = getattr(stage, "stage_name", type(stage).__name__)
+        raise UnsupportedModelError(
+            f"planning on meta lends stage {name!r} its weights on {device}, but {target} "
+            f"({nbytes / 2**20:.1f} MiB) could not be allocated there ({err}); plan on a device with room for one copy "
+            "of each distinct stage's weights"
+        ) from err
+
+
 @contextlib.contextmanager
-def lent_weights(stages: Sequence[nn.Module], signatures: Sequence[str], device: torch.device | None
-                 ) -> Iterator[int]:
+def lent_weights(stages: Sequence[nn.Module], signatures: Sequence[str], device: torch.device) -> Iterator[int]:
     """While the block runs, every stage computes with real tensors on ``device`` where its own are on
     meta: one copy per stage signature and tensor position, a tensor several stages read lent once
     (module docstring). Yields the bytes lent; puts each stage's own tensors back on exit."""
@@ -119,7 +134,7 @@ def lent_weights(stages: Sequence[nn.Module], signatures: Sequence[str], device:
                 if copy is None:
                     copy = by_position.get((signature, position))
                     if copy is None or copy.shape != own.shape or copy.dtype != own.dtype:
-                        copy = lent_value(own, device, generator)
+                        copy = _lend(own, device, generator, stage, target)
                         if isinstance(own, nn.Parameter):
                             copy = nn.Parameter(copy, requires_grad=own.requires_grad)
                         lent_bytes += copy.numel() * copy.element_size()
