@@ -9,7 +9,8 @@ against the parameters' bytes, the bytes lent, and each stage's predicted costs 
 
 A smaller Llama (8 layers, 1024 wide, MLP 2752, vocabulary 32000) is planned both ways, on meta and
 materialized, at the same budget: what each stage's memory costs (the same to the byte), the schedules,
-predicted peaks and times side by side.
+predicted peaks and times side by side; then the module planned on meta is materialized with the other's
+weights and trains a step: gradients against plain autograd's, the tracker's peak against the budget.
 
     python benchmarks/bench_meta.py [--seq 512] [--layers 32] [--budget 27GiB]
 
@@ -26,6 +27,7 @@ import torch
 
 import common as C
 import hierremat as hr
+from hierremat.device import LiveTensorTracker
 
 RESULTS = C.RESULTS_DIR / "bench_meta.md"
 FIGURES = ("kept_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes", "bwd_overhead_new_grads_bytes")
@@ -77,10 +79,12 @@ def _twins(args) -> str:
     with torch.device("meta"):
         meta = make()
     ids = torch.randint(0, 32000, (1, args.seq))
+    module = hr.remat(meta, (ids,), {"labels": ids}, budget=args.small_budget, device="cpu", cache=False)
     plans = {
         "materialized": hr.plan(real, (ids,), {"labels": ids}, budget=args.small_budget, cache=False),
-        "meta": hr.plan(meta, (ids,), {"labels": ids}, budget=args.small_budget, device="cpu", cache=False),
+        "meta": module.plans[0],
     }
+    bitwise, tracker = _train_materialized(module, meta, real, ids)
     a, b = plans["materialized"].chain.costs, plans["meta"].chain.costs
     same_memory = a.activation_bytes == b.activation_bytes and all(
         [getattr(x.options[0], f) for f in FIGURES] == [getattr(y.options[0], f) for f in FIGURES]
@@ -91,7 +95,31 @@ def _twins(args) -> str:
             for name, p in plans.items()]
     table = C.markdown_table(["planned", "predicted MiB", "predicted ms", "x materialized", "schedule"], rows)
     return (f"Llama 8 layers x 1024 (MLP 2752, vocabulary 32000), batch 1 x {args.seq}, budget {args.small_budget}: "
-            f"every stage's autograd memory figures equal on meta and materialized: {same_memory}\n\n{table}")
+            f"every stage's autograd memory figures equal on meta and materialized: {same_memory}. The module planned "
+            f"on meta, materialized (to_empty, the materialized twin's weights) and trained one step: gradients "
+            f"bitwise plain autograd's: {bitwise}; live-tensor tracker peak {tracker / C.MIB:.1f} MiB against the "
+            f"prediction {module.plans[0].predicted_peak_bytes / C.MIB:.1f} MiB and the budget "
+            f"{hr.parse_budget(args.small_budget) / C.MIB:.1f} MiB\n\n{table}")
+
+
+def _train_materialized(module, meta, real, ids) -> tuple[bool, int]:
+    """Materialize ``meta`` with ``real``'s weights, train one step through ``module`` and one plainly on
+    ``real``: (gradients bitwise equal, the tracker's peak of a second step through ``module``)."""
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(real.state_dict())
+    with torch.no_grad():
+        for name, buffer in real.named_buffers():  # (the rotary frequencies, outside the state dict)
+            meta.get_buffer(name).copy_(buffer)
+    for m, runner in ((meta, module), (real, real)):
+        for p_ in m.parameters():
+            p_.grad = None
+        runner(ids, labels=ids).loss.backward()
+    bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(meta.parameters(), real.parameters()))
+    for p_ in meta.parameters():
+        p_.grad = None
+    with LiveTensorTracker() as tracker:
+        module(ids, labels=ids).loss.backward()
+    return bitwise, tracker.peak_bytes
 
 
 def main() -> None:

@@ -120,17 +120,20 @@ class ModelPlan:
             f"chain DP {c.solve_seconds:.3f} s"
             + (f", compiling block options {self.compile_seconds:.1f} s" if self.compiled else ""),
             "",
-            f"  {'stage':>5}  {'module':<28} {'signature':<16} {'nodes':>5} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
+            f"  {'stage':>5}  {'module':<28} {'signature':<16} {'nodes':>5} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8} "
+            f"{'peak':>11}  forwards",
         ]
         actions = c.stage_actions()
+        peaks = c.stage_peaks()
         for i, (info, st) in enumerate(zip(self.stages, c.costs.stages)):
             op = st.options[0]
             lines.append(
                 f"  {i:>5}  {info.name[:28]:<28} {info.signature:<16} {info.node_count:>5} "
                 f"{format_bytes(c.costs.activation_bytes[i + 1]):>11} {format_bytes(op.kept_bytes):>11} "
-                f"{op.fwd_time * 1e3:>8.3f} {op.bwd_time * 1e3:>8.3f}  {actions[i]}"
+                f"{op.fwd_time * 1e3:>8.3f} {op.bwd_time * 1e3:>8.3f} {format_bytes(peaks[i]):>11}  {actions[i]}"
             )
-        lines += [f"  ({c.ACTIONS_LEGEND})", *c.unproven_lines()]
+        lines += [f"  ({c.ACTIONS_LEGEND}; peak = the most the chain holds during the stage's ops, predicted)",
+                  *c.unproven_lines()]
         coarse = {sig: m.get("coarse", "") for sig, m in self.menus.items() if m.get("coarse")}
         lines += [f"  heuristic block options for {sig}: {why}" for sig, why in coarse.items()]
         recosted = [sig for sig, m in self.menus.items() if m.get("recosted")]

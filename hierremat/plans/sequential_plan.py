@@ -70,6 +70,16 @@ class SequentialPlan:
         "grad, keeping what autograd keeps, all[k] = block option k, all[fused_head] = the LM head fused with the loss"
     )
 
+    def stage_peaks(self) -> list[int]:
+        """Per stage, the most bytes the simulator has in use during any of its ops (its forwards,
+        recomputations and backward): which stages make the plan's peak."""
+        peaks = [0] * self.schedule.length
+        for event in self.simulate().timeline:
+            stage = getattr(self.schedule.ops[event.op_index], "stage", None)
+            if stage is not None:
+                peaks[stage] = max(peaks[stage], event.peak_bytes)
+        return peaks
+
     def stage_actions(self) -> list[str]:
         """Per stage, what the schedule does with it, e.g. 'ck, all' (forward kinds in order;
         'ck*' where the forward without grad runs as generated code, 'ck+' compiled)."""
