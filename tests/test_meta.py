@@ -56,8 +56,8 @@ def test_a_model_on_meta_is_planned_from_its_materialized_twins_memory():
     assert 0 < on_meta.lent_weight_bytes <= total - block and "planned on meta" in on_meta.summary()
     assert planned.lent_weight_bytes == 0 and "planned on meta" not in planned.summary()
     assert hr.ModelPlan.from_json(on_meta.to_json()).lent_weight_bytes == on_meta.lent_weight_bytes
-    peaks = on_meta.chain.stage_peaks()  # each stage's predicted peak, in the summary: the largest is the plan's
-    assert len(peaks) == len(on_meta.stages) and max(peaks) == on_meta.chain.predicted_peak_bytes
+    peaks = on_meta.chain.stage_peaks()  # each stage's predicted peak, in the summary (the plan's may be at the Loss)
+    assert len(peaks) == len(on_meta.stages) and 0 < max(peaks) <= on_meta.chain.predicted_peak_bytes
 
 
 @pytest.mark.parametrize("make, autocast", [(_gpt2, False), (_llama, True)], ids=["gpt2-fp32", "llama-bf16"])
