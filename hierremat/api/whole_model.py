@@ -314,26 +314,24 @@ class _ProfiledChain:
     @classmethod
     def of(
         cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
-        fitted: ShapeFit | None = None,
+        fitted: ShapeFit | None = None, weights_of: nn.Module | None = None,
     ) -> "_ProfiledChain":
         """deadline: when building the block menus must be done (``time.perf_counter()``).
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
-        its times, and its memory where the fit is exact (else measured)."""
+        its times, and its memory where the fit is exact (else measured). weights_of: see the field."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
-        known, measure = fitted.profile() if fitted is not None else None, ()
-        if known is not None:
-            known, measure = known
-        if known is None or measure:
+        known, measure = (fitted.profile() if fitted is not None else None) or (None, frozenset())
+        if known is not None and not measure:
+            profile = known
+        else:
             profile = profile_chain(
                 chain.stages, x0, shared=shared, signatures=signatures,
                 cost_cache=StageCostCache(settings.options_cache()), residents=chain.residents, timed=fitted is None,
-                known=known, measure=frozenset(measure),
+                known=known, measure=measure,
             )
-            if fitted is not None:
-                profile = replace(profile, costs=fitted.stage_costs(profile.costs))
-        else:
-            profile = known
+        if fitted is not None:
+            profile = replace(profile, costs=fitted.stage_costs(profile.costs))
         profile_seconds = time.perf_counter() - started
         menus = None
         if settings.block_options == "ilp" and settings.strategy == "optimal":
@@ -342,7 +340,7 @@ class _ProfiledChain:
                 deadline=deadline, residents=chain.residents,
                 recompute_across_dropouts=settings.segmentation != "none", fitted=fitted,
             )
-        return cls(chain, x0, shared, settings, profile, profile_seconds, menus, fitted)
+        return cls(chain, x0, shared, settings, profile, profile_seconds, menus, fitted, weights_of)
 
     def sample(self) -> ShapeSample:
         """This shape's measured times (bindings unset), to fit later shapes' from."""
@@ -396,8 +394,7 @@ def _profile_and_solve(
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
     weights_of: the model, where it is planned on meta (_ProfiledChain.weights_of)."""
-    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted)
-    profiled.weights_of = weights_of
+    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of)
     menus = profiled.menus
     compiled = menus is not None and resolve_compile(settings.compile, x0.device)
     if compiled:
@@ -457,7 +454,8 @@ def _compile(
             "planned %s: %d stages, predicted peak %s, step %.1f ms", type(model).__name__, len(plan.stages),
             format_bytes(plan.predicted_peak_bytes), plan.predicted_step_time * 1e3,
         )
-        log.debug("%s", plan.summary())
+        if log.isEnabledFor(logging.DEBUG):  # (a summary replays the plan: not on every new shape unasked)
+            log.debug("%s", plan.summary())
     else:
         if plan.chain.autocast != autocast.describe():
             raise ValueError(
@@ -590,9 +588,9 @@ class RematModule(nn.Module):
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
         kwargs = call_kwargs(self.model, kwargs)
-        lent_to = self.settings.device if has_meta_weights(self.model) or "meta" in _device_types(args, kwargs) else None
+        lent_to = _lending_device(self.model, args, kwargs, self.settings.device)
         if lent_to is not None:  # planned for inputs on the device it trains on
-            args, kwargs = lent_inputs((args, kwargs), torch.device(lent_to))
+            args, kwargs = lent_inputs((args, kwargs), lent_to)
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
         symbolic = self._symbolic_capture(args, kwargs) if plan is None and lent_to is None else None
         samples = self._samples.setdefault(_family_key(args, kwargs), [])

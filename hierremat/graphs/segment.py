@@ -97,10 +97,15 @@ class GraphStage(nn.Module):
 
     def substitute(self, target: str, param: nn.Parameter) -> None:
         """Compute with ``param`` where the graph reads the parameter ``target``."""
-        path, _, leaf = target.rpartition(".")
-        holder = self.graph_module.get_submodule(path)
-        if getattr(holder, leaf) is not param:
-            setattr(holder, leaf, param)
+        substitute_tensor(self.graph_module, target, param)
+
+
+def substitute_tensor(gm: nn.Module, target: str, value: torch.Tensor) -> None:
+    """Make ``gm`` read ``value`` where it reads the parameter or buffer ``target`` (a dotted path)."""
+    path, _, leaf = target.rpartition(".")
+    holder = gm.get_submodule(path)
+    if getattr(holder, leaf) is not value:
+        setattr(holder, leaf, value)
 
 
 def block_unit(model: nn.Module, stack: list[str]) -> str | None:

@@ -177,11 +177,11 @@ class ShapeFit:
         return replace(costs, stages=tuple(stages))
 
     def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
-        """This shape's chain profile with its times fitted and every byte count that fits exactly
-        (module docstring), and the stages whose memory does not (to measure: their figures in the
-        profile are the last sample's); None where the chain's own sizes do not fit or a sample has no
-        memory trace or another structure (which storages a stage's tape keeps, its weight casts, its
-        buffer updates): then every stage is measured."""
+        """This shape's chain profile with every byte count that fits exactly (module docstring; its times
+        are the last sample's, for :meth:`stage_costs` to fit), and the stages whose memory does not (to
+        measure: their figures in the profile are the last sample's); None where the chain's own sizes do
+        not fit or a sample has no memory trace or another structure (which storages a stage's tape keeps,
+        its weight casts, its buffer updates): then every stage is measured."""
         template = self.samples[-1].profile
         if any(s.profile is None for s in self.samples):
             return None
@@ -203,8 +203,7 @@ class ShapeFit:
                 values[key] = figure
         costs, loss_bytes = with_memory(template.costs, values)
         self.unfitted_memory = frozenset(unfitted)
-        profile = replace(template, costs=self.stage_costs(costs), loss_bytes=loss_bytes, memory_trace=None)
-        return profile, frozenset(unfitted)
+        return replace(template, costs=costs, loss_bytes=loss_bytes, memory_trace=None), frozenset(unfitted)
 
     def _exact_figure(self, candidates: list[tuple[int, ...]]) -> int | None:
         """A figure at the target from its candidates at each sample: the largest of the candidates whose

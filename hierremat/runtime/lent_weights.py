@@ -30,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import UnsupportedModelError
+from ..graphs.segment import substitute_tensor
 
 #: Seed of the lent values (the same on every rank).
 LENT_SEED = 20261125
@@ -77,19 +78,6 @@ def _tensor_targets(gm: fx.GraphModule) -> list[str]:
         if isinstance(value, torch.Tensor) and node.target not in targets:
             targets.append(node.target)
     return targets
-
-
-def _set(gm: nn.Module, target: str, value: torch.Tensor) -> None:
-    path, _, leaf = target.rpartition(".")
-    holder = gm.get_submodule(path)
-    if getattr(holder, leaf) is value:
-        return
-    if leaf in holder._parameters:
-        holder._parameters[leaf] = value
-    elif leaf in holder._buffers:
-        holder._buffers[leaf] = value
-    else:
-        setattr(holder, leaf, value)
 
 
 def _graph_of(stage: nn.Module) -> fx.GraphModule | None:
@@ -141,11 +129,11 @@ def lent_weights(stages: Sequence[nn.Module], signatures: Sequence[str], device:
                         by_position[(signature, position)] = copy
                     by_tensor[id(own)] = copy
                 originals.append((gm, target, own))
-                _set(gm, target, copy)
+                substitute_tensor(gm, target, copy)
         yield lent_bytes
     finally:
         for gm, target, own in reversed(originals):
-            _set(gm, target, own)
+            substitute_tensor(gm, target, own)
 
 
 def bind_to_model(modules: Sequence[nn.Module], model: nn.Module) -> int:
@@ -162,6 +150,6 @@ def bind_to_model(modules: Sequence[nn.Module], model: nn.Module) -> int:
         for target in _tensor_targets(gm):
             value = named.get(target)
             if value is not None and operator.attrgetter(target)(gm) is not value:
-                _set(gm, target, value)
+                substitute_tensor(gm, target, value)
                 bound += 1
     return bound
