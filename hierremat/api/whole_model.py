@@ -588,7 +588,7 @@ class RematModule(nn.Module):
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
         kwargs = call_kwargs(self.model, kwargs)
-        lent_to = _lending_device(self.model, args, kwargs, self.settings.device)
+        lent_to = _lending_device(self.model, args, kwargs, self.settings.device) if self.settings.device else None
         if lent_to is not None:  # planned for inputs on the device it trains on
             args, kwargs = lent_inputs((args, kwargs), lent_to)
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
