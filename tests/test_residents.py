@@ -22,7 +22,8 @@ from hierremat.graphs.hf import call_kwargs
 from hierremat.graphs.segment import build_chain_graph
 from hierremat.plans.model_plan import ModelPlan
 from hierremat.device import memory_meter
-from hierremat.plans.schedule import FCk, FNone
+from hierremat.plans.schedule import FCk, FNone, Loss
+from hierremat.runtime import executor
 
 from models import TinyUNet, same_bits, seq2seq_call, tiny_bart, tiny_t5
 
@@ -359,3 +360,45 @@ def test_gradients_held_past_a_backward_own_their_storage():
     tapped, sink = tap_input(x, torch.empty(0, requires_grad=True))
     torch.cat([tapped, torch.randn(2, 4, 4, requires_grad=True)], dim=1).backward(whole)
     assert sink.grad.untyped_storage().nbytes() == x.untyped_storage().nbytes() and torch.equal(sink.grad, term)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_live_bytes_after_each_forward_are_the_simulators_at_the_smallest_budget(name, monkeypatch):
+    """The stage costs count a stage's residents once (in the plan's resident reserve, not also in
+    what its tape keeps, nor less than it): after each forward op of the schedule the live-tensor
+    tracker holds exactly the simulator's bytes above what was live when the chain started, and no
+    op peaks above the simulator's peak for it."""
+    if name != "unet":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS[name]()
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, args, kwargs, budget="1KiB")
+    module = hr.remat(model, args, kwargs, budget=f"{err.value.min_budget_bytes}B")
+    measured = []
+    execute = executor._Step._execute
+
+    def observed(step, op):
+        before = tracker.live_bytes
+        tracker.reset_peak()
+        execute(step, op)
+        measured.append((op, before, tracker.peak_bytes, tracker.live_bytes))
+
+    monkeypatch.setattr(executor._Step, "_execute", observed)
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    with memory_meter(torch.device("cpu")) as tracker:
+        out = module(*args, **kwargs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        del out
+        loss.backward()
+    plan = module.plans[-1].chain
+    simulated = [e for e in plan.simulate().timeline if not isinstance(plan.schedule.ops[e.op_index], Loss)]
+    assert [op for op, *_ in measured] == [plan.schedule.ops[e.op_index] for e in simulated]
+    assert any(isinstance(op, (FCk, FNone)) for op, *_ in measured)
+    start = measured[0][1]
+    forward = next(k for k, op in enumerate(plan.schedule.ops) if isinstance(op, Loss))
+    for (op, _, peak, after), event in zip(measured[:forward], simulated):
+        assert after - start <= event.after_bytes, (name, op)
+    for (op, _, peak, after), event in zip(measured, simulated):
+        assert peak - start <= event.peak_bytes, (name, op)

@@ -301,7 +301,7 @@ class _Step:
                 del inp, shared
                 self.tape[i] = ("autograd", gradient_edges(out), (sink, taps))
                 y, made = split_output(detach_output(out), self.layout, i)
-                keep_made(self.resident_values, self.layout, i, made)
+                keep_made(self.resident_values, self.layout, i, made, replace=True)
                 del out, made
             else:
                 forward = self.runner.forward_executors[i]

@@ -453,13 +453,12 @@ def _profile_stage(
         fwd_time = time.perf_counter() - started
         fwd_peak, fwd_run = run.end(), run
         grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
-        held = meter.live_bytes - run.base  # what the forward left: output, tape (and the residents' gradients)
-        if produced:  # the residents it made count as kept only where its tape keeps them
-            edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+        held = meter.live_bytes - run.base  # what the forward left: its output, residents and tape
+        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+        made = _residents_made(out, produced)
+        if produced:  # the residents it made are the plan's resident reserve (ChainCosts.resident_values_of), not kept
+            held -= storage_bytes(out) - storage_bytes(out[0])
             out = out[0]
-            held -= storage_bytes(tuple(g for g in grads if g is not None))
-        else:
-            edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         kept = max(0, held - out_bytes)
         input_freed, _ = watch_storages(x_copy)
         outputs_freed, output_storage_bytes = watch_storages(out)
@@ -474,8 +473,8 @@ def _profile_stage(
             _sync(device)
             bwd_time = time.perf_counter() - started
             bwd_peak, bwd_run = run.end(), run
-        del edges, grads, sink
-        new_grads_run = _bwd_run_with_new_grads(call, x, requires_grad, grad_mask, params, meter)
+        del edges, grads, sink, made
+        new_grads_run = _bwd_run_with_new_grads(call, x, requires_grad, grad_mask, params, meter, produced)
     if timed and not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
         nograd_time, fwd_time, bwd_time = _timed_runs(call, x, requires_grad, repeats, device, grad_mask)
 
@@ -510,8 +509,15 @@ def _profile_stage(
     return cost, mutated, y, grad_mask, trace
 
 
+def _residents_made(out, produced: int) -> tuple:
+    """The residents among a stage's outputs (after x_{i+1}): the runner holds them through the
+    stage's backward (hierremat.runtime.executor: freed after it), so its profile does too; the
+    storages its tape saved of them are then not freed by that backward."""
+    return tuple(as_tuple(out)[1:]) if produced else ()
+
+
 def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask, params: list,
-                            meter) -> _PeakRun | None:
+                            meter, produced: int = 0) -> _PeakRun | None:
     """The stage's backward run when its parameters' ``.grad`` is None (PyTorch's default
     ``zero_grad(set_to_none=True)``): the gradients it makes stay instead of being added into ``.grad``
     and freed (its peak: OptionCosts.bwd_overhead_new_grads_bytes). None where the stage has no
@@ -524,7 +530,7 @@ def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool
         for p in trainable:
             p.grad = None
         out = _grad_forward(call, x, requires_grad)
-        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+        edges, grads, made = gradient_edges(out), _ones_for(out, grad_mask), _residents_made(out, produced)
         del out
         if all(e is None for e in edges):
             return None

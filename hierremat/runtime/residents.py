@@ -31,14 +31,17 @@ def split_output(out, layout: ResidentLayout | None, stage: int) -> tuple:
 
 
 def keep_made(values: dict[int, torch.Tensor], layout: ResidentLayout | None, stage: int, made: tuple,
-              attached: bool = False) -> None:
+              attached: bool = False, replace: bool = False) -> None:
     """Store the residents stage ``stage`` made, unless an earlier run of it stored them already
-    (a recomputation makes the same values; readers keep the first). ``attached``: keep their autograd
-    history (plain autograd runs), else detached."""
+    (a recomputation makes the same values: replays restore the RNG). ``replace``: store this run's
+    instead, for a recomputation with grad, whose tape may save them: keeping the first would hold
+    both (no reader's tape holds the first then: a stage is recomputed once the backward has passed
+    every later stage that ran with grad). ``attached``: keep their autograd history (plain autograd
+    runs), else detached."""
     if layout is None:
         return
     for r, value in zip(layout.produced_by(stage), made):
-        if r not in values:
+        if r not in values or replace:
             values[r] = value if attached else value.detach()
 
 

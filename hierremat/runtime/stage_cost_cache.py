@@ -28,7 +28,7 @@ from ..store.cache import CacheKey, OptionsCache
 log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
-STAGE_COST_VERSION = "stage-6"  # 5: the backward with .grad None; 6: memory traces (plans.memory_trace)
+STAGE_COST_VERSION = "stage-7"  # 5: the backward with .grad None; 6: memory traces (plans.memory_trace); 7: residents not kept
 
 
 @dataclass(frozen=True)
