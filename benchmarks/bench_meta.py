@@ -70,6 +70,26 @@ def _big(args) -> str:
     return f"{table}\n\n```\n{plan.summary()}\n```"
 
 
+def _menu_widths(args) -> str:
+    """A decoder layer's ILP menu at 256 and at 4096 wide (the same graph, other sizes): its solves and
+    seconds, beside the whole block-options phase (which also times the graph's nodes on lent weights)."""
+    rows = []
+    for hidden, mlp in ((256, 688), (4096, 11008)):
+        with torch.device("meta"):
+            model = _llama(2, hidden, mlp, hidden // 128)
+        ids = torch.randint(0, 32000, (1, args.seq))
+        plan = hr.plan(model, (ids,), {"labels": ids}, budget="64GiB", device="cpu", cache=False)
+        layer = plan.stages[1].signature
+        menu = plan.menus[layer]
+        rows.append([f"{hidden} x {mlp}", str(len(menu["graph"]["nodes"])), str(len(menu["options"])),
+                     C.fmt(menu["solve_seconds"], ".2f"), C.fmt(plan.options_seconds, ".1f"),
+                     menu.get("coarse") or "ILP sweep"])
+    return (f"A Llama decoder layer's block options (2 layers planned on meta, batch 1 x {args.seq}): the same graph "
+            "at two widths\n\n" + C.markdown_table(
+                ["width x MLP", "graph nodes", "options", "ILP sweep s", "block options s (incl. node times)", "menu"],
+                rows))
+
+
 def _twins(args) -> str:
     def make():
         return _llama(8, 1024, 2752, 16)
@@ -131,7 +151,7 @@ def main() -> None:
     args = p.parse_args()
     started = time.perf_counter()
     info = C.device_info(torch.device("cpu"), torch.get_num_threads())
-    body = "\n\n".join([_big(args), _twins(args)])
+    body = "\n\n".join([_big(args), _menu_widths(args), _twins(args)])
     text = (f"# bench_meta\n\n{', '.join(f'{k} {v}' for k, v in info.items())}\n\n"
             f"`python benchmarks/bench_meta.py --seq {args.seq} --layers {args.layers} --budget {args.budget}` "
             f"({time.perf_counter() - started:.0f} s)\n\n{body}\n")

@@ -174,8 +174,11 @@ CASES = [
     Case("device", "`checkpoint_sequential` on the `meta` device",
          lambda: hr.checkpoint_sequential(_mlp().to("meta"), "64MiB", torch.randn(16, 32, device="meta")),
          hr.UnsupportedModelError, "input on device 'meta'"),
-    Case("device", "`remat` with example inputs on the `meta` device",
+    Case("device", "`remat` of a model on the `meta` device without `device=`",
          lambda: hr.remat(_mlp().to("meta"), (torch.randn(16, 32, device="meta"),), budget="64MiB"),
+         hr.UnsupportedModelError, "pass device="),
+    Case("device", "`remat` with example inputs on the `meta` device, the model's weights real",
+         lambda: hr.remat(_mlp(), (torch.randn(16, 32, device="meta"),), budget="64MiB"),
          hr.UnsupportedModelError, "example inputs on device 'meta'"),
 ]
 

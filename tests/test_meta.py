@@ -13,6 +13,7 @@ import operator
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
@@ -53,8 +54,8 @@ def test_a_model_on_meta_is_planned_from_its_materialized_twins_memory():
     # one copy per distinct stage: the three identical blocks share theirs
     block = sum(p.numel() * p.element_size() for p in real.transformer.h[0].parameters())
     total = sum(p.numel() * p.element_size() for p in real.parameters())
-    assert 0 < on_meta.lent_weight_bytes <= total - block and "planned on meta" in on_meta.summary()
-    assert planned.lent_weight_bytes == 0 and "planned on meta" not in planned.summary()
+    assert 0 < on_meta.lent_weight_bytes <= total - block and "planned without its weights" in on_meta.summary()
+    assert planned.lent_weight_bytes == 0 and "planned without its weights" not in planned.summary()
     assert hr.ModelPlan.from_json(on_meta.to_json()).lent_weight_bytes == on_meta.lent_weight_bytes
     peaks = on_meta.chain.stage_peaks()  # each stage's predicted peak, in the summary (the plan's may be at the Loss)
     assert len(peaks) == len(on_meta.stages) and 0 < max(peaks) <= on_meta.chain.predicted_peak_bytes
@@ -111,6 +112,36 @@ def test_a_model_planned_on_meta_trains_bitwise_within_budget_once_materialized(
                 loss = module(ids, labels=ids).loss
             loss.backward()
         assert meter.peak_bytes <= module.plans[0].predicted_peak_bytes <= budget, (type(meter).__name__, meter.peak_bytes)
+
+
+def test_a_model_built_under_fake_tensor_mode_is_planned_on_the_device_its_fakes_stand_for():
+    """FakeTensorMode instead of meta: device= defaults to the device its fake tensors say they are on, and
+    the example inputs may be fake too. The plan's memory is the real twin's to the byte; once the model
+    holds real weights (``load_state_dict(..., assign=True)``: fake tensors have no ``to_empty``) the
+    module trains with gradients bitwise plain autograd's."""
+    torch.manual_seed(0)
+    reference = _gpt2()
+    with FakeTensorMode():
+        model = _gpt2()
+        fake_ids = torch.randint(0, 512, (2, 32))
+    ids = torch.randint(0, 512, (2, 32))
+    planned = hr.plan(reference, (ids,), {"labels": ids}, budget="1500KiB", cache=False)
+    module = hr.remat(model, (fake_ids,), {"labels": fake_ids}, budget="1500KiB", cache=False)
+    plan = module.plans[0]
+    assert plan.lent_weight_bytes > 0 and "planned without its weights" in plan.summary()
+    assert plan.chain.costs.activation_bytes == planned.chain.costs.activation_bytes
+    for x, y in zip(planned.chain.costs.stages, plan.chain.costs.stages):
+        assert [getattr(x.options[0], f) for f in FIGURES] == [getattr(y.options[0], f) for f in FIGURES]
+    with pytest.raises(hr.UnsupportedModelError, match="to_empty"):
+        module(ids, labels=ids)
+    model.load_state_dict(reference.state_dict(), assign=True)
+    model.tie_weights()  # (assign=True gives each name a parameter of its own)
+    for m in (module, reference):
+        torch.manual_seed(1)
+        m(ids, labels=ids).loss.backward()
+    grads = dict(reference.named_parameters())
+    assert all(torch.equal(p.grad, grads[name].grad) for name, p in model.named_parameters())
+    assert len(module.plans) == 1
 
 
 def test_wrong_uses_of_device_are_refused_with_what_to_do():

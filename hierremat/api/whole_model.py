@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from ..graphs.capture import capture, check_outputs, uncompiled
@@ -33,10 +34,11 @@ from ..dp.solve import DEFAULT_SLOTS
 from ..errors import InfeasibleBudgetError, UnsupportedModelError
 from ..plans.model_plan import ModelPlan
 from ..plans.sequential_plan import SequentialPlan
+from ..device import is_abstract
 from ..device.autocast import AutocastState
 from ..runtime.executor import as_tuple
 from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered
-from ..runtime.lent_weights import bind_to_model, has_meta_weights, lent_inputs, lent_weights
+from ..runtime.lent_weights import bind_to_model, has_abstract_weights, lent_inputs, lent_weights
 from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
 from ..runtime.stage_cost_cache import StageCostCache
 from ..runtime.step_grads import StepGrads
@@ -126,10 +128,10 @@ class _Compiled:
     def bind_to(self, model: nn.Module) -> None:
         """Compute with ``model``'s own parameters and buffers (a model planned on meta, materialized
         since with ``to_empty`` and initialized); raises where it still has none."""
-        if has_meta_weights(model):
+        if has_abstract_weights(model):
             raise UnsupportedModelError(
-                f"{type(model).__name__} was planned on the meta device and still has meta parameters or buffers: "
-                "materialize it before training (model.to_empty(device=...), then initialize its weights)"
+                f"{type(model).__name__} was planned without its weights and still has meta (or fake) parameters or "
+                "buffers: materialize it before training (model.to_empty(device=...), then initialize its weights)"
             )
         bind_to_model(self.graphs(), model)
         self.chain_module.planned.reread_tensors()
@@ -248,11 +250,12 @@ class PlanSettings:
 
 
 def _lending_device(model: nn.Module, args: tuple, kwargs: dict, device: str | None) -> torch.device | None:
-    """Where a model without weights (meta parameters or inputs) is planned with lent weights
-    (hierremat.runtime.lent_weights): ``device``; None for a model that has its weights, planned where
-    they are (``device``, if given, must be that device)."""
-    meta_inputs = "meta" in _device_types(args, kwargs)
-    if not (has_meta_weights(model) or meta_inputs):
+    """Where a model without weights (meta or fake parameters or inputs: device.is_abstract) is planned with
+    lent weights (hierremat.runtime.lent_weights): ``device``, by default the one fake tensors stand for
+    (meta ones say nothing); None for a model that has its weights, planned where they are (``device``, if
+    given, must be that device)."""
+    abstract_inputs = any(isinstance(v, torch.Tensor) and is_abstract(v) for v in pytree.tree_leaves((args, kwargs)))
+    if not (has_abstract_weights(model) or abstract_inputs):
         if device is not None:
             wanted = torch.device(device)
             where = {p.device for p in model.parameters()}
@@ -263,6 +266,9 @@ def _lending_device(model: nn.Module, args: tuple, kwargs: dict, device: str | N
                     "Leave device= out, or build the model on meta to plan it for another device"
                 )
         return None
+    fakes = {t.device for t in (*model.parameters(), *model.buffers()) if is_fake(t)}
+    if device is None and len(fakes) == 1:
+        return fakes.pop()
     if device is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} has parameters or inputs on the meta device: pass device='cuda' (or 'cpu'), "
@@ -588,7 +594,8 @@ class RematModule(nn.Module):
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
         kwargs = call_kwargs(self.model, kwargs)
-        lent_to = _lending_device(self.model, args, kwargs, self.settings.device) if self.settings.device else None
+        lending = self.settings.device or has_abstract_weights(self.model)
+        lent_to = _lending_device(self.model, args, kwargs, self.settings.device) if lending else None
         if lent_to is not None:  # planned for inputs on the device it trains on
             args, kwargs = lent_inputs((args, kwargs), lent_to)
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
@@ -793,11 +800,12 @@ def plan(
     block whose ILP would be too large; the summary says which. Every solve also has a
     limit of its own; an option its limit stopped shows its MIP gap in the summary.
     device: where the model trains, for a model built without its weights (``torch.device("meta")``:
-    parameters with shapes and no storage; example inputs may be meta too): it is captured on meta and
-    planned with real weights lent per distinct stage on ``device`` (hierremat.runtime.lent_weights), so
-    planning holds one block's weights, not the model's. The plan is then used once the model is
-    materialized (``to_empty(device=...)`` and its initialization). None (default): where the model's
-    parameters are; a model on meta needs it.
+    parameters with shapes and no storage, or ``FakeTensorMode``; example inputs may be meta or fake too):
+    it is captured without values and planned with real weights lent per distinct stage on ``device``
+    (hierremat.runtime.lent_weights), so planning holds one block's weights, not the model's. The plan is
+    then used once the model is materialized (``to_empty(device=...)`` and its initialization). None
+    (default): where the model's parameters are (the device its fake tensors stand for); a model on meta
+    needs it.
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(

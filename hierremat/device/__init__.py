@@ -2,6 +2,6 @@
 ``max_memory_allocated`` on CUDA), autocast scopes and RNG states. The bottom of the torch side:
 it imports nothing else of hierremat."""
 
-from .memory import CpuAllocatorMeter, CudaPeakMeter, LiveTensorTracker, measure_peak, memory_meter
+from .memory import CpuAllocatorMeter, CudaPeakMeter, LiveTensorTracker, is_abstract, measure_peak, memory_meter
 
-__all__ = ["CpuAllocatorMeter", "CudaPeakMeter", "LiveTensorTracker", "measure_peak", "memory_meter"]
+__all__ = ["CpuAllocatorMeter", "CudaPeakMeter", "LiveTensorTracker", "is_abstract", "measure_peak", "memory_meter"]

@@ -28,6 +28,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 CUDA_ALLOCATION_ROUNDING_BYTES = 512
 
 
+def is_abstract(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has a shape and a dtype but no memory: on the meta device, or a fake tensor
+    (made under ``FakeTensorMode``, which says it is on a real device)."""
+    return tensor.device.type == "meta" or is_fake(tensor)
+
+
 def allocated_bytes(nbytes: int, device: torch.device | str) -> int:
     """Bytes a storage of ``nbytes`` takes from the meter that checks the budget on ``device``.
 
@@ -114,7 +120,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 self.live_bytes -= nbytes
 
     def _track(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "meta" or is_fake(tensor):
+        if is_abstract(tensor):
             return  # no memory (fake tensors: something is traced while the mode is active)
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()

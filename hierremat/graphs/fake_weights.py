@@ -19,12 +19,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from ..device import is_abstract
+
 
 @contextlib.contextmanager
 def weights_faked_on(model: nn.Module, device: torch.device) -> Iterator[Callable]:
-    """While the block runs, every meta parameter and buffer of ``model`` is a fake tensor on ``device``.
-    Yields a function that makes a pytree's tensors fake (on their own device, meta ones on ``device``)
-    in the same FakeTensorMode."""
+    """While the block runs, every meta (or fake: device.is_abstract) parameter and buffer of ``model`` is a
+    fake tensor on ``device`` in one FakeTensorMode of its own. Yields a function that makes a pytree's
+    tensors fake in that mode (real ones on their own device, abstract ones on ``device``)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     swapped: list[tuple[dict, str, torch.Tensor]] = []
     faked: dict[int, torch.Tensor] = {}  # a tensor two modules hold (tied weights) is one fake
@@ -40,14 +42,14 @@ def weights_faked_on(model: nn.Module, device: torch.device) -> Iterator[Callabl
         def fake(v):
             if not isinstance(v, torch.Tensor):
                 return v
-            return fake_of(v) if v.is_meta else mode.from_tensor(v)
+            return fake_of(v) if is_abstract(v) else mode.from_tensor(v)
         return pytree.tree_map(fake, values)
 
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for name, tensor in list(table.items()):
-                    if tensor is not None and tensor.is_meta:
+                    if tensor is not None and is_abstract(tensor):
                         swapped.append((table, name, tensor))
                         table[name] = fake_of(tensor)
         yield fake_inputs

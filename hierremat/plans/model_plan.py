@@ -140,7 +140,7 @@ class ModelPlan:
         if self.times != "measured":
             lines.append(f"  {self.times}")
         if self.lent_weight_bytes:
-            lines.append(f"  planned on meta: {format_bytes(self.lent_weight_bytes)} of weights lent while planning, "
+            lines.append(f"  planned without its weights (meta or fake): {format_bytes(self.lent_weight_bytes)} of weights lent while planning, "
                          "one copy per distinct stage (the model's own are used once materialized)")
         if recosted:
             lines.append(f"  block options of {', '.join(recosted)}: solved at other input sizes, re-costed at these "

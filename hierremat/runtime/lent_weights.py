@@ -2,7 +2,8 @@
 
 The models that need rematerialization most are built on the meta device (torchtitan's order: build
 on meta, apply activation checkpointing, shard, then ``to_empty`` and initialize). Their parameters
-have shapes and dtypes but no storage, and the whole model may not fit on one device. hierremat
+have shapes and dtypes but no storage, and the whole model may not fit on one device (so do those built
+under ``FakeTensorMode``, whose fake tensors say which device they stand for: planned the same way). hierremat
 captures such a model on meta (export needs no values) and then, for the duration of planning,
 lends every *distinct* stage (stage signature: the same graph at the same shapes) one set of real
 tensors on the target device, which every stage of that signature computes with: the profile, the
@@ -29,6 +30,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import fx, nn
 
+from ..device import is_abstract
 from ..errors import UnsupportedModelError
 from ..graphs.segment import substitute_tensor
 
@@ -38,9 +40,9 @@ LENT_SEED = 20261125
 LENT_STD = 0.02
 
 
-def has_meta_weights(model: nn.Module) -> bool:
-    """Whether any of ``model``'s parameters or buffers has no storage (the meta device)."""
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+def has_abstract_weights(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters or buffers has no storage (meta or fake: device.is_abstract)."""
+    return any(is_abstract(t) for t in (*model.parameters(), *model.buffers()))
 
 
 def lent_value(like: torch.Tensor, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -56,13 +58,13 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 def lent_inputs(values, device: torch.device):
-    """``values`` (a pytree) on ``device``: every meta tensor replaced by a lent real one, the others moved."""
+    """``values`` (a pytree) on ``device``: every meta or fake tensor replaced by a lent real one, the others moved."""
     generator = _generator(device)
 
     def lend(v):
         if not isinstance(v, torch.Tensor):
             return v
-        return lent_value(v, device, generator) if v.is_meta else v.to(device)
+        return lent_value(v, device, generator) if is_abstract(v) else v.to(device)
 
     return torch.utils._pytree.tree_map(lend, values)
 
@@ -93,7 +95,7 @@ def _lend(own: torch.Tensor, device: torch.device, generator: torch.Generator, s
         nbytes = own.numel() * own.element_size()
         name = getattr(stage, "stage_name", type(stage).__name__)
         raise UnsupportedModelError(
-            f"planning on meta lends stage {name!r} its weights on {device}, but {target} "
+            f"planning without weights lends stage {name!r} its weights on {device}, but {target} "
             f"({nbytes / 2**20:.1f} MiB) could not be allocated there ({err}); plan on a device with room for one copy "
             "of each distinct stage's weights"
         ) from err
@@ -116,7 +118,7 @@ def lent_weights(stages: Sequence[nn.Module], signatures: Sequence[str], device:
                 continue
             for position, target in enumerate(_tensor_targets(gm)):
                 own = operator.attrgetter(target)(gm)
-                if not own.is_meta:
+                if not is_abstract(own):
                     continue
                 copy = by_tensor.get(id(own))
                 if copy is None:
