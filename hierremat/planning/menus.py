@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 COST_MODEL_VERSION = "nodes-2"
 #: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
 TIE_MARGIN = 1e-6
+#: An option no leaner than autograd's (option 0) in any memory figure is taken only where it is faster by
+#: more than this share of autograd's measured time (see _priced_within_noise).
+NOISE_MARGIN = 0.03
 #: Bump when the ILP formulation changes (invalidates cached menus).
 FORMULATION_VERSION = "staged-6"
 
@@ -265,7 +268,7 @@ class ChainMenus:
                         extra.append(_scaled(o.to_option_costs(), scale))
                     else:
                         extra.append(replace(_scaled(o.to_option_costs(), compiled_scale), name=f"{o.name}+compiled?"))
-            stage_costs = replace(stage_costs, options=(base, *extra))
+            stage_costs = replace(stage_costs, options=(base, *(_priced_within_noise(o, base) for o in extra)))
             out_bytes = profile.costs.activation_bytes[i + 1]
             forms = {}
             forward = self.forwards.get(signature)
@@ -305,6 +308,23 @@ def _with_forward_forms(costs, forms: dict):
 
 def _scaled(option: OptionCosts, scale: float) -> OptionCosts:
     return replace(option, fwd_time=option.fwd_time * scale, bwd_time=option.bwd_time * scale)
+
+
+def _priced_within_noise(option: OptionCosts, base: OptionCosts) -> OptionCosts:
+    """``option``, priced as autograd's ``base`` and a hair more where it saves no memory over it (no figure
+    lower, no pin fewer) and is faster by less than NOISE_MARGIN: the two then differ by less than the
+    timing noise, and which one a plan took would change from one profile to the next (the same model
+    planned twice, on meta and materialized, would run different code for no measurable gain). Autograd
+    wins there; where the option saves memory it keeps its measured time."""
+    no_leaner = (
+        option.kept_bytes >= base.kept_bytes and option.fwd_overhead_bytes >= base.fwd_overhead_bytes
+        and option.bwd_overhead_bytes >= base.bwd_overhead_bytes
+        and option.pins_input >= base.pins_input and option.pins_output >= base.pins_output
+    )
+    time, autograd = option.fwd_time + option.bwd_time, base.fwd_time + base.bwd_time
+    if not no_leaner or time <= 0 or time <= autograd * (1 - NOISE_MARGIN):
+        return option
+    return _scaled(option, max(1.0, autograd * (1 + TIE_MARGIN) / time))
 
 
 def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
