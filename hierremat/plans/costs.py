@@ -331,3 +331,32 @@ class ChainCosts:
             residents=tuple(ResidentCosts.from_dict(r) for r in d.get("residents", ())),
             step_grad_bytes=tuple(int(b) for b in d.get("step_grad_bytes", ())),
         )
+
+
+@dataclass(frozen=True)
+class TierBandwidth:
+    """How fast a second tier moves values (hierremat.runtime.second_tier), measured on the machine.
+
+    kind: the tier ('disk', 'host memory'). offload_bytes_per_second: from the device out to it, until the
+    copy is done; fetch_bytes_per_second: back onto the device. An offload of b bytes takes
+    b / offload_bytes_per_second seconds (Beaumont, Eyraud-Dubois and Shilova, NeurIPS 2021: transfers
+    priced by their bytes and the link's bandwidth, overlapping the stages' compute).
+    """
+
+    kind: str
+    offload_bytes_per_second: float
+    fetch_bytes_per_second: float
+
+    def offload_seconds(self, nbytes: int) -> float:
+        return nbytes / self.offload_bytes_per_second
+
+    def fetch_seconds(self, nbytes: int) -> float:
+        return nbytes / self.fetch_bytes_per_second
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "offload_bytes_per_second": self.offload_bytes_per_second,
+                "fetch_bytes_per_second": self.fetch_bytes_per_second}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TierBandwidth":
+        return cls(str(d["kind"]), float(d["offload_bytes_per_second"]), float(d["fetch_bytes_per_second"]))
