@@ -19,6 +19,7 @@ import torch
 
 from hierremat.device import LiveTensorTracker
 from hierremat.runtime import second_tier, tier_bandwidth
+from hierremat.plans.costs import TierBandwidth
 from hierremat.runtime.second_tier import DiskTier, HostMemoryTier, OffloadError
 from hierremat.store.cache import OptionsCache
 
@@ -35,6 +36,9 @@ def _values():
         "scalar": torch.tensor(3.5),
         "empty": torch.empty(0, 4),
         "transposed": torch.randn(8, 6, generator=generator).t(),
+        "channels_last": torch.randn(2, 3, 4, 5, generator=generator).to(memory_format=torch.channels_last),
+        "sliced": torch.randn(6, 8, generator=generator)[1:4, ::2],
+        "conjugate": torch.randn(5, dtype=torch.complex64, generator=generator).conj(),
     }
 
 
@@ -57,8 +61,13 @@ def test_values_come_back_bitwise_in_any_order_prefetched_or_not(kind, tmp_path)
                 back = tier.fetch(name)
                 assert back.dtype == values[name].dtype and back.shape == values[name].shape
                 assert torch.equal(back, values[name]), (step, name)
+                if name in ("channels_last", "transposed"):  # a dense layout comes back as it went
+                    assert back.stride() == values[name].stride(), name
             assert tier.held_bytes == 0 and not any(name in tier for name in names)
         assert tier.peak_bytes == sum(v.numel() * v.element_size() for v in values.values())
+        with pytest.raises(OffloadError, match="only dense tensors"):
+            tier.offload("sparse", torch.eye(3).to_sparse())
+        assert tier.held_bytes == 0 and "sparse" not in tier
 
 
 def test_the_disk_tier_frees_the_memory_a_value_held_once_written(tmp_path):
@@ -83,9 +92,12 @@ def test_the_disk_tier_removes_its_directory_on_close_on_error_and_at_exit(tmp_p
     tier.offload("x", torch.ones(100))
     tier.wait_offloaded("x")
     directory = tier.directory
-    assert directory.parent == tmp_path and any(directory.iterdir())
+    assert directory.parent == tmp_path and tier.file_bytes == 400
+    assert list(directory.iterdir()) == []  # (its files are unlinked when opened: a killed process leaves no data)
     tier.close()
     assert not directory.exists()
+    with pytest.raises(OffloadError, match="closed"):
+        tier.offload("y", torch.ones(1))
 
     with pytest.raises(RuntimeError, match="the step failed"):
         with DiskTier(MIB, tmp_path) as tier:
@@ -125,32 +137,22 @@ def test_a_short_read_or_a_failed_write_raises_instead_of_handing_back_part_of_a
     with DiskTier(MIB, tmp_path) as tier:
         tier.offload("x", torch.arange(1000.0))
         tier.wait_offloaded("x")
-        (path,) = tier.directory.glob("*.bin")
-        with open(path, "r+b") as f:
-            f.truncate(1000)
+        os.ftruncate(tier._descriptors["x"], 1000)
         with pytest.raises(OffloadError, match="gave 1000 of 4000 bytes"):
             tier.fetch("x")
-        assert tier.held_bytes == 0 and not path.exists()
+        assert tier.held_bytes == 0 and tier.file_bytes == 0
 
-        class NoSpace:
-            def __init__(self, *args):
-                pass
+        def no_space(*args):
+            raise OSError(28, "No space left on device")
 
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                return False
-
-            def write(self, data):
-                raise OSError(28, "No space left on device")
-
-        monkeypatch.setattr(second_tier, "open", NoSpace, raising=False)
+        monkeypatch.setattr(second_tier.os, "pwrite", no_space)
         tier.offload("y", torch.arange(10.0))
+        with pytest.raises(OffloadError, match="No space left on device"):
+            tier.wait_offloaded("y")
         monkeypatch.undo()
         with pytest.raises(OffloadError, match="No space left on device"):
             tier.fetch("y")
-        assert tier.file_bytes == 0
+        assert tier.held_bytes == 0 and tier.file_bytes == 0
 
 
 def test_the_limit_holds(tmp_path):
@@ -165,16 +167,28 @@ def test_the_limit_holds(tmp_path):
             assert torch.equal(tier.fetch("a"), torch.ones(200))
 
 
-def test_the_host_tier_reuses_one_pool_across_steps():
+def test_the_host_tier_reuses_one_pool_across_steps_and_within_one():
+    quarter = torch.ones(MIB // 16)  # 256 KiB
     with HostMemoryTier(MIB, "cpu") as tier:
-        pointers = []
-        for step in range(3):
+        for step in range(3):  # 768 KiB a step in a 1 MiB pool: only if each step starts at its bottom
             tier.offload("a", torch.ones(3, dtype=torch.bfloat16))
-            tier.offload("b", torch.ones(5))
-            pointers.append(tier._pool.data_ptr())
-            assert tier._where["b"] % 64 == 0  # aligned for any dtype's view
-            tier.fetch("b"), tier.fetch("a")
-        assert len(set(pointers)) == 1
+            tier.offload("b", quarter)
+            assert tier._slots["a"][0] == 0 and tier._slots["b"][0] == 64  # (aligned for any dtype's view)
+            tier.offload("c", quarter)
+            top = tier._slots["c"]
+            tier.fetch("c")  # the top slot: the next offload takes its place
+            tier.offload("d", quarter * 2)  # (as large as c, other values)
+            assert tier._slots["d"] == top
+            tier.offload("e", quarter)
+            assert [torch.equal(tier.fetch(k), v) for k, v in (("e", quarter), ("d", quarter * 2), ("b", quarter))] == [True] * 3
+            assert torch.equal(tier.fetch("a"), torch.ones(3, dtype=torch.bfloat16))
+        tier.offload("a", quarter)
+        tier.offload("b", quarter)
+        tier.offload("c", quarter)
+        tier.fetch("a")  # not the top: its room comes back once the slots above it are fetched
+        with pytest.raises(OffloadError, match="no room"):
+            tier.offload("d", torch.ones(MIB // 8))  # 512 KiB: within the limit, not above the top slot
+        assert "d" not in tier and tier.held_bytes == MIB // 2
 
 
 def test_bandwidths_are_measured_then_cached(tmp_path, monkeypatch):
@@ -189,4 +203,6 @@ def test_bandwidths_are_measured_then_cached(tmp_path, monkeypatch):
 
         monkeypatch.setattr(tier_bandwidth, "measure_bandwidth", not_again)
         assert tier_bandwidth.cached_bandwidth(tier, "cpu", cache) == measured
-    assert measured.offload_seconds(2 * MIB) == pytest.approx(2 * MIB / measured.offload_bytes_per_second)
+        assert tier.durable is False  # (measured durable: the disk's speed, not the page cache's)
+    with pytest.raises(ValueError, match="positive finite"):
+        TierBandwidth("disk", 0.0, 1.0)

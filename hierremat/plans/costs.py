@@ -12,6 +12,7 @@ of an op is simply ``memory_before + overhead``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 
@@ -346,6 +347,12 @@ class TierBandwidth:
     kind: str
     offload_bytes_per_second: float
     fetch_bytes_per_second: float
+
+    def __post_init__(self) -> None:
+        for name in ("offload_bytes_per_second", "fetch_bytes_per_second"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"TierBandwidth.{name} must be a positive finite number of bytes per second, got {value!r}")
 
     def offload_seconds(self, nbytes: int) -> float:
         return nbytes / self.offload_bytes_per_second

@@ -5,26 +5,29 @@ Offloading for Training DNNs") send a checkpointed activation off the device whi
 compute, and bring it back before the backward that reads it. The tiers it goes to share one
 interface, :class:`SecondTier`:
 
-- :class:`HostMemoryTier` (CUDA): a pinned host pool allocated once and reused across steps (pinning
-  per tensor costs about 3 ms per ``cudaHostAlloc`` and blocks overlap), bump-allocated and reset when
-  empty; copies run on a side stream ordered with the compute stream by events, a prefetch starts the
-  copy back ahead of the backward. On a CPU device it copies synchronously (its bookkeeping is the same:
-  how it is tested here).
+- :class:`HostMemoryTier` (CUDA): one host pool of ``limit_bytes`` (the plan's most offloaded bytes),
+  allocated when the tier is made and reused across steps (pinning per tensor costs about 3 ms per
+  ``cudaHostAlloc`` and blocks overlap), pinned on CUDA; copies run on one side stream ordered with the
+  compute stream by events, and a prefetch starts the copy back ahead of the backward. On a CPU device it
+  copies synchronously (its bookkeeping is the same: how it is tested here).
 - :class:`DiskTier` (CPU): one file per value in a directory of its own (POET's paging, Patil et al.,
-  ICML 2022): the process's RAM is freed. Writes and read-ahead run in order on one background thread.
+  ICML 2022): the process's RAM is freed. Each file is unlinked as soon as it is opened and kept by its
+  descriptor, so the space returns on any exit, a killed process's included; the directory is removed
+  on close, on error and at exit. Writes and read-ahead run in order on one background thread.
 
 Every tier: ``offload(key, tensor)`` starts moving a value out and holds it until the copy is done (the
-caller drops its own reference: the device memory is freed then; ``wait_offloaded(key)`` waits for
-that); ``prefetch(key)`` starts bringing it
-back; ``fetch(key)`` returns it on the device, waiting for the copy. A write or read that does not move
-every byte raises :class:`OffloadError` (a step never goes on with a partial value). ``close()`` removes
-what the tier holds, files and directory included; it also runs at exit and when the tier is collected.
-``held_bytes`` and ``peak_bytes`` are the tier's own use (for the disk, the files' sizes).
+caller drops its own reference: the device memory is freed then; ``wait_offloaded(key)`` waits for that;
+the caller must not change the value in place before); ``prefetch(key)`` starts bringing it back;
+``fetch(key)`` returns it on the device with its strides (a channels-last value stays one), waiting for
+the copy. A write or read that does not move every byte raises :class:`OffloadError` (a step never goes
+on with a partial value). ``close()`` drops what the tier holds. ``held_bytes`` and ``peak_bytes`` are
+the tier's own use (for the disk, :attr:`DiskTier.file_bytes` are the files' sizes).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import shutil
 import tempfile
@@ -34,32 +37,60 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
+
+#: Offsets in the host pool are multiples of this (every dtype's view of a slot is aligned).
+POOL_ALIGNMENT = 64
+#: File systems whose files are memory: a disk tier there frees no RAM.
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
 
 class OffloadError(RuntimeError):
     """A second tier that cannot be written or read back whole (no room, no permission, a short read)."""
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes as a flat uint8 tensor (a view where it is contiguous)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
-
-
-def _from_bytes(data: torch.Tensor, like: "_Stored") -> torch.Tensor:
-    return data.view(like.dtype).reshape(like.shape) if like.nbytes else torch.empty(like.shape, dtype=like.dtype, device=data.device)
-
-
 @dataclass(frozen=True)
 class _Stored:
-    """What a tier needs to rebuild a value: its shape, dtype and bytes."""
+    """What a tier needs to rebuild a value: shape, strides (a dense layout: the bytes are in memory order),
+    dtype and bytes."""
 
     shape: tuple[int, ...]
+    stride: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
 
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "_Stored":
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
+    def rebuild(self, data: torch.Tensor) -> torch.Tensor:
+        """The value from its bytes (``data``, uint8, on the device it is wanted on)."""
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=data.device)
+        if self.nbytes:
+            out.as_strided((out.numel(),), (1,)).view(torch.uint8).copy_(data)
+        return out
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory of its size, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _bytes_of(tensor: torch.Tensor) -> tuple[torch.Tensor, _Stored]:
+    """``tensor``'s bytes as a flat uint8 tensor in memory order (a view where its layout is dense), and
+    what rebuilds it."""
+    if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        raise OffloadError(f"a {tensor.layout} {type(tensor).__name__} cannot be offloaded: only dense tensors")
+    value = tensor.detach().resolve_conj().resolve_neg()
+    if not _is_dense(value):
+        value = value.contiguous()
+    nbytes = value.numel() * value.element_size()
+    stored = _Stored(tuple(value.shape), tuple(value.stride()), value.dtype, nbytes)
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8, device=value.device), stored
+    flat = value.as_strided((value.numel(),), (1,), value.storage_offset())
+    return flat.view(torch.uint8), stored
 
 
 class SecondTier:
@@ -74,20 +105,23 @@ class SecondTier:
         self.held_bytes = 0
         self.peak_bytes = 0
         self._stored: dict[object, _Stored] = {}
+        self.closed = False
 
     def offload(self, key, tensor: torch.Tensor) -> None:
+        if self.closed:
+            raise OffloadError(f"offload: the {self.kind} tier is closed")
         if key in self._stored:
             raise KeyError(f"offload: {key!r} is already in the {self.kind} tier")
-        stored = _Stored.of(tensor)
+        data, stored = _bytes_of(tensor)
         if self.held_bytes + stored.nbytes > self.limit_bytes:
             raise OffloadError(
                 f"the {self.kind} tier would hold {self.held_bytes + stored.nbytes} bytes, over its offload_limit of "
                 f"{self.limit_bytes}: raise offload_limit"
             )
+        self._start_offload(key, data, stored)  # (registered only once started: a failure leaves no trace)
         self._stored[key] = stored
         self.held_bytes += stored.nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        self._start_offload(key, tensor, stored)
 
     def wait_offloaded(self, key) -> None:
         """Return once ``key``'s copy out is done (its device memory is free then, if nobody else holds it)."""
@@ -104,6 +138,7 @@ class SecondTier:
         finally:
             del self._stored[key]
             self.held_bytes -= stored.nbytes
+            self._forget(key)
 
     def __contains__(self, key) -> bool:
         return key in self._stored
@@ -115,11 +150,14 @@ class SecondTier:
         self.close()
 
     def close(self) -> None:
+        for key in list(self._stored):
+            self._forget(key)
         self._stored.clear()
         self.held_bytes = 0
+        self.closed = True
 
     # what a tier implements
-    def _start_offload(self, key, tensor: torch.Tensor, stored: _Stored) -> None:
+    def _start_offload(self, key, data: torch.Tensor, stored: _Stored) -> None:
         raise NotImplementedError
 
     def _finish_offload(self, key) -> None:
@@ -131,22 +169,59 @@ class SecondTier:
     def _finish_fetch(self, key, stored: _Stored) -> torch.Tensor:
         raise NotImplementedError
 
+    def _forget(self, key) -> None:
+        """Drop whatever the tier keeps for ``key`` (after its fetch, or at close)."""
+        raise NotImplementedError
 
-def _remove_directory(path: str, pool: concurrent.futures.ThreadPoolExecutor) -> None:
-    pool.shutdown(wait=True, cancel_futures=True)
-    shutil.rmtree(path, ignore_errors=True)
+
+def file_system(path: str | os.PathLike) -> tuple[str, str]:
+    """(mount point, file system type) that ``path`` is on, from /proc/mounts (('', '') where unknown)."""
+    path = os.path.realpath(path)
+    best = ("", "")
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) >= 3:
+                    point = fields[1].replace("\\040", " ")
+                    inside = path == point or path.startswith(point.rstrip("/") + "/")
+                    if inside and len(point) > len(best[0]):
+                        best = (point, fields[2])
+    except OSError:
+        pass
+    return best
+
+
+def _remove_directory(path: str, pool: concurrent.futures.ThreadPoolExecutor, descriptors: dict) -> None:
+    try:
+        pool.shutdown(wait=True, cancel_futures=True)
+    except RuntimeError:  # (collected on the worker thread itself: it cannot join itself)
+        pool.shutdown(wait=False, cancel_futures=True)
+    finally:
+        for fd in list(descriptors.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        descriptors.clear()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class DiskTier(SecondTier):
     """Values in files, one per value, under a directory this tier makes (in ``directory``, default the
     system's temporary directory) and removes. Checked when it is made, before training: the directory
-    can be made and written, and its file system has ``limit_bytes`` free."""
+    can be made and written, and its file system has ``limit_bytes`` free; one whose files are memory
+    (tmpfs) is named in a warning, as offloading there frees no RAM. ``durable``: each write is synced
+    to the disk and dropped from the page cache, so that a read comes from the disk (bandwidths measured
+    so are the disk's, hierremat.runtime.tier_bandwidth)."""
 
     kind = "disk"
 
-    def __init__(self, limit_bytes: int, directory: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
+    def __init__(self, limit_bytes: int, directory: str | os.PathLike | None = None,
+                 device: torch.device | str = "cpu", durable: bool = False):
         super().__init__(limit_bytes)
         self.device = torch.device(device)
+        self.durable = durable
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -154,17 +229,19 @@ class DiskTier(SecondTier):
         except OSError as err:
             raise OffloadError(f"offload={str(parent)!r}: cannot make a directory there ({err}); give a writable one") from err
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hierremat-offload")
-        self._cleanup = weakref.finalize(self, _remove_directory, str(self.directory), self._pool)
-        self._files: dict[object, Path] = {}
+        self._descriptors: dict[object, int] = {}
+        self._cleanup = weakref.finalize(self, _remove_directory, str(self.directory), self._pool, self._descriptors)
         self._writes: dict[object, concurrent.futures.Future] = {}
         self._reads: dict[object, concurrent.futures.Future] = {}
-        self._count = 0
         try:
-            _write_file(self.directory / "probe.bin", [torch.zeros(1, dtype=torch.uint8)], 1)
-            (self.directory / "probe.bin").unlink()
-        except OffloadError as err:
+            fd = _open_unlinked(self.directory)
+            try:
+                _write(fd, [torch.zeros(1, dtype=torch.uint8)], 1, False)
+            finally:
+                os.close(fd)
+        except OSError as err:
             self.close()
-            raise OffloadError(f"offload={str(parent)!r}: cannot write there ({err.__cause__ or err}); give a writable directory") from err
+            raise OffloadError(f"offload={str(parent)!r}: cannot write there ({err}); give a writable directory") from err
         free = shutil.disk_usage(self.directory).free
         if free < limit_bytes:
             self.close()
@@ -172,12 +249,20 @@ class DiskTier(SecondTier):
                 f"offload={str(parent)!r}: {free} bytes free there, less than offload_limit={limit_bytes}: free space, "
                 "lower offload_limit or give another directory"
             )
+        mount, kind = file_system(self.directory)
+        if kind in MEMORY_FILE_SYSTEMS:
+            log.warning("offload directory %s is on %s (%s): its files are memory; give a directory on a disk",
+                        self.directory, kind, mount)
 
-    def _start_offload(self, key, tensor: torch.Tensor, stored: _Stored) -> None:
-        self._count += 1
-        path = self._files[key] = self.directory / f"{self._count}.bin"
-        data = _as_bytes(tensor.to("cpu") if tensor.device.type != "cpu" else tensor)
-        self._writes[key] = self._pool.submit(_write_file, path, [data], stored.nbytes)
+    def _start_offload(self, key, data: torch.Tensor, stored: _Stored) -> None:
+        if data.device.type != "cpu":
+            data = data.to("cpu")
+        try:
+            fd = _open_unlinked(self.directory)
+        except OSError as err:
+            raise OffloadError(f"offloading to {self.directory} failed ({err})") from err
+        self._descriptors[key] = fd
+        self._writes[key] = self._pool.submit(_write, fd, [data], stored.nbytes, self.durable)
 
     def _finish_offload(self, key) -> None:
         written = self._writes.get(key)
@@ -186,138 +271,170 @@ class DiskTier(SecondTier):
 
     def _start_fetch(self, key, stored: _Stored) -> None:
         if key not in self._reads:
-            self._reads[key] = self._pool.submit(_read_file, self._files[key], stored.nbytes, self._writes.pop(key, None))
+            self._reads[key] = self._pool.submit(_read, self._descriptors[key], stored.nbytes, self._writes.get(key))
 
     def _finish_fetch(self, key, stored: _Stored) -> torch.Tensor:
         self._start_fetch(key, stored)
-        path = self._files.pop(key)
-        try:
-            data = self._reads.pop(key).result()
-        finally:
-            path.unlink(missing_ok=True)
-        return _from_bytes(data, stored).to(self.device)
+        return stored.rebuild(self._reads[key].result().to(self.device))
+
+    def _forget(self, key) -> None:
+        pending = [f for f in (self._writes.pop(key, None), self._reads.pop(key, None)) if f is not None]
+        fd = self._descriptors.pop(key, None)
+        if fd is not None:
+            concurrent.futures.wait(pending)  # (never close a descriptor a write or read is using)
+            os.close(fd)
 
     @property
     def file_bytes(self) -> int:
-        """The bytes of the files in the tier's directory now (what it holds on disk)."""
-        return sum(p.stat().st_size for p in self.directory.glob("*.bin")) if self.directory.exists() else 0
+        """The bytes of the tier's files now (what it holds on disk)."""
+        return sum(os.fstat(fd).st_size for fd in self._descriptors.values())
 
     def close(self) -> None:
         super().close()
-        self._files, self._writes, self._reads = {}, {}, {}
         self._cleanup()
 
 
-def _write_file(path: Path, box: list, nbytes: int) -> None:
-    """Write the one value in ``box`` (taken out of it: once this returns nothing here holds it, before
-    the pool marks the write done; the pool's work item keeps its arguments a moment longer)."""
+def _open_unlinked(directory: Path) -> int:
+    """A new file in ``directory``, already unlinked: its descriptor is all that keeps it."""
+    fd, path = tempfile.mkstemp(suffix=".bin", dir=directory)
+    os.unlink(path)
+    return fd
+
+
+def _write(fd: int, box: list, nbytes: int, durable: bool) -> None:
+    """Write the one value in ``box`` to ``fd`` (taken out of it: once this returns, or raises, nothing here
+    holds it; the pool's work item keeps its arguments a moment longer)."""
     data = box.pop()
     try:
-        with open(path, "wb") as f, memoryview(data.numpy()) as view:
-            written = f.write(view)
+        with memoryview(data.numpy()) as view:
+            done = 0
+            while done < nbytes:
+                written = os.pwrite(fd, view[done:], done)
+                if written <= 0:
+                    raise OffloadError(f"offloading wrote {done} of {nbytes} bytes")
+                done += written
+        if durable:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError as err:
-        path.unlink(missing_ok=True)
-        raise OffloadError(f"offloading {nbytes} bytes to {path} failed ({err}): free space or give another directory") from err
-    if written != nbytes:
-        path.unlink(missing_ok=True)
-        raise OffloadError(f"offloading to {path} wrote {written} of {nbytes} bytes")
+        raise OffloadError(f"offloading {nbytes} bytes failed ({err}): free space or give another directory") from err
+    finally:
+        del data
 
 
-def _read_file(path: Path, nbytes: int, written: concurrent.futures.Future | None) -> torch.Tensor:
+def _read(fd: int, nbytes: int, written: concurrent.futures.Future | None) -> torch.Tensor:
     if written is not None:
         written.result()  # (its error, if any, is this read's)
     data = torch.empty(nbytes, dtype=torch.uint8)
+    done = 0
     try:
-        with open(path, "rb") as f:
-            read = f.readinto(memoryview(data.numpy())) if nbytes else 0
+        with memoryview(data.numpy()) as view:
+            while done < nbytes:
+                read = os.preadv(fd, [view[done:]], done)
+                if read <= 0:
+                    break
+                done += read
     except OSError as err:
-        raise OffloadError(f"reading an offloaded value back from {path} failed ({err})") from err
-    if read != nbytes:
-        raise OffloadError(f"reading an offloaded value back from {path} gave {read} of {nbytes} bytes")
+        raise OffloadError(f"reading an offloaded value back failed ({err})") from err
+    if done != nbytes:
+        raise OffloadError(f"reading an offloaded value back gave {done} of {nbytes} bytes")
     return data
 
 
 class HostMemoryTier(SecondTier):
-    """Values in one host buffer of ``limit_bytes`` (pinned where the device is CUDA), allocated at the first
-    offload and reused: a bump allocator whose offset returns to 0 whenever the tier is empty (a step fetches
-    all it offloaded). On CUDA the copies run on a side stream: out after the compute stream's work that made
-    the value, back ahead of the backward, which waits for its copy's event."""
+    """Values in one host pool of ``limit_bytes`` (pinned where the device is CUDA), allocated when the tier
+    is made and reused. Slots are bump-allocated at POOL_ALIGNMENT; fetching the topmost slot moves the top
+    back (a backward fetches in the reverse order of the forward's offloads), an empty tier starts at 0.
+    On CUDA every copy, out and back, runs on the one side stream: out after the compute stream's work that
+    made the value, back ahead of the backward, which waits for its copy's event; a slot is reused only by
+    a copy queued after the one reading it, on that stream (so the reuse is safe)."""
 
     kind = "host memory"
 
     def __init__(self, limit_bytes: int, device: torch.device | str):
         super().__init__(limit_bytes)
-        self.device = torch.device(device)
-        self._cuda = self.device.type == "cuda"
-        self._pool: torch.Tensor | None = None
-        self._offset = 0
-        self._where: dict[object, int] = {}
+        device = torch.device(device)
+        self._cuda = device.type == "cuda"
+        if self._cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        try:
+            self._pool = torch.empty(limit_bytes, dtype=torch.uint8, pin_memory=self._cuda)
+        except RuntimeError as err:
+            raise OffloadError(f"the host memory tier could not allocate its pool of {limit_bytes} bytes ({err}): "
+                               "lower offload_limit") from err
+        self._slots: dict[object, tuple[int, int]] = {}
         self._events: dict[object, object] = {}
-        self._fetched: dict[object, torch.Tensor] = {}
+        self._fetched: dict[object, tuple[torch.Tensor, object]] = {}
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
 
-    def _slot(self, key, nbytes: int) -> torch.Tensor:
-        if self._pool is None:
-            self._pool = torch.empty(self.limit_bytes, dtype=torch.uint8, pin_memory=self._cuda)
-        if len(self._where) == 0:
-            self._offset = 0
-        start = -(-self._offset // 64) * 64  # (64-byte aligned: every dtype's view is valid)
+    def _slot(self, nbytes: int) -> tuple[int, int]:
+        top = max((end for _, end in self._slots.values()), default=0)
+        start = -(-top // POOL_ALIGNMENT) * POOL_ALIGNMENT
         if start + nbytes > self.limit_bytes:
-            raise OffloadError(f"the host memory tier's pool of {self.limit_bytes} bytes is full: raise offload_limit")
-        self._where[key] = start
-        self._offset = start + nbytes
-        return self._pool[start:start + nbytes]
+            raise OffloadError(
+                f"the host memory pool ({self.limit_bytes} bytes) has no room for {nbytes} bytes above its top slot "
+                f"({top} bytes; values are fetched back in another order than last in, first out): raise offload_limit"
+            )
+        return start, start + nbytes
 
-    def _start_offload(self, key, tensor: torch.Tensor, stored: _Stored) -> None:
-        slot = self._slot(key, stored.nbytes)
-        data = _as_bytes(tensor)
+    def _start_offload(self, key, data: torch.Tensor, stored: _Stored) -> None:
+        if data.device != self.device and not (data.device.type == "cpu" and not self._cuda):
+            raise OffloadError(f"offload: a value on {data.device} given to the {self.kind} tier of {self.device}")
+        start, end = self._slot(stored.nbytes)
+        slot = self._pool[start:end]
         if not self._cuda:
             slot.copy_(data)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            slot.copy_(data, non_blocking=True)
-            data.record_stream(self._stream)  # its memory is reused only once the copy is done
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        self._events[key] = event
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                slot.copy_(data, non_blocking=True)
+                data.record_stream(self._stream)  # its memory is reused only once the copy is done
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._events[key] = event
+        self._slots[key] = (start, end)
 
     def _finish_offload(self, key) -> None:
-        event = self._events.get(key)
-        if event is not None and key not in self._fetched:
+        event = self._events.get(key)  # (a later prefetch's event: after the copy out on the same stream)
+        if event is not None:
             event.synchronize()
 
     def _start_fetch(self, key, stored: _Stored) -> None:
         if key in self._fetched:
             return
-        start = self._where[key]
-        slot = self._pool[start:start + stored.nbytes]
+        start, end = self._slots[key]
+        slot = self._pool[start:end]
         if not self._cuda:
-            self._fetched[key] = slot.clone()
+            self._fetched[key] = (slot.clone(), None)
             return
-        data = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        data = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)  # (allocated on `current`)
+        self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             data.copy_(slot, non_blocking=True)
             data.record_stream(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._events[key] = event
-        self._fetched[key] = data
+        self._fetched[key] = (data, current)
 
     def _finish_fetch(self, key, stored: _Stored) -> torch.Tensor:
         self._start_fetch(key, stored)
-        event = self._events.pop(key, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        del self._where[key]
-        return _from_bytes(self._fetched.pop(key), stored)
+        data, allocated_on = self._fetched[key]
+        if self._cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self._events[key])
+            if current != allocated_on:
+                data.record_stream(current)
+        return stored.rebuild(data)
+
+    def _forget(self, key) -> None:
+        self._slots.pop(key, None)
+        self._events.pop(key, None)
+        self._fetched.pop(key, None)
 
     def close(self) -> None:
-        super().close()
         if self._cuda and self._stream is not None:
             self._stream.synchronize()
-        self._where.clear()
-        self._events.clear()
-        self._fetched.clear()
-        self._pool = None
+        super().close()
