@@ -537,6 +537,7 @@ def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool
         run = _PeakRun(meter)
         backward_through(edges, grads)
         run.end()
+        del made  # (held through the backward, as the runner holds a stage's residents)
         return run
     finally:
         for p, g in zip(trainable, saved):
