@@ -121,11 +121,22 @@ def test_fitted_times_recover_linear_plus_quadratic_costs_exactly():
         assert fit.node_costs(1, joint)["mm"][0] == pytest.approx(times["b"](length))
         assert fit.node_costs(0, joint) is None  # no menu there
         assert fit.speeds(1).scale == pytest.approx(1.25) and fit.speeds(0) is None
+    # times from as many shapes as the monomials and up to twice beyond them; memory needs one shape more
+    # (to check a fit is exact) and a length near the measured ones, else it is measured
+    assert ShapeFit.of(samples, {"b": 4, "s": 600}, (0, 1)).memory_fits
+    assert not ShapeFit.of(samples[:3], {"b": 4, "s": 100}, (0, 1)).memory_fits
+    assert not ShapeFit.of(samples, {"b": 4, "s": 700}, (0, 1)).memory_fits
+    # a shape whose memory alone was measured (its times fitted) counts for memory fits, not for times
+    memory_only = replace(_sample({"a": lambda s: 99.0, "b": lambda s: 99.0}, 300), times_measured=False)
+    fit = ShapeFit.of([*samples[:3], memory_only], {"b": 4, "s": 280}, (0, 1))
+    assert fit.memory_fits and len(fit.samples) == 4 and len(fit.timed) == 3
+    assert fit._predict([[t for st in s.stage_times for t in st] for s in fit.timed])[0] == pytest.approx(times["a"](280))
+    assert ShapeFit.of([*samples[:1], memory_only, *samples[2:3]], {"b": 4, "s": 280}, (0, 1)) is None
     # what it cannot span it leaves to measurement
-    assert ShapeFit.of(samples[:3], {"b": 4, "s": 100}, (0, 1)) is None  # too few shapes for the monomials
+    assert ShapeFit.of(samples[:2], {"b": 4, "s": 100}, (0, 1)) is None  # too few shapes for the monomials
     assert ShapeFit.of(samples, {"b": 8, "s": 100}, (0, 1)) is None  # a size that never varied
     assert ShapeFit.of(samples, {"b": 4, "s": 100}, (0, 0)) is None  # another chain structure
-    assert ShapeFit.of(samples, {"b": 4, "s": 700}, (0, 1)) is None  # far beyond the measured lengths
+    assert ShapeFit.of(samples, {"b": 4, "s": 1100}, (0, 1)) is None  # far beyond the measured lengths
     kept: list = []
     for length in range(10, 10 + 3 * MAX_SAMPLES):  # lengths measured one after another: the samples keep spanning
         add_sample(kept, _sample(times, length))
@@ -177,6 +188,9 @@ def test_memory_is_fitted_to_the_byte_or_left_to_measurement():
     assert fit.profile() is None and "memory measured at this shape" in fit.describe()
     assert ShapeFit.of([_sample({"a": lambda s: 1.0, "b": lambda s: 1.0}, s) for s in lengths],
                        {"b": 4, "s": 160}, (0, 1)).profile() is None  # no traces
+    # exact at three lengths too, but nothing would check it there; and a length far from those measured
+    assert ShapeFit.of([_traced_sample(s, poly) for s in lengths[:3]], {"s": 160}, (0,)).profile() is None
+    assert ShapeFit.of([_traced_sample(s, poly) for s in lengths], {"s": 400}, (0,)).profile() is None
 
 
 def test_fitted_memory_equals_the_measured_memory_at_unmeasured_lengths():
@@ -266,11 +280,13 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     assert all(any(m.get("recosted") for m in p.menus.values()) for p in plans[1:])
     assert "the symbolic capture specialized to this shape" in plans[-1].summary()
     assert "re-costed" in plans[-1].summary()
-    # four shapes measured (the first one too, once the symbolic capture can say its sizes): the fifth's
-    # times are fitted and its memory, but for the LM head's (its loss runs over chunks whose number
-    # depends on the length)
-    assert [p.times == "measured" for p in plans] == [True, True, True, True, False]
-    assert "times and memory fitted over" in plans[-1].summary()
+    # three shapes measured (the first one too, once the symbolic capture can say its sizes): the fourth's
+    # times are fitted from them and its memory measured (nothing would check a fit from three), a sample for
+    # memory; the fifth's times are fitted and its memory, but for the LM head's (its loss runs over chunks
+    # whose number depends on the length)
+    assert sum(p.times == "measured" for p in plans) == 3
+    assert sum("from 3 measured shapes" in p.times and "memory measured at this shape" in p.times for p in plans) == 1
+    assert "times and memory fitted over" in plans[-1].summary() and "(memory only)" in plans[-1].summary()
 
 
 def test_plans_kept_per_shape_are_bounded():

@@ -111,7 +111,7 @@ class _Compiled:
         self._plan = plan
         self.chain_module = chain_module
         self.family: tuple = ()  # the inputs' _family_key, set by RematModule
-        self.sample: ShapeSample | None = None  # its measured times (None: fitted, or run from a saved plan)
+        self.sample: ShapeSample | None = None  # its measured costs (None: fitted, or run from a saved plan)
         self.bindings: dict | None = None  # its sizes by symbol in the symbolic capture it was planned with
         self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
         self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.graphs.sources)
@@ -348,9 +348,10 @@ class _ProfiledChain:
             )
         return cls(chain, x0, shared, settings, profile, profile_seconds, menus, fitted, weights_of)
 
-    def sample(self) -> ShapeSample:
-        """This shape's measured times (bindings unset), to fit later shapes' from."""
-        return ShapeSample.of(self.profile, self.menus, [info.signature for info in self.chain.infos])
+    def sample(self, times_measured: bool = True) -> ShapeSample:
+        """This shape's measured costs (bindings unset), to fit later shapes' from (``times_measured`` False:
+        its memory only)."""
+        return ShapeSample.of(self.profile, self.menus, [info.signature for info in self.chain.infos], times_measured)
 
     @property
     def shared_bytes(self) -> int:
@@ -453,7 +454,10 @@ def _compile(
             profiled, chain_plan, compiled = _profile_and_solve(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None
             )
-        sample = profiled.sample() if fitted is None else None
+        if fitted is None:
+            sample = profiled.sample()
+        elif fitted.unfitted_memory is None and profiled.profile.memory_trace is not None:
+            sample = profiled.sample(times_measured=False)  # its memory measured in full: for memory fits
         menus = profiled.menus
         plan = replace(profiled.model_plan(chain_plan, capture_seconds, compiled, specialized), lent_weight_bytes=lent)
         log.info(

@@ -21,9 +21,12 @@ allocation, a size itself), each a sum of storage sizes and so a polynomial in t
 n x seq). Every candidate is fitted over the measured shapes, and the fit is used only where it
 reproduces each of them to the byte at every measured shape (one shape more than the monomials);
 then a figure at the new shape is its largest fitted candidate, with no run of the model. Where a
-sample has no trace (CUDA, whose allocator the budget is checked with, records none) or a fit is
-not exact, the shape's memory is measured (the stage profile's memory runs). Block options are
-re-costed on the shape's own joint graph (exact).
+sample has no trace (CUDA, whose allocator the budget is checked with, records none), a fit is not
+exact, the shapes measured are only as many as the monomials (nothing checks a fit then) or the new
+shape is farther than MEMORY_EXTRAPOLATION from them, the shape's memory is measured (the stage
+profile's memory runs, single and untimed) and its times still fitted: times are fitted from as many
+shapes as the monomials and up to EXTRAPOLATION outside them (a time only steers the plan; a byte
+count is the budget's promise). Block options are re-costed on the shape's own joint graph (exact).
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ log = logging.getLogger(__name__)
 
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
-#: How far outside the measured sizes a fit reaches (a factor on either side); a shape farther out is measured.
-EXTRAPOLATION = 1.25
+#: How far outside the measured sizes times are fitted (a factor on either side); a shape farther out is measured.
+EXTRAPOLATION = 2.0
+#: How far outside the measured sizes memory is fitted; farther out (or from fewer shapes than the
+#: monomials and one more) it is measured, in single runs, while the times are fitted.
+MEMORY_EXTRAPOLATION = 1.25
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class ShapeSample:
     stage_times: per stage, (no-grad forward, forward, backward) seconds of autograd's option.
     node_times: per stage, its block graph's node times by name (None without a menu).
     speeds: per stage, (scale, no-grad forward seconds) of its generated code (None without).
+    times_measured: False for a shape whose memory was measured and times fitted: a sample for memory
+    fits only.
     """
 
     bindings: tuple[tuple[str, int], ...]
@@ -66,9 +74,10 @@ class ShapeSample:
     node_times: tuple[dict | None, ...]
     speeds: tuple[tuple[float, float] | None, ...]
     profile: ChainProfile | None = None
+    times_measured: bool = True
 
     @classmethod
-    def of(cls, profile: ChainProfile, menus, signatures: Sequence[str]) -> "ShapeSample":
+    def of(cls, profile: ChainProfile, menus, signatures: Sequence[str], times_measured: bool = True) -> "ShapeSample":
         """A sample (bindings unset) from a shape's measured profile and its ChainMenus (or None)."""
         costs = profile.costs
         pattern = chain_pattern(signatures)
@@ -82,7 +91,7 @@ class ShapeSample:
             node_times.append({n.name: n.time for n in menu.graph.nodes} if menu is not None else None)
             speed = menus.speeds.get(signature) if menus is not None else None
             speeds.append((speed.scale, speed.forward_seconds) if speed is not None else None)
-        return cls((), pattern, stage_times, tuple(node_times), tuple(speeds), profile)
+        return cls((), pattern, stage_times, tuple(node_times), tuple(speeds), profile, times_measured)
 
     def bound(self, bindings: dict) -> "ShapeSample":
         return replace(self, bindings=tuple(sorted((str(k), int(v)) for k, v in bindings.items())))
@@ -111,19 +120,25 @@ class ShapeFit:
     """Fitted times at one shape (``bindings``) from samples measured at others (module docstring)."""
 
     def __init__(self, samples: Sequence[ShapeSample], bindings: dict, varying: tuple[str, ...]):
-        self.samples = tuple(samples)
+        self.samples = tuple(samples)  # memory is fitted from all, times from those whose times were measured
+        self.timed = tuple(s for s in self.samples if s.times_measured)
         self.bindings = {str(k): int(v) for k, v in bindings.items()}
         self.varying = varying
         scale = {v: max(dict(s.bindings)[v] for s in self.samples) for v in varying}
         self._rows = np.array([self._features(dict(s.bindings), scale) for s in self.samples])
+        self._time_rows = np.array([self._features(dict(s.bindings), scale) for s in self.timed])
         self._target = np.array(self._features(self.bindings, scale))
         self.unfitted_memory: frozenset[int] | None = None  # set by profile(): stages whose memory is measured
+        #: whether memory may be fitted here (ShapeFit.of: one shape more than the monomials, to check a fit
+        #: is exact, and the target near the shapes measured); else profile() leaves it measured
+        self.memory_fits = True
 
     @classmethod
     def of(cls, samples: Sequence[ShapeSample], bindings: dict, pattern: tuple[int, ...]) -> "ShapeFit | None":
         """A fit at ``bindings`` where enough samples of the same chain structure (``pattern``) span
-        it: one more than the monomials, and every size that differs from theirs varied among
-        them; else None (the shape is measured)."""
+        it: as many as the monomials (memory: one more, and nearer, ``memory_fits``), every size that
+        differs from theirs varied among them, within EXTRAPOLATION of them; else None (the shape is
+        measured)."""
         samples = [s for s in samples if s.pattern == pattern and s.bindings]
         if not samples:
             return None
@@ -141,13 +156,19 @@ class ShapeFit:
         if any(len({target[k] for k in members}) > 1 for members in groups.values()):
             return None
         varying = tuple(members[0] for members in groups.values())
-        if not varying or len(samples) < len(varying) + 3:
+        timed = [dict(s.bindings) for s in samples if s.times_measured]
+        if not varying or len(timed) < len(varying) + 2:  # (as many shapes as the time monomials)
             return None
-        for k in varying:  # interpolate, or extrapolate a little: a shape far outside is measured (a sample more)
-            low, high = min(v[k] for v in values), max(v[k] for v in values)
-            if not low / EXTRAPOLATION <= target[k] <= high * EXTRAPOLATION:
-                return None
-        return cls(samples, target, varying)
+
+        def within(shapes: list[dict], factor: float) -> bool:
+            return all(min(v[k] for v in shapes) / factor <= target[k] <= max(v[k] for v in shapes) * factor
+                       for k in varying)
+
+        if not within(timed, EXTRAPOLATION):
+            return None  # far outside: measured (a sample more)
+        fit = cls(samples, target, varying)
+        fit.memory_fits = len(samples) >= len(varying) + 3 and within(values, MEMORY_EXTRAPOLATION)
+        return fit
 
     def _features(self, bindings: dict, scale: dict) -> list[float]:
         sizes = [bindings[v] / scale[v] for v in self.varying]
@@ -162,13 +183,13 @@ class ShapeFit:
         out = []
         for column in values.T:
             weights = 1.0 / np.maximum(np.abs(column), max(float(np.abs(column).max()) * 1e-6, 1e-12))
-            coefficients, *_ = np.linalg.lstsq(self._rows * weights[:, None], column * weights, rcond=None)
+            coefficients, *_ = np.linalg.lstsq(self._time_rows * weights[:, None], column * weights, rcond=None)
             out.append(max(0.0, float(self._target @ coefficients)))
         return out
 
     def stage_costs(self, costs: ChainCosts) -> ChainCosts:
         """``costs`` (measured for memory) with each stage's autograd times fitted."""
-        fitted = self._predict([[t for st in s.stage_times for t in st] for s in self.samples])
+        fitted = self._predict([[t for st in s.stage_times for t in st] for s in self.timed])
         stages = []
         for i, st in enumerate(costs.stages):
             nograd, fwd, bwd = fitted[3 * i: 3 * i + 3]
@@ -183,7 +204,7 @@ class ShapeFit:
         not fit or a sample has no memory trace or another structure (which storages a stage's tape keeps,
         its weight casts, its buffer updates): then every stage is measured."""
         template = self.samples[-1].profile
-        if any(s.profile is None for s in self.samples):
+        if not self.memory_fits or any(s.profile is None for s in self.samples):
             return None
         traces = [s.profile.memory_trace for s in self.samples]
         if any(t is None for t in traces) or any(_structure(s.profile) != _structure(template) for s in self.samples):
@@ -227,7 +248,7 @@ class ShapeFit:
     def node_costs(self, stage: int, joint) -> dict | None:
         """Fitted (seconds, workspace 0) of every node of stage ``stage``'s block graph, by name; None
         where a sample has no menu there or other node names than ``joint`` (then they are measured)."""
-        per_sample = [s.node_times[stage] for s in self.samples]
+        per_sample = [s.node_times[stage] for s in self.timed]
         names = [n.name for n in joint.compute_nodes()]
         if any(t is None or not set(t) <= set(names) for t in per_sample):
             return None
@@ -239,7 +260,7 @@ class ShapeFit:
 
     def speeds(self, stage: int) -> ExecutorSpeeds | None:
         """The fitted speeds of stage ``stage``'s generated code (None where a sample has none)."""
-        per_sample = [s.speeds[stage] for s in self.samples]
+        per_sample = [s.speeds[stage] for s in self.timed]
         if any(p is None for p in per_sample):
             return None
         scale, forward = self._predict([list(p) for p in per_sample])
@@ -247,7 +268,8 @@ class ShapeFit:
 
     def describe(self) -> str:
         """What was fitted from which shapes, for summaries."""
-        shapes = "; ".join(", ".join(f"{k}={v}" for k, v in s.bindings if k in self.varying) for s in self.samples)
+        shapes = "; ".join(", ".join(f"{k}={v}" for k, v in s.bindings if k in self.varying)
+                           + ("" if s.times_measured else " (memory only)") for s in self.samples)
         unfitted = self.unfitted_memory
         what = "times" if unfitted is None else "times and memory"
         line = f"{what} fitted over {', '.join(self.varying)} from {len(self.samples)} measured shapes ({shapes})"
