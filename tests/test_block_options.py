@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import logging
 
 import pytest
@@ -422,3 +423,20 @@ def test_stages_that_differ_only_in_attributes_do_not_share_graphs():
     reference(x).square().mean().backward()
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_an_option_saving_no_memory_wins_over_autograds_only_by_more_than_the_noise():
+    """Priced as autograd's option and a hair more where it is no leaner and faster by less than
+    NOISE_MARGIN; left as measured where it is leaner or clearly faster."""
+    from hierremat.planning.menus import NOISE_MARGIN, _priced_within_noise
+    from hierremat.plans.costs import OptionCosts
+
+    base = OptionCosts(fwd_time=1.0, bwd_time=2.0, kept_bytes=100, fwd_overhead_bytes=200, bwd_overhead_bytes=50)
+    close = replace(base, fwd_time=0.98, bwd_time=1.97)
+    priced = _priced_within_noise(close, base)
+    assert priced.fwd_time + priced.bwd_time > base.fwd_time + base.bwd_time
+    assert (priced.kept_bytes, priced.fwd_overhead_bytes) == (close.kept_bytes, close.fwd_overhead_bytes)
+    faster = replace(base, fwd_time=1.0 - 3 * NOISE_MARGIN * 3, bwd_time=2.0 - 3 * NOISE_MARGIN * 3)
+    assert _priced_within_noise(faster, base) == faster
+    leaner = replace(close, kept_bytes=99)
+    assert _priced_within_noise(leaner, base) == leaner

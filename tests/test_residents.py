@@ -402,3 +402,24 @@ def test_live_bytes_after_each_forward_are_the_simulators_at_the_smallest_budget
         assert after - start <= event.after_bytes, (name, op)
     for (op, _, peak, after), event in zip(measured, simulated):
         assert peak - start <= event.peak_bytes, (name, op)
+
+
+@pytest.mark.parametrize("kind", ["new", "view of the input", "the activation itself"])
+def test_a_residents_storage_is_neither_kept_nor_pinned_by_the_stage_that_makes_it(kind):
+    """What a producer's profile keeps and pins leaves out the storages its residents hold (they are the
+    plan's resident reserve): a resident made anew, one that is a view of the stage's input (allocated
+    before it ran: nothing to take off), or the activation itself (not a pin of x_{i+1})."""
+    from hierremat.runtime.profile import _profile_stage
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64)
+
+    def call(x):
+        h = torch.nn.functional.gelu(layer(x))
+        resident = {"new": x * 2, "view of the input": x.view(-1), "the activation itself": h}[kind]
+        return h, resident
+
+    x = torch.randn(8, 64)
+    option = _profile_stage(1, layer, call, x, True, 1, torch.device("cpu"), None, produced=1, timed=False)[0].options[0]
+    assert option.kept_bytes == 8 * 64 * 4  # gelu's saved input, whatever the resident
+    assert option.pins_input == (kind != "view of the input") and not option.pins_output  # (a resident's: not a pin)

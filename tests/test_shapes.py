@@ -309,3 +309,25 @@ def test_a_model_without_a_symbolic_capture_is_exported_per_shape(monkeypatch):
     module = hr.remat(model, (), _batch(32), budget="64GiB", cache=False)
     module(**_batch(20)).loss.backward()
     assert [p.capture_kind for p in module.plans] == ["exported", "exported"]
+
+
+def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
+    """A length seen again replaces its sample (a memory-only one never a timed one), so that a fit's check
+    shape is a distinct one; timed shapes that do not determine every coefficient fit no times; beyond
+    MAX_SAMPLES memory-only samples go first."""
+    times = {"a": lambda s: 1e-3 + 2e-5 * s, "b": lambda s: 5e-4 + 1e-5 * s}
+    kept: list = []
+    for length in (100, 200, 300):
+        add_sample(kept, replace(_sample(times, length, batch=4), bindings=(("s", length),)))
+    again = replace(kept[1], times_measured=False)
+    add_sample(kept, again)
+    assert len(kept) == 3 and all(s.times_measured for s in kept)
+    fit = ShapeFit.of(kept, {"s": 250}, (0, 1))
+    assert fit is not None and not fit.memory_fits  # three distinct shapes: nothing checks a memory fit
+    repeated = [kept[0], kept[1], replace(kept[1], pattern=kept[1].pattern)]
+    assert ShapeFit.of(repeated, {"s": 250}, (0, 1)) is None  # 100, 200, 200: no quadratic from those
+    many: list = []
+    for length in range(10, 10 + MAX_SAMPLES):
+        add_sample(many, replace(_sample(times, length), bindings=(("s", length),), times_measured=length % 2 == 0))
+    add_sample(many, replace(_sample(times, 99), bindings=(("s", 99),)))
+    assert len(many) == MAX_SAMPLES and sum(not s.times_measured for s in many) == MAX_SAMPLES // 2 - 1

@@ -131,7 +131,9 @@ class _Compiled:
         if has_abstract_weights(model):
             raise UnsupportedModelError(
                 f"{type(model).__name__} was planned without its weights and still has meta (or fake) parameters or "
-                "buffers: materialize it before training (model.to_empty(device=...), then initialize its weights)"
+                "buffers: materialize it before training (model.to_empty(device=...), then initialize its weights; "
+                "a model built under FakeTensorMode: load_state_dict(..., assign=True), and set its buffers outside "
+                "the state dict)"
             )
         bind_to_model(self.graphs(), model)
         self.chain_module.planned.reread_tensors()
@@ -271,7 +273,7 @@ def _lending_device(model: nn.Module, args: tuple, kwargs: dict, device: str | N
         return fakes.pop()
     if device is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has parameters or inputs on the meta device: pass device='cuda' (or 'cpu'), "
+            f"{type(model).__name__} has parameters or inputs without storage (meta): pass device='cuda' (or 'cpu'), "
             "where it will train. hierremat then lends each distinct stage real weights there while it plans"
         )
     return torch.device(device)

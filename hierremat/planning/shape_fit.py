@@ -98,8 +98,15 @@ class ShapeSample:
 
 
 def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
-    """Add ``new`` to ``samples`` (in place), keeping at most MAX_SAMPLES: beyond that the sample closest
-    to another one (in log sizes) goes, so that the samples keep spanning every size measured."""
+    """Add ``new`` to ``samples`` (in place), one per shape (a shape measured again replaces its sample,
+    unless that one has measured times and the new one not), keeping at most MAX_SAMPLES: beyond that
+    the memory-only sample, else the sample, closest to another one (in log sizes) goes, so that the
+    samples keep spanning every size measured."""
+    same = [k for k, s in enumerate(samples) if s.bindings == new.bindings]
+    if same:
+        if samples[same[0]].times_measured and not new.times_measured:
+            return
+        del samples[same[0]]
     samples.append(new)
     while len(samples) > MAX_SAMPLES:
         logs = [np.log([max(v, 1) for _, v in s.bindings]) for s in samples]
@@ -107,7 +114,9 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
         def crowding(i: int) -> float:
             return min(float(np.abs(logs[i] - logs[j]).sum()) for j in range(len(samples)) if j != i)
 
-        samples.pop(min(range(len(samples) - 1), key=crowding))  # never the one just measured
+        older = range(len(samples) - 1)  # never the one just measured
+        memory_only = [i for i in older if not samples[i].times_measured]
+        samples.pop(min(memory_only or older, key=crowding))
 
 
 def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
@@ -167,7 +176,13 @@ class ShapeFit:
         if not within(timed, EXTRAPOLATION):
             return None  # far outside: measured (a sample more)
         fit = cls(samples, target, varying)
-        fit.memory_fits = len(samples) >= len(varying) + 3 and within(values, MEMORY_EXTRAPOLATION)
+        monomials = fit._rows.shape[1]
+        if np.linalg.matrix_rank(fit._time_rows) < monomials:
+            return None  # the timed shapes do not determine every coefficient (repeated sizes)
+        fit.memory_fits = (
+            len({s.bindings for s in samples}) > monomials and np.linalg.matrix_rank(fit._rows) == monomials
+            and within(values, MEMORY_EXTRAPOLATION)
+        )
         return fit
 
     def _features(self, bindings: dict, scale: dict) -> list[float]:
@@ -272,7 +287,9 @@ class ShapeFit:
                            + ("" if s.times_measured else " (memory only)") for s in self.samples)
         unfitted = self.unfitted_memory
         what = "times" if unfitted is None else "times and memory"
-        line = f"{what} fitted over {', '.join(self.varying)} from {len(self.samples)} measured shapes ({shapes})"
+        memory_only = len(self.samples) - len(self.timed)
+        line = (f"{what} fitted over {', '.join(self.varying)} from {len(self.timed)} measured shapes"
+                + (f" and {memory_only} with memory only" if memory_only else "") + f" ({shapes})")
         if unfitted is None:
             return f"{line}; memory measured at this shape"
         if unfitted:

@@ -217,9 +217,9 @@ def profile_chain(
         for i, stage in enumerate(stages):
             last = i == len(stages) - 1
             produced = len(residents.produced_by(i)) if residents is not None else 0
+            stage_inputs = stage_shared(shared, values, residents)
             call = functools.partial(
-                _call_stage, stage, stage_shared(shared, values, residents), last or produced > 0, i, autocast,
-                residents=residents,
+                _call_stage, stage, stage_inputs, last or produced > 0, i, autocast, residents=residents,
             )
             signature = signatures[i] if signatures is not None else None
             requires_grad = i > 0 or x0.requires_grad
@@ -262,7 +262,7 @@ def profile_chain(
             else:
                 with scratch_grads(stage):
                     cost, names, y, mask, trace = _profile_stage(
-                        i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced, timed
+                        i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced, timed, stage_inputs
                     )
                 if last:
                     output_grad_mask = mask
@@ -419,12 +419,14 @@ def _with_floor(run: _PeakRun | None, *floors: int) -> tuple[int, ...] | None:
 
 def _profile_stage(
     i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
-    grad_mask: tuple[bool, ...] | None, produced: int = 0, timed: bool = True,
+    grad_mask: tuple[bool, ...] | None, produced: int = 0, timed: bool = True, existing: tuple = (),
 ):
     """Costs of one stage on input x, its backward fed gradients for the outputs in ``grad_mask``
     (None: hierremat.runtime.executor.default_grad_mask). ``produced``: how many residents it
     makes (outputs after x_{i+1}, each fed a gradient; their bytes are the plan's resident
-    reserve, not the stage's). ``timed`` False: memory only, the times of the single runs.
+    reserve, not the stage's: storages they hold are neither kept nor pinned by it). ``timed``
+    False: memory only, the times of the single runs. ``existing``: the values it is called with
+    beside x (a resident that is a view of one of them allocated nothing here).
     Returns (StageCosts, mutated buffer names, output, the mask used, the costs' MemoryTrace or None
     where the meter records no allocations)."""
     params, _ = _modules_state([stage])
@@ -456,15 +458,20 @@ def _profile_stage(
         held = meter.live_bytes - run.base  # what the forward left: its output, residents and tape
         edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         made = _residents_made(out, produced)
+        resident_storages = _storages(made)
         if produced:  # the residents it made are the plan's resident reserve (ChainCosts.resident_values_of), not kept
-            held -= storage_bytes(out) - storage_bytes(out[0])
             out = out[0]
+            before = _storages((out, x_copy, *params, *_modules_state([stage])[1], *as_tuple(existing)))
+            held -= sum(allocated_bytes(n, device) for ptr, n in resident_storages.items() if ptr not in before)
         kept = max(0, held - out_bytes)
-        input_freed, _ = watch_storages(x_copy)
-        outputs_freed, output_storage_bytes = watch_storages(out)
+        # pins: storages the tape keeps of x_i and x_{i+1}, those a resident holds left out (its reserve's)
+        input_freed, input_watched = watch_storages(
+            tuple(t for t in (x_copy,) if t.untyped_storage().data_ptr() not in resident_storages))
+        outputs_freed, output_storage_bytes = watch_storages(
+            tuple(t for t in as_tuple(out) if t.untyped_storage().data_ptr() not in resident_storages))
         del out, inp, x_copy
         _sync(device)
-        pins_input, pins_output = not input_freed, sum(outputs_freed) < output_storage_bytes
+        pins_input, pins_output = sum(input_freed) < input_watched, sum(outputs_freed) < output_storage_bytes
         bwd_peak, bwd_time, bwd_run = 0, 0.0, None
         if any(e is not None for e in edges):
             run = _PeakRun(meter)
@@ -507,6 +514,12 @@ def _profile_stage(
             bwd_overhead_new_grads_bytes=None if new_grads_run is None else _with_floor(new_grads_run, grad_bytes),
         )
     return cost, mutated, y, grad_mask, trace
+
+
+def _storages(values) -> dict[int, int]:
+    """The distinct storages of the tensors among ``values``: data pointer -> bytes."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in values if isinstance(t, torch.Tensor)}
 
 
 def _residents_made(out, produced: int) -> tuple:

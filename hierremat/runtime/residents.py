@@ -36,12 +36,13 @@ def keep_made(values: dict[int, torch.Tensor], layout: ResidentLayout | None, st
     (a recomputation makes the same values: replays restore the RNG). ``replace``: store this run's
     instead, for a recomputation with grad, whose tape may save them: keeping the first would hold
     both (no reader's tape holds the first then: a stage is recomputed once the backward has passed
-    every later stage that ran with grad). ``attached``: keep their autograd history (plain autograd
-    runs), else detached."""
+    every later stage that ran with grad); but not a resident the model returns, whose first value
+    the caller may hold. ``attached``: keep their autograd history (plain autograd runs), else
+    detached."""
     if layout is None:
         return
     for r, value in zip(layout.produced_by(stage), made):
-        if r not in values or replace:
+        if r not in values or (replace and r not in layout.exported):
             values[r] = value if attached else value.detach()
 
 
