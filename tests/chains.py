@@ -6,8 +6,8 @@ import itertools
 
 import numpy as np
 
-from hierremat.plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
-from hierremat.plans.schedule import Backward, FAll, FCk, FNone, Loss
+from hierremat.plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts, TierBandwidth
+from hierremat.plans.schedule import Backward, FAll, FCk, Fetch, FNone, Loss, Offload
 
 
 def random_residents(rng: np.random.Generator, L: int, max_bytes: int) -> tuple[ResidentCosts, ...]:
@@ -29,11 +29,12 @@ def random_residents(rng: np.random.Generator, L: int, max_bytes: int) -> tuple[
 
 def random_chain(
     rng: np.random.Generator, L: int, K: int, *, max_bytes: int = 20, zero_sizes: bool = False, residents: bool = False,
-    step_grads: bool = False,
+    step_grads: bool = False, offload: bool = False,
 ) -> ChainCosts:
     """A chain with small integer sizes (so a memory unit of 1 byte is exact); ``residents``: with
     values carried beside the activation (random_residents); ``step_grads``: with parameter
-    gradients allocated by some stages' backward and kept to the end of the step."""
+    gradients allocated by some stages' backward and kept to the end of the step; ``offload``: with a
+    second tier whose transfers take about as long as a stage."""
     low = 0 if zero_sizes else 1
     a = [int(v) for v in rng.integers(low, max_bytes, size=L + 1)]
     stages = []
@@ -68,6 +69,8 @@ def random_chain(
         output_grad_bytes=output_grad, residents=random_residents(rng, L, max_bytes) if residents else (),
         step_grad_bytes=tuple(int(g) * int(rng.integers(0, 2)) for g in rng.integers(1, max_bytes, size=L))
         if step_grads else (),
+        tier=TierBandwidth("test", float(rng.uniform(1, 4)) * max_bytes, float(rng.uniform(1, 4)) * max_bytes)
+        if offload else None,
     )
 
 
@@ -87,5 +90,7 @@ def enumerate_schedules(costs: ChainCosts):
             fwd = (FCk(s),) + tuple(FNone(j) for j in range(s + 1, sp))
             for right, left in itertools.product(list(sub(sp, t)), list(sub(s, sp - 1))):
                 yield fwd + right + left
+                if costs.tier is not None and s > 0:  # x_s offloaded through the right part (where it may be)
+                    yield fwd + (Offload(s),) + right + (Fetch(s),) + left
 
     yield from sub(0, L - 1)

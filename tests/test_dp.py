@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hierremat.dp import min_peak_schedule, solve_chain
 from hierremat.dp.discretize import discretize
 from hierremat.dp.kernel import fill_tables
 from hierremat.dp.reference import fill_tables_reference
-from hierremat.plans.schedule import Backward, FAll, FCk, FNone, Loss
+from hierremat.plans.schedule import Backward, FAll, FCk, FNone, Loss, Offload
 from hierremat.plans.simulate import simulate
 
 from chains import enumerate_schedules, random_chain
@@ -54,6 +55,49 @@ def test_dp_optimum_equals_brute_force(seed, residents, step_grads):
         assert err.value.min_budget_bytes == min_peak
 
 
+def _valid_results(costs):
+    """The simulator's result for every schedule of the family that is valid (an offload of a checkpoint that
+    the previous stage's tape also holds is not: it would free nothing)."""
+    results = []
+    for ops in enumerate_schedules(costs):
+        try:
+            results.append(simulate(costs, ops))
+        except InvalidScheduleError:
+            assert any(isinstance(op, Offload) for op in ops)
+    return results
+
+
+@pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_with_offloading_equals_brute_force(seed, residents):
+    """With a second tier (issue 34): the DP's fastest plan and smallest peak equal the simulator's over every
+    schedule of the family and its offloaded splits (a checkpoint copied out beside the forward sweep, away
+    through the right part, fetched back before the left part); offloading never makes a plan slower or the
+    smallest feasible budget higher."""
+    rng = np.random.default_rng(5000 + seed + 1000 * residents)
+    offloaded_somewhere = 0
+    for _ in range(12):
+        costs = random_chain(rng, int(rng.integers(2, 6)), int(rng.integers(1, 3)), zero_sizes=seed % 3 == 0,
+                             residents=residents, step_grads=bool(rng.integers(0, 2)), offload=True)
+        without = replace(costs, tier=None)
+        results = _valid_results(costs)
+        min_peak = min(r.peak_bytes for r in results)
+        assert min_peak_schedule(costs).predicted_peak_bytes == min_peak
+        assert min_peak <= min_peak_schedule(without).predicted_peak_bytes
+        for budget in sorted({min_peak, min_peak + 3, min_peak + 11, 2 * min_peak + 1, 10**6}):
+            best = min(r.time for r in results if r.peak_bytes <= budget)
+            schedule = solve_chain(costs, budget, slots=budget).schedule
+            _check_against_simulator(costs, schedule, budget)
+            assert schedule.predicted_time == pytest.approx(best, rel=1e-9)
+            offloaded_somewhere += any(isinstance(op, Offload) for op in schedule.ops)
+            try:
+                plain = solve_chain(without, budget, slots=budget).schedule.predicted_time
+            except InfeasibleBudgetError:
+                continue
+            assert schedule.predicted_time <= plain * (1 + 1e-12)
+    assert offloaded_somewhere
+
+
 @pytest.mark.parametrize(
     "residents, step_grads", [(False, False), (True, False), (False, True)],
     ids=["chain", "with_residents", "with_step_grads"],
@@ -78,8 +122,9 @@ def test_discretised_plans_fit_and_are_no_better_than_exact(slots, residents, st
 )
 def test_numba_kernel_tables_equal_reference(residents, step_grads):
     rng = np.random.default_rng(7 + 1000 * residents + 2000 * step_grads)
-    for _ in range(25):
-        costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200, residents=residents, step_grads=step_grads)
+    for n in range(25):
+        costs = random_chain(rng, int(rng.integers(1, 8)), 3, max_bytes=200, residents=residents, step_grads=step_grads,
+                             offload=n % 2 == 1)
         arrays = discretize(costs, int(rng.integers(1, 20)))
         M = int(rng.integers(0, 80))
         args = arrays.kernel_args(M)

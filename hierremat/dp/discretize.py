@@ -39,6 +39,8 @@ class ChainArrays:
               what they held when subproblem (b, t) started: just before the first
               forward of stage b when t = L-1 (the first sweep), just after B(t+1) else
     FV[s, j]  slots of the residents stages s..j-1 make in the first sweep (j >= s)
+    OUT[i], IN[i]  seconds to offload x_i to the second tier and to fetch it back (ChainCosts.tier;
+              inf where the chain has none, or for x_0 and x_L, which are never offloaded)
     """
 
     A: np.ndarray
@@ -59,13 +61,16 @@ class ChainArrays:
     DL: np.ndarray
     FV: np.ndarray
     unit: int
+    OUT: np.ndarray
+    IN: np.ndarray
 
 
     def kernel_args(self, M: int) -> tuple:
         """The arguments of ``fill_tables`` (kernel and reference) for M slots of budget."""
         return (
             self.A, self.A_floor, self.OFN, self.UFN, self.nk, self.TIME, self.KEPT, self.OF, self.OB,
-            self.PIN_OUT, self.PIN_IN, np.int64(self.HL), np.int64(self.GL), self.NV, self.DL, self.FV, np.int64(M),
+            self.PIN_OUT, self.PIN_IN, np.int64(self.HL), np.int64(self.GL), self.NV, self.DL, self.FV, self.OUT,
+            self.IN, np.int64(M),
         )
 
 
@@ -134,7 +139,20 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
     HL = ceil_div(costs.held_output, unit)
     GL = ceil_div(costs.output_grad, unit)
     NV, DL, FV = _resident_slots(costs, unit)
-    return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, HL, GL, NV, DL, FV, unit)
+    OUT, IN = transfer_seconds(costs)
+    return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, HL, GL, NV, DL, FV, unit,
+                       OUT, IN)
+
+
+def transfer_seconds(costs: ChainCosts) -> tuple[np.ndarray, np.ndarray]:
+    """(OUT, IN) of ChainArrays: seconds to offload each x_i and to fetch it back."""
+    L = costs.length
+    out, back = np.full(L + 1, np.inf), np.full(L + 1, np.inf)
+    if costs.tier is not None:
+        for i in range(1, L):
+            out[i] = costs.tier.offload_seconds(costs.activation_bytes[i])
+            back[i] = costs.tier.fetch_seconds(costs.activation_bytes[i])
+    return out, back
 
 
 def resident_terms(costs: ChainCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -35,7 +35,19 @@ step's start) enter through the same terms: they are in OB[s, k] (B(s) may hold 
 before it ends) and, held from B(s) to the end of the step, in DL, as a resident's gradient
 sum made by B(s) and never consumed is.
 
-Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint split.
+Offloading (ChainCosts.tier; issue 34), a restriction of Beaumont, Eyraud-Dubois and Shilova's
+(NeurIPS 2021, "Efficient Combination of Rematerialization and Offloading for Training DNNs") in
+which a transfer overlaps only the forward sweep: at a split of (s, t) with v = 0, x_s may be
+copied out while F_ck(s) F_none(s+1..s'-1) run (OUT[s] seconds; what the sweep does not hide is a
+stall), leave the device while the right part runs, which then has A_floor[s] slots more, and be
+fetched back (IN[s] seconds, not overlapped) before the left part, which sees the memory of the
+split without offloading: its m proves the fetch fits.
+
+  checkpoint at s', x_s offloaded: F_ck(s) F_none(..) Offload(s) C[0, s', t, m - A[s'] + A_floor[s]]
+                                   Fetch(s) C[v, s, s'-1, m - A[s'] - resid]
+
+Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint split, K + L + s' the
+split with x_s offloaded.
 Loops run over m innermost so table reads are contiguous; candidates are still tried
 per m in the reference's order (options, then splits by s'), so ties resolve the same.
 The pure-Python reference in hierremat.dp.reference has the same signature.
@@ -48,7 +60,7 @@ from numba import njit
 
 
 @njit(cache=True)
-def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, M):  # pragma: no cover - compiled
+def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, OUT, IN, M):  # pragma: no cover - compiled
     L = OFN.shape[0]
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -100,11 +112,10 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
                         if fwd_peak > M:
                             break
                         swept = FV[s, sp] if last else 0
+                        offload = v == 0 and OUT[s] < np.inf
+                        stall = max(OUT[s] - fwd_time, 0.0) if offload else 0.0
                         for m in range(max(fwd_peak, A[sp] + swept), M + 1):
                             mr = m - A[sp] - swept
-                            right = C[0, sp, t, mr]
-                            if right == np.inf:
-                                continue
                             ml = mr - resid - DL[sp, t]
                             if ml < 0:
                                 continue
@@ -113,10 +124,22 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
                             left = C[v, s, sp - 1, ml]
                             if left == np.inf:
                                 continue
-                            cost = fwd_time + right + left
-                            if cost < best[m]:
-                                best[m] = cost
-                                choice[m] = K + sp
+                            right = C[0, sp, t, mr]
+                            if right < np.inf:
+                                cost = fwd_time + right + left
+                                if cost < best[m]:
+                                    best[m] = cost
+                                    choice[m] = K + sp
+                            if offload:  # x_s away while the right part runs
+                                mo = mr + A_floor[s]
+                                if mo > M:
+                                    mo = M
+                                right = C[0, sp, t, mo]
+                                if right < np.inf:
+                                    cost = fwd_time + stall + right + IN[s] + left
+                                    if cost < best[m]:
+                                        best[m] = cost
+                                        choice[m] = K + L + sp
                         if sp < t:
                             p = A[sp] + OFN[sp] + swept
                             if p > fwd_peak:

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 
-def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, M):
+def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, OUT, IN, M):
     L = len(OFN)
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -54,7 +54,7 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
             return math.inf
         return TIME[s, k] + C[PIN_OUT[s, k], s + 1, t, rest]
 
-    def split_cost(v: int, s: int, t: int, m: int, sp: int) -> float:
+    def split_cost(v: int, s: int, t: int, m: int, sp: int, offload: bool = False) -> float:
         forward_peak = max([OFN[s]] + [A[j] + OFN[j] + swept_residents(s, j, t) for j in range(s + 1, sp)])
         right_mem = m - A[sp] - swept_residents(s, sp, t)
         if forward_peak > m or right_mem < 0:
@@ -65,7 +65,13 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
         forward_time = UFN[s]
         for j in range(s + 1, sp):
             forward_time += UFN[j]
-        return forward_time + C[0, sp, t, right_mem] + C[v, s, sp - 1, left_mem]
+        if not offload:
+            return forward_time + C[0, sp, t, right_mem] + C[v, s, sp - 1, left_mem]
+        if v != 0 or OUT[s] == math.inf:
+            return math.inf
+        # x_s copied out beside the sweep (the rest a stall), away through the right part, fetched back after
+        right = C[0, sp, t, min(M, right_mem + int(A_floor[s]))]
+        return forward_time + max(OUT[s] - forward_time, 0.0) + right + IN[s] + C[v, s, sp - 1, left_mem]
 
     for length in range(L):
         for s in range(L - length):
@@ -73,7 +79,8 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
             for v in range(2):
                 for m in range(M + 1):
                     candidates = [(option_cost(v, s, t, m, k), k) for k in range(nk[s])]
-                    candidates += [(split_cost(v, s, t, m, sp), K + sp) for sp in range(s + 1, t + 1)]
+                    for sp in range(s + 1, t + 1):
+                        candidates += [(split_cost(v, s, t, m, sp), K + sp), (split_cost(v, s, t, m, sp, True), K + L + sp)]
                     for cost, c in candidates:
                         if cost < C[v, s, t, m]:
                             C[v, s, t, m], D[v, s, t, m] = cost, c

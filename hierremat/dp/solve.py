@@ -19,7 +19,7 @@ import numpy as np
 
 from ..plans.costs import ChainCosts
 from ..errors import InfeasibleBudgetError
-from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
+from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FNone, Loss, Offload
 from .discretize import ChainArrays, ceil_div, discretize, resident_terms
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,8 @@ class ChainSolution:
     fallback_min_peak: bool  # True if the DP's discretisation found nothing and the min-peak schedule was used
 
 
-# A chooser maps (v, s, t, m) to ("option", k, m_rest) or ("split", s', m_right, m_left);
-# v = 1 when x_s is held by the caller's tape (see hierremat.dp.kernel).
+# A chooser maps (v, s, t, m) to ("option", k, m_rest) or ("split", s', m_right, m_left) or ("offloaded
+# split", s', m_right, m_left); v = 1 when x_s is held by the caller's tape (see hierremat.dp.kernel).
 Chooser = Callable[[int, int, int, int], tuple]
 
 
@@ -97,13 +97,23 @@ class _Expander:
             + [a[j] + stages[j].nograd_fwd_overhead_bytes + self.swept_residents(s, j, t) for j in range(s + 1, sp)]
         )
 
-    def split_terms(self, s: int, t: int, sp: int, right_peak: int, left_peak: int) -> int:
+    def split_terms(self, s: int, t: int, sp: int, right_peak: int, left_peak: int, offloaded: bool = False) -> int:
+        """Exact peak of F_ck(s) F_none(s+1..sp-1) [Offload(s)] right part [Fetch(s)] left part: with x_s
+        offloaded the right part runs without it, and it is back before the left part."""
         a, swept = self.a, self.swept_residents(s, sp, t)
         return max(
             self.forward_peak(s, sp, t),
-            a[sp] + swept + right_peak,
+            a[sp] + swept + right_peak - (a[s] if offloaded else 0),
             a[sp] + swept + self.resident_after_right(t) + int(self.DL[sp, t]) + left_peak,
         )
+
+    def offload_times(self, s: int, sweep_time: float) -> float:
+        """Seconds an offload of x_s adds: the copy out the sweep (``sweep_time``) does not hide, the fetch."""
+        tier, nbytes = self.costs.tier, self.a[s]
+        return max(tier.offload_seconds(nbytes) - sweep_time, 0.0) + tier.fetch_seconds(nbytes)
+
+    def can_offload(self, v: int, s: int) -> bool:
+        return self.costs.tier is not None and v == 0 and 0 < s < self.L
 
     def expand(self, choose: Chooser, v: int, s: int, t: int, m: int, ops: list) -> tuple[int, float]:
         """Append the ops of subproblem (v, s, t) to ``ops``; return (exact peak, time)."""
@@ -121,15 +131,22 @@ class _Expander:
                 sub_peak, sub_time = self.expand(choose, int(op.pins_output), s + 1, t, m_rest, ops)
             ops.append(Backward(s))
             return self.option_terms(v, s, t, k, sub_peak), op.fwd_time + sub_time + op.bwd_time
-        _, sp, m_right, m_left = decision
+        kind, sp, m_right, m_left = decision
+        offloaded = kind == "offloaded split"
         ops.append(FCk(s))
         fwd_time = stages[s].nograd_fwd_time
         for j in range(s + 1, sp):
             ops.append(FNone(j))
             fwd_time += stages[j].nograd_fwd_time
+        transfers = self.offload_times(s, fwd_time) if offloaded else 0.0
+        if offloaded:
+            ops.append(Offload(s))
         right_peak, right_time = self.expand(choose, 0, sp, t, m_right, ops)
+        if offloaded:
+            ops.append(Fetch(s))
         left_peak, left_time = self.expand(choose, v, s, sp - 1, m_left, ops)
-        return self.split_terms(s, t, sp, right_peak, left_peak), fwd_time + right_time + left_time
+        peak = self.split_terms(s, t, sp, right_peak, left_peak, offloaded)
+        return peak, fwd_time + transfers + right_time + left_time
 
 
 def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
@@ -145,10 +162,14 @@ def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
             made = int(arrays.NV[s]) if t == L - 1 else 0
             m_rest = min(M, m - int(KEPT[s, c]) - int(A[s + 1]) + credit - made)
             return ("option", int(arrays.option_ids[s, c]), m_rest)
-        sp = c - K
+        offloaded = c >= K + L
+        sp = c - K - (L if offloaded else 0)
         m_right = m - int(A[sp]) - (int(arrays.FV[s, sp]) if t == L - 1 else 0)
         m_left = m_right - arrays.HL - arrays.GL if t == L - 1 else m_right + int(A_floor[t + 1])
-        return ("split", sp, m_right, min(M, m_left - int(arrays.DL[sp, t])))
+        m_left = min(M, m_left - int(arrays.DL[sp, t]))
+        if offloaded:
+            return ("offloaded split", sp, min(M, m_right + int(A_floor[s])), m_left)
+        return ("split", sp, m_right, m_left)
 
     return choose
 
@@ -193,6 +214,10 @@ def min_peak_schedule(costs: ChainCosts) -> ChainSchedule:
                     right, left = best[(0, sp, t)], best[(v, s, sp - 1)]
                     peak = ex.split_terms(s, t, sp, right[0], left[0])
                     cands.append((peak, fwd_time + right[1] + left[1], ("split", sp, 0, 0)))
+                    if ex.can_offload(v, s):
+                        peak = ex.split_terms(s, t, sp, right[0], left[0], offloaded=True)
+                        time = fwd_time + ex.offload_times(s, fwd_time) + right[1] + left[1]
+                        cands.append((peak, time, ("offloaded split", sp, 0, 0)))
                     fwd_time += costs.stages[sp].nograd_fwd_time
                 best[(v, s, t)] = min(cands, key=lambda c: (c[0], c[1]))
     peak = best[(0, 0, L - 1)][0]

@@ -191,6 +191,8 @@ class ChainCosts:
         measured with ``.grad`` allocated, where a new gradient is added into it and freed; with
         ``.grad`` None it stays instead, so B(i) peaks at most ``step_grad_bytes[i]`` above its
         measured overhead (:meth:`bwd_overhead`), and holds them after.
+    tier: the second tier checkpoints may be offloaded to (its measured bandwidths), or None: the DP
+        then never offloads (hierremat.dp.kernel; issue 34).
     """
 
     activation_bytes: tuple[int, ...]
@@ -200,6 +202,7 @@ class ChainCosts:
     output_grad_bytes: int | None = None
     residents: tuple[ResidentCosts, ...] = ()
     step_grad_bytes: tuple[int, ...] = ()
+    tier: TierBandwidth | None = None
 
     def __post_init__(self) -> None:
         L = len(self.stages)
@@ -318,6 +321,7 @@ class ChainCosts:
             "stages": [st.to_dict() for st in self.stages],
             "residents": [r.to_dict() for r in self.residents],
             "step_grad_bytes": list(self.step_grad_bytes),
+            "tier": None if self.tier is None else self.tier.to_dict(),
         }
 
     @classmethod
@@ -331,6 +335,7 @@ class ChainCosts:
             output_grad_bytes=None if d.get("output_grad_bytes") is None else int(d["output_grad_bytes"]),
             residents=tuple(ResidentCosts.from_dict(r) for r in d.get("residents", ())),
             step_grad_bytes=tuple(int(b) for b in d.get("step_grad_bytes", ())),
+            tier=None if d.get("tier") is None else TierBandwidth.from_dict(d["tier"]),
         )
 
 

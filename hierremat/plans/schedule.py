@@ -6,6 +6,9 @@ Rotor's notation (Beaumont et al., 2019), with per-stage options:
   F_all(i, k)  forward of stage i with grad, running option k; keeps what k keeps.
   Loss         the chain output x_L is handed to the caller; its gradient arrives.
   B(i)         backward of stage i, with the option of its last F_all.
+  Offload(i)   x_i, a checkpoint, leaves the device for the second tier (its copy began with the
+               F_ck(i) before it and ran beside the forwards since; issue 34).
+  Fetch(i)     x_i comes back from the second tier.
 Plain values: no tensors, no callables. JSON round-trip is lossless.
 """
 
@@ -55,8 +58,25 @@ class Loss:
         return "Loss"
 
 
-Op = Union[FNone, FCk, FAll, Backward, Loss]
-_OP_TYPES = {"F_none": FNone, "F_ck": FCk, "F_all": FAll, "B": Backward, "Loss": Loss}
+@dataclass(frozen=True)
+class Offload:
+    stage: int
+
+    def __str__(self) -> str:
+        return f"Offload({self.stage})"
+
+
+@dataclass(frozen=True)
+class Fetch:
+    stage: int
+
+    def __str__(self) -> str:
+        return f"Fetch({self.stage})"
+
+
+Op = Union[FNone, FCk, FAll, Backward, Loss, Offload, Fetch]
+_OP_TYPES = {"F_none": FNone, "F_ck": FCk, "F_all": FAll, "B": Backward, "Loss": Loss, "Offload": Offload,
+             "Fetch": Fetch}
 _OP_NAMES = {v: k for k, v in _OP_TYPES.items()}
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .costs import ChainCosts
 from ..errors import InvalidScheduleError
-from .schedule import Backward, ChainSchedule, FAll, FCk, FNone, Loss
+from .schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FNone, Loss, Offload
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
     clock = 0.0
     loss_done = False
     timeline = []
+    copy_started: dict[int, float] = {}  # x_i -> when the F_ck(i) its offload copy runs beside began
+    offloaded: set[int] = set()
 
     def hold(j: int, who) -> None:
         if j not in holders:
@@ -118,6 +120,8 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
                     hold(i, ("tape", i))
             else:
                 peak_op = before + costs.stages[i].nograd_fwd_overhead_bytes
+                if isinstance(op, FCk):
+                    copy_started[i] = clock
                 clock += costs.stages[i].nograd_fwd_time
             if i not in made:
                 made.add(i)
@@ -128,6 +132,27 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
                 hold(i + 1, "chain")
             if not isinstance(op, FCk) and i != 0:
                 release(i, "chain")
+        elif isinstance(op, Offload):
+            # x_i's copy out began with F_ck(i) and ran beside the compute since; what it did not finish
+            # is a stall, then x_i leaves the device (Beaumont, Eyraud-Dubois and Shilova, NeurIPS 2021)
+            i = op.stage
+            if costs.tier is None:
+                fail(idx, op, "the costs have no second tier")
+            if not 0 < i < L or holders.get(i) != {"chain"}:
+                fail(idx, op, f"x_{i} is not a checkpoint the chain alone holds")
+            hidden = clock - copy_started.get(i, clock)
+            clock += max(0.0, costs.tier.offload_seconds(a[i]) - hidden)
+            peak_op = before
+            release(i, "chain")
+            offloaded.add(i)
+        elif isinstance(op, Fetch):
+            i = op.stage
+            if i not in offloaded:
+                fail(idx, op, f"x_{i} was not offloaded")
+            offloaded.discard(i)
+            clock += costs.tier.fetch_seconds(a[i])
+            hold(i, "chain")
+            peak_op = state["used"]
         elif isinstance(op, Loss):
             if loss_done:
                 fail(idx, op, "second Loss")
@@ -176,5 +201,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
         raise InvalidScheduleError("schedule has no Loss op")
     if len(done_backward) != L or tapes:
         raise InvalidScheduleError(f"schedule ends before the backward of every stage (tapes left: {sorted(tapes)})")
+    if offloaded:
+        raise InvalidScheduleError(f"schedule ends with x_{min(offloaded)} offloaded and never fetched")
     peak = max(event.peak_bytes for event in timeline)
     return SimulationResult(time=clock, peak_bytes=peak, timeline=tuple(timeline))
