@@ -20,19 +20,23 @@ from typing import Union
 
 
 @dataclass(frozen=True)
-class FNone:
+class _StageOp:
+    """An op on one stage, written as its name in the schedule's JSON and the stage: ``F_ck(3)``."""
+
     stage: int
 
     def __str__(self) -> str:
-        return f"F_none({self.stage})"
+        return f"{_OP_NAMES[type(self)]}({self.stage})"
 
 
 @dataclass(frozen=True)
-class FCk:
-    stage: int
+class FNone(_StageOp):
+    pass
 
-    def __str__(self) -> str:
-        return f"F_ck({self.stage})"
+
+@dataclass(frozen=True)
+class FCk(_StageOp):
+    pass
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,8 @@ class FAll:
 
 
 @dataclass(frozen=True)
-class Backward:
-    stage: int
-
-    def __str__(self) -> str:
-        return f"B({self.stage})"
+class Backward(_StageOp):
+    pass
 
 
 @dataclass(frozen=True)
@@ -59,19 +60,13 @@ class Loss:
 
 
 @dataclass(frozen=True)
-class Offload:
-    stage: int
-
-    def __str__(self) -> str:
-        return f"Offload({self.stage})"
+class Offload(_StageOp):
+    pass
 
 
 @dataclass(frozen=True)
-class Fetch:
-    stage: int
-
-    def __str__(self) -> str:
-        return f"Fetch({self.stage})"
+class Fetch(_StageOp):
+    pass
 
 
 Op = Union[FNone, FCk, FAll, Backward, Loss, Offload, Fetch]

@@ -67,9 +67,14 @@ class ChainProfile:
 def storage_bytes(value) -> int:
     """Bytes of the distinct storages behind a tensor or a tuple of tensors, as the device's
     allocator counts them (rounded up to its block size on CUDA)."""
-    storages = {t.untyped_storage().data_ptr(): allocated_bytes(t.untyped_storage().nbytes(), t.device)
-                for t in as_tuple(value)}
-    return sum(storages.values())
+    return sum(_storages(as_tuple(value)).values())
+
+
+def _storages(values) -> dict[int, int]:
+    """The distinct storages of the tensors among ``values``: data pointer -> bytes, as the device's
+    allocator counts them."""
+    return {t.untyped_storage().data_ptr(): allocated_bytes(t.untyped_storage().nbytes(), t.device)
+            for t in values if isinstance(t, torch.Tensor)}
 
 
 def _sync(device: torch.device) -> None:
@@ -429,7 +434,7 @@ def _profile_stage(
     beside x (a resident that is a view of one of them allocated nothing here).
     Returns (StageCosts, mutated buffer names, output, the mask used, the costs' MemoryTrace or None
     where the meter records no allocations)."""
-    params, _ = _modules_state([stage])
+    params, buffers = _modules_state([stage])
     with torch.no_grad(), WeightCastCounter(params) as casts:
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
     meter = memory_meter(device, record_allocations=True)
@@ -461,12 +466,12 @@ def _profile_stage(
         resident_storages = _storages(made)
         if produced:  # the residents it made are the plan's resident reserve (ChainCosts.resident_values_of), not kept
             out = out[0]
-            before = _storages((out, x_copy, *params, *_modules_state([stage])[1], *as_tuple(existing)))
-            held -= sum(allocated_bytes(n, device) for ptr, n in resident_storages.items() if ptr not in before)
+            before = _storages((out, x_copy, *params, *buffers, *as_tuple(existing)))
+            held -= sum(n for ptr, n in resident_storages.items() if ptr not in before)
         kept = max(0, held - out_bytes)
         # pins: storages the tape keeps of x_i and x_{i+1}, those a resident holds left out (its reserve's)
         input_freed, input_watched = watch_storages(
-            tuple(t for t in (x_copy,) if t.untyped_storage().data_ptr() not in resident_storages))
+            () if x_copy.untyped_storage().data_ptr() in resident_storages else x_copy)
         outputs_freed, output_storage_bytes = watch_storages(
             tuple(t for t in as_tuple(out) if t.untyped_storage().data_ptr() not in resident_storages))
         del out, inp, x_copy
@@ -514,12 +519,6 @@ def _profile_stage(
             bwd_overhead_new_grads_bytes=None if new_grads_run is None else _with_floor(new_grads_run, grad_bytes),
         )
     return cost, mutated, y, grad_mask, trace
-
-
-def _storages(values) -> dict[int, int]:
-    """The distinct storages of the tensors among ``values``: data pointer -> bytes."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in values if isinstance(t, torch.Tensor)}
 
 
 def _residents_made(out, produced: int) -> tuple:

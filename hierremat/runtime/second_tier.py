@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 log = logging.getLogger(__name__)
 
@@ -67,23 +68,13 @@ class _Stored:
         return out
 
 
-def _is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill a block of memory of its size, in some order of its dimensions."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _bytes_of(tensor: torch.Tensor) -> tuple[torch.Tensor, _Stored]:
     """``tensor``'s bytes as a flat uint8 tensor in memory order (a view where its layout is dense), and
     what rebuilds it."""
     if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         raise OffloadError(f"a {tensor.layout} {type(tensor).__name__} cannot be offloaded: only dense tensors")
     value = tensor.detach().resolve_conj().resolve_neg()
-    if not _is_dense(value):
+    if not is_non_overlapping_and_dense_or_false(value):  # (its elements fill a block of memory of its size)
         value = value.contiguous()
     nbytes = value.numel() * value.element_size()
     stored = _Stored(tuple(value.shape), tuple(value.stride()), value.dtype, nbytes)
@@ -249,7 +240,9 @@ class DiskTier(SecondTier):
                 f"offload={str(parent)!r}: {free} bytes free there, less than offload_limit={limit_bytes}: free space, "
                 "lower offload_limit or give another directory"
             )
-        mount, kind = file_system(self.directory)
+        #: (mount point, type) of the file system its files are on
+        self.file_system = file_system(self.directory)
+        mount, kind = self.file_system
         if kind in MEMORY_FILE_SYSTEMS:
             log.warning("offload directory %s is on %s (%s): its files are memory; give a directory on a disk",
                         self.directory, kind, mount)

@@ -20,7 +20,7 @@ import torch
 
 from ..plans.costs import TierBandwidth
 from ..store.cache import CacheKey, OptionsCache
-from .second_tier import DiskTier, SecondTier, file_system
+from .second_tier import DiskTier, SecondTier
 from .stage_cost_cache import STAGE_COST_VERSION, device_name
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def cached_bandwidth(tier: SecondTier, device: torch.device | str, cache: Option
 def _place(tier: SecondTier) -> str:
     """Where the tier's values go: the file system of a disk tier's directory, else the tier's device."""
     if isinstance(tier, DiskTier):
-        mount, kind = file_system(tier.directory)
+        mount, kind = tier.file_system
         return f"{kind}:{mount}" if mount else f"dev{os.stat(tier.directory).st_dev}"
     return str(getattr(tier, "device", ""))
 
