@@ -9,7 +9,7 @@ import torch; the torch-facing names below are loaded on first use.
 """
 
 from .budget import format_bytes, parse_budget
-from .errors import InfeasibleBudgetError, InvalidScheduleError, UnsupportedModelError
+from .errors import InfeasibleBudgetError, InvalidScheduleError, OffloadError, UnsupportedModelError
 from .plans.model_plan import ModelPlan
 from .plans.sequential_plan import SequentialPlan
 from .plans.schedule import ChainSchedule
@@ -43,6 +43,7 @@ __all__ = [
     "RematModule",
     "InfeasibleBudgetError",
     "InvalidScheduleError",
+    "OffloadError",
     "SequentialPlan",
     "UnsupportedModelError",
     "checkpoint_sequential",

@@ -67,3 +67,8 @@ class UnsupportedModelError(TypeError):
 
 class InvalidScheduleError(ValueError):
     """A ChainSchedule is not executable (backward before forward, missing checkpoint, ...)."""
+
+
+class OffloadError(RuntimeError):
+    """A second tier that cannot be written or read back whole (no room, no permission, a short read):
+    raised when the tier is made (before training) or by the step that met it, never a partial value."""

@@ -440,3 +440,25 @@ def test_an_option_saving_no_memory_wins_over_autograds_only_by_more_than_the_no
     assert _priced_within_noise(faster, base) == faster
     leaner = replace(close, kept_bytes=99)
     assert _priced_within_noise(leaner, base) == leaner
+
+
+class _SafeSoftmax(torch.nn.Module):
+    """Attention's softmax (``_safe_softmax``): on CPU its kernel allocates a mask of its input's size below the
+    dispatcher, which the live-tensor tracker cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        return torch.ops.aten._safe_softmax(self.proj(x), -1)
+
+
+def test_cpu_node_workspace_is_the_scratch_the_allocator_meter_sees():
+    stage, x = _SafeSoftmax(), torch.randn(64, 256, 256)
+    joint = trace_joint(stage, x, (), input_requires_grad=True)
+    costs = profile_nodes(joint, x, (), repeats=1)
+    mask = 64 * 256 * 256  # bytes of its bool mask
+    assert mask <= costs["_safe_softmax"][1] <= mask + 2**20
+    assert costs["addmm"][1] < 2**20  # (a matmul allocates no scratch of its result's size)
+

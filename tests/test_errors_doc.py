@@ -167,6 +167,16 @@ CASES = [
          "returns no ['los']"),
     Case("mode", "`outputs=\"loss\"` on a model that returns a plain tensor",
          lambda: _remat_mlp(budget="64MiB", outputs="loss"), ValueError, "not named outputs"),
+    # offloading
+    Case("offload", "`offload_limit=\"1GiB\"` without `offload=`",
+         lambda: hr.checkpoint_sequential(_mlp(), "64MiB", _x(), offload_limit="1GiB"), ValueError, "offload_limit"),
+    Case("offload", "`offload=3`", lambda: _remat_mlp(budget="64MiB", offload=3), TypeError, "offload must be"),
+    Case("offload", "`offload=` a directory that cannot be made",
+         lambda: hr.plan_sequential(_mlp(), "64MiB", _x(), offload="/proc/hierremat-offload"), hr.OffloadError,
+         "offload='/proc/hierremat-offload'"),
+    Case("offload", "`offload_limit=` above the free space of the directory",
+         lambda: hr.plan_sequential(_mlp(), "64MiB", _x(), offload=True, offload_limit="1000TiB"), hr.OffloadError,
+         "offload_limit="),
     # shapes
     Case("shape", "a new input shape with `on_new_shape=\"error\"`", _new_shape_with_error_mode, ValueError,
          "shape"),

@@ -121,6 +121,18 @@ def test_mlp_chain_gradients_and_memory():
     _check(random_mlp_chain(4), (torch.randn(256, 96, requires_grad=True),), {})
 
 
+def test_a_first_stage_equal_to_later_ones_is_measured_apart():
+    """The first stage's input needs no gradient: its costs (no input gradient in its backward) are not
+    those of the identical stages after it (measured so, they were: an invalid chain cost)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)], nn.Linear(64, 1))
+    plan = _check(model, (torch.randn(512, 64),), {})
+    costs = plan.chain.costs
+    same = [i for i in range(1, costs.length) if plan.stages[i].signature == plan.stages[0].signature]
+    assert same, [s.signature for s in plan.stages]
+    assert all(costs.stages[i].options[0].bwd_overhead_bytes >= costs.grad_bytes(i) > 0 for i in same)
+
+
 def test_gpt2_12_layers_segments_into_blocks_profiled_once(monkeypatch):
     calls = []
     real = profile_module._profile_stage

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from ..budget import format_bytes, parse_budget
-from ..errors import InfeasibleBudgetError
+from ..errors import InfeasibleBudgetError, OffloadError
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--outputs", metavar="NAMES", help="the outputs the training step uses, comma-separated (e.g. "
                     "'loss': the others are not returned, so a language model's head may run fused with its loss; "
                     "see hierremat.plan's outputs=); default: all")
+    ap.add_argument("--offload", nargs="?", const=True, default=False, metavar="DIR",
+                    help="checkpoints may also be offloaded to a second tier (host memory on CUDA, a temporary "
+                         "directory on CPU, or DIR): the plans choose it where it is faster than recomputing")
+    ap.add_argument("--offload-limit", metavar="BYTES", help="with --offload: the most the second tier holds at once "
+                    "('8GiB'; default half of the free host memory or disk space)")
     ap.add_argument("--json", action="store_true", help="print the menu (and the plan) as JSON instead")
     ap.add_argument("-v", "--verbose", action="store_true", help="hierremat's INFO logs")
     args = ap.parse_args(argv)
@@ -141,6 +146,9 @@ def resolve_budget(text: str, keep_all: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.offload_limit and not args.offload:
+        print("--offload-limit needs --offload (a second tier to limit)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     import torch
     from torch.utils import _pytree as pytree
@@ -160,9 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     with torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext():
         held = {"yes": True, "no": False, "auto": None}[args.output_held or ("no" if args.hf else "auto")]
         outputs = tuple(n.strip() for n in args.outputs.split(",") if n.strip()) if args.outputs else None
-        explorer = explore(
-            model, example_args, example_kwargs, variants=not args.no_variants, output_held=held, outputs=outputs
-        )
+        try:
+            explorer = explore(
+                model, example_args, example_kwargs, variants=not args.no_variants, output_held=held, outputs=outputs,
+                offload=args.offload, offload_limit=args.offload_limit,
+            )
+        except OffloadError as err:
+            print(f"--offload: {err}", file=sys.stderr)
+            return 2
         menu = explorer.menu(args.points)
         chosen = None
         if args.budget:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable, Sequence
 
@@ -15,6 +16,7 @@ from ..store.cache import default_cache
 from ..plans.sequential_plan import SequentialPlan
 from ..device.autocast import AutocastState
 from ..runtime.executor import run_plainly
+from ..runtime.offload import Offloading, check_offload, second_tier
 from ..runtime.profile import profile_chain
 from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_options, plan_from_profile, resolve_compile
 
@@ -42,7 +44,7 @@ def as_stages(functions) -> list[Callable]:
 def plan_sequential(
     functions, budget, input: torch.Tensor, *, slots: int = DEFAULT_SLOTS, repeats: int = 3, strategy: str = "optimal",
     output_held: bool | None = True, block_options: str = "ilp", variants: bool = True, compile: bool | str = "auto",
-    time_limit: float | None = PLAN_TIME_LIMIT,
+    time_limit: float | None = PLAN_TIME_LIMIT, offload: bool | str = False, offload_limit: int | str | None = None,
 ) -> SequentialPlan:
     """Profile ``functions`` on ``input`` and return the fastest plan that fits ``budget``.
 
@@ -61,23 +63,26 @@ def plan_sequential(
     compile: whether block options run compiled by Inductor: True, False or "auto" (True
     on CUDA); see hierremat.plan.
     time_limit: seconds planning may take (see hierremat.plan); None: no bound.
+    offload, offload_limit: whether checkpoints may be offloaded to a second tier, and its size (see
+    hierremat.plan).
     """
     stages = as_stages(functions)
     _check_input(input)
+    budget_bytes = parse_budget(budget)
+    _check_options(block_options, slots, time_limit)  # (before a second tier is made and measured)
     return _plan(
-        stages, parse_budget(budget), input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held,
+        stages, budget_bytes, input, slots=slots, repeats=repeats, strategy=strategy, output_held=output_held,
         block_options=block_options, variants=variants, compile=compile, time_limit=time_limit,
+        offloading=second_tier(offload, offload_limit, input.device, default_cache()),
     ).plan
 
 
 def _plan(
     stages: list[Callable], budget_bytes: int, input: torch.Tensor, *, slots: int, repeats: int = 3,
     strategy: str = "optimal", output_held: bool | None = True, block_options: str = "ilp", variants: bool = True,
-    compile: bool | str = "auto", time_limit: float | None = PLAN_TIME_LIMIT,
+    compile: bool | str = "auto", time_limit: float | None = PLAN_TIME_LIMIT, offloading: Offloading | None = None,
 ) -> PlannedChain:
-    check_block_options(block_options)
-    check_slots(slots)
-    check_time_limit(time_limit)
+    _check_options(block_options, slots, time_limit)
     compiled = resolve_compile(compile, input.device)
     started = time.perf_counter()
     deadline = None if time_limit is None else started + time_limit
@@ -92,7 +97,7 @@ def _plan(
     def solve(profile):
         return plan_from_profile(
             stages, profile, budget_bytes, input.device, slots=slots, profile_seconds=profile_seconds,
-            strategy=strategy, output_held=output_held,
+            strategy=strategy, output_held=output_held, offloading=offloading,
         )
 
     if menus is not None and compiled:
@@ -104,7 +109,13 @@ def _plan(
         )
     else:
         plan = solve(menus.extend(profile) if menus is not None else profile)
-    return PlannedChain(stages, plan, slots=slots, strategy=strategy, menus=menus)
+    return PlannedChain(stages, plan, slots=slots, strategy=strategy, menus=menus, offloading=offloading)
+
+
+def _check_options(block_options: str, slots, time_limit) -> None:
+    check_block_options(block_options)
+    check_slots(slots)
+    check_time_limit(time_limit)
 
 
 def _check_input(input) -> None:
@@ -143,7 +154,7 @@ def check_slots(slots) -> None:
 
 class PlanCache:
     """Plans per (stages, input shape/dtype/device, autocast setting, budget, slots, block options, variants,
-    compile);
+    compile, offloading);
     ``hits``/``misses`` count lookups."""
 
     def __init__(self):
@@ -158,7 +169,7 @@ class PlanCache:
     @staticmethod
     def key(
         stages: Sequence[Callable], input: torch.Tensor, budget_bytes: int, slots: int, block_options: str = "ilp",
-        variants: bool = True, compile: bool | str = "auto",
+        variants: bool = True, compile: bool | str = "auto", offload: tuple = (False, None),
     ) -> tuple:
         modes = tuple(getattr(s, "training", None) for s in stages)
         trainable = tuple(
@@ -167,7 +178,7 @@ class PlanCache:
         return (
             tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
             input.requires_grad, AutocastState.capture((input.device.type,)).key(), budget_bytes, slots, block_options,
-            variants, compile,
+            variants, compile, offload,
         )
 
     def get(self, key: tuple):
@@ -198,6 +209,8 @@ def checkpoint_sequential(
     variants: bool = True,
     compile: bool | str = "auto",
     time_limit: float | None = PLAN_TIME_LIMIT,
+    offload: bool | str = False,
+    offload_limit: int | str | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with a budget instead of segments.
@@ -212,7 +225,8 @@ def checkpoint_sequential(
     (as in ``y = checkpoint_sequential(...); loss_fn(y).backward()``); see plan_sequential.
     Every backward checks how the output was used, and a different use re-plans the
     next call (releasing it early gives a faster plan; holding it when the plan assumed
-    otherwise logs a warning). block_options, variants, compile, time_limit: see plan_sequential.
+    otherwise logs a warning). block_options, variants, compile, time_limit, offload, offload_limit: see
+    plan_sequential.
 
     ``use_reentrant`` and torch's ``preserve_rng_state`` are accepted for compatibility;
     RNG state is always preserved. Inside a ``torch.compile``'d function the call is a
@@ -224,17 +238,22 @@ def checkpoint_sequential(
     budget_bytes = parse_budget(budget)
     stages = as_stages(functions)
     _check_input(input)
+    check_offload(offload, offload_limit)
     needs_grad = input.requires_grad or any(
         p.requires_grad for s in stages if isinstance(s, torch.nn.Module) for p in s.parameters()
     )
     if not torch.is_grad_enabled() or not needs_grad:
         return run_plainly(stages, input)  # nothing to plan for
-    key = PlanCache.key(stages, input, budget_bytes, slots, block_options, variants, compile)
+    where = os.path.abspath(os.fspath(offload)) if not isinstance(offload, bool) else offload
+    limit = None if offload_limit is None else parse_budget(offload_limit, name="offload_limit")
+    key = PlanCache.key(stages, input, budget_bytes, slots, block_options, variants, compile, (where, limit))
     entry = plan_cache.get(key)
     if entry is None:
+        _check_options(block_options, slots, time_limit)
         entry = _plan(
             stages, budget_bytes, input, slots=slots, output_held=output_held, block_options=block_options,
             variants=variants, compile=compile, time_limit=time_limit,
+            offloading=second_tier(offload, offload_limit, input.device, default_cache()),
         )
         log.debug("%s", entry.plan.summary())
         plan_cache.put(key, entry)

@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ from ..device import is_abstract
 from ..device.autocast import AutocastState
 from ..runtime.executor import as_tuple
 from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered
+from ..runtime.offload import Offloading, check_offload, second_tier
 from ..runtime.lent_weights import bind_to_model, has_abstract_weights, lent_inputs, lent_weights
 from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
 from ..runtime.stage_cost_cache import StageCostCache
@@ -165,7 +167,7 @@ class _Compiled:
             outcome = plan_from_profile(
                 planned.stages, profile, budget_bytes - plan.shared_bytes - reserve, device,
                 slots=planned.slots, strategy=planned.strategy, output_held=costs.output_held_bytes,
-                step_grads=StepGrads(planned.stages, model).bytes(),
+                step_grads=StepGrads(planned.stages, model).bytes(), offloading=planned.offloading,
             )
         except InfeasibleBudgetError as err:
             outcome = err
@@ -219,8 +221,13 @@ class PlanSettings:
     outputs: tuple[str, ...] | None = None
     time_limit: float | None = PLAN_TIME_LIMIT
     device: str | None = None
+    offload: bool | str = False
+    offload_limit: int | str | None = None
 
     def __post_init__(self) -> None:
+        check_offload(self.offload, self.offload_limit)
+        if not isinstance(self.offload, bool):
+            object.__setattr__(self, "offload", os.fspath(self.offload))
         if self.device is not None:
             try:
                 kind = torch.device(self.device).type
@@ -240,6 +247,10 @@ class PlanSettings:
         if isinstance(self.cache, str):
             return default_cache(self.cache)
         return default_cache(enabled=bool(self.cache))
+
+    def offloading(self, device: torch.device) -> Offloading | None:
+        """The second tier plans on ``device`` may offload to (hierremat.runtime.offload), or None."""
+        return second_tier(self.offload, self.offload_limit, device, self.options_cache())
 
     def deadline(self, started: float) -> float | None:
         """When planning that began at ``started`` (``time.perf_counter()``) must be done."""
@@ -364,11 +375,12 @@ class _ProfiledChain:
         """Held beside the chain's schedule: the shared values (residents are in the chain's costs)."""
         return self.shared_bytes
 
-    def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None
-              ) -> SequentialPlan:
+    def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None,
+              offload: bool = True) -> SequentialPlan:
         """The chain's plan within ``budget_bytes`` for the whole model (the shared values set aside), from
-        ``profile`` (default: the measured one, with the block menus' options). Raises InfeasibleBudgetError
-        with the model's smallest feasible budget."""
+        ``profile`` (default: the measured one, with the block menus' options), offloading where the settings
+        say so (``offload`` False: never). Raises InfeasibleBudgetError with the model's smallest feasible
+        budget."""
         if profile is None:
             profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
         try:
@@ -377,6 +389,7 @@ class _ProfiledChain:
                 slots=self.settings.slots, profile_seconds=self.profile_seconds,
                 strategy=strategy or self.settings.strategy, output_held=self.settings.output_held,
                 step_grads=StepGrads(self.chain.stages, self.weights_of).bytes() if self.weights_of is not None else None,
+                offloading=self.settings.offloading(self.x0.device) if offload else None,
             )
         except InfeasibleBudgetError as err:
             raise err.plus(budget_bytes, self.beside_chain_bytes) from None
@@ -498,7 +511,7 @@ def _compile(
                     )
     planned = PlannedChain(
         chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus,
-        residents=chain.residents,
+        residents=chain.residents, offloading=settings.offloading(x0.device),
     )
     chain_module = ChainModule(chain.stages, planned)
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
@@ -764,6 +777,8 @@ def plan(
     outputs: str | tuple[str, ...] | None = None,
     time_limit: float | None = PLAN_TIME_LIMIT,
     device: str | torch.device | None = None,
+    offload: bool | str = False,
+    offload_limit: int | str | None = None,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -812,11 +827,19 @@ def plan(
     then used once the model is materialized (``to_empty(device=...)`` and its initialization). None
     (default): where the model's parameters are (the device its fake tensors stand for); a model on meta
     needs it.
+    offload: False (default); True: checkpointed activations may also be offloaded to a second tier, where
+    that is faster than recomputing them (the chain DP chooses per value, with the tier's bandwidths measured
+    on this machine; Beaumont, Eyraud-Dubois and Shilova, NeurIPS 2021): pinned host memory on CUDA, a
+    temporary directory on CPU (the process's RAM is freed); or a directory to offload to (a disk tier, on
+    either device). ``budget`` still counts the bytes on the device only. The summary says what is offloaded,
+    the bytes moved per step and the predicted stall. offload_limit: the most the second tier holds at once
+    (bytes or "8GiB"); default half of the available host memory, or of the directory's free space. A
+    directory that cannot be written, or has less free space than the limit, raises OffloadError here.
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(
         slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
-        None if device is None else str(device),
+        None if device is None else str(device), offload, offload_limit,
     )
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
     return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
@@ -829,7 +852,8 @@ class BudgetExplorer:
     exists there; it sets aside the replay reserve of every stage, so the exact minimum may be
     up to that reserve lower); keep_all_bytes: the predicted peak of keeping everything
     (plain autograd's schedule). Plans at any budget
-    are solved from the same measured costs, so their predicted times compare exactly.
+    are solved from the same measured costs, so their predicted times compare exactly; with ``offload=``
+    given to explore, ``plan(budget, offload=False)`` is the plan without the second tier, from the same costs.
     """
 
     def __init__(self, profiled: _ProfiledChain, capture_seconds: float):
@@ -837,12 +861,13 @@ class BudgetExplorer:
         self._capture_seconds = capture_seconds
         self.keep_all_bytes = profiled.solve(2**62, strategy="none").predicted_peak_bytes + profiled.beside_chain_bytes
         self.smallest_feasible_bytes = self._smallest_feasible()
+        self._without_offload: int | None = None
 
-    def _smallest_feasible(self) -> int:
+    def _smallest_feasible(self, offload: bool = True) -> int:
         budget = 1
         for _ in range(4):  # follow the reported minimum until a plan exists there
             try:
-                self._profiled.solve(budget)
+                self._profiled.solve(budget, offload=offload)
                 return budget
             except InfeasibleBudgetError as err:
                 if err.min_budget_bytes <= budget:
@@ -850,10 +875,21 @@ class BudgetExplorer:
                 budget = err.min_budget_bytes
         raise AssertionError(f"no plan at the smallest feasible budget reported ({budget} B)")
 
-    def plan(self, budget) -> ModelPlan:
-        """The plan within ``budget`` (bytes or "512MiB"); InfeasibleBudgetError below the smallest feasible one."""
+    def smallest_feasible(self, offload: bool = True) -> int:
+        """The smallest feasible budget (as smallest_feasible_bytes), with the second tier or, ``offload``
+        False, without it."""
+        if _check_offload_flag(offload):
+            return self.smallest_feasible_bytes
+        if self._without_offload is None:
+            self._without_offload = self._smallest_feasible(offload=False)
+        return self._without_offload
+
+    def plan(self, budget, offload: bool = True) -> ModelPlan:
+        """The plan within ``budget`` (bytes or "512MiB"); InfeasibleBudgetError below the smallest feasible one.
+        offload: False plans without the second tier explore was given (the same costs: to compare)."""
         budget_bytes = parse_budget(budget)
-        return self._profiled.model_plan(self._profiled.solve(budget_bytes), self._capture_seconds)
+        solved = self._profiled.solve(budget_bytes, offload=_check_offload_flag(offload))
+        return self._profiled.model_plan(solved, self._capture_seconds)
 
     def menu(self, points: int = 6) -> tuple[ModelPlan, ...]:
         """Plans at ``points`` budgets spaced evenly from the smallest feasible one to keeping everything."""
@@ -862,6 +898,13 @@ class BudgetExplorer:
         low, high = self.smallest_feasible_bytes, max(self.keep_all_bytes, self.smallest_feasible_bytes)
         budgets = sorted({low + (high - low) * i // (points - 1) for i in range(points)})
         return tuple(self._profiled.model_plan(self._profiled.solve(b), self._capture_seconds) for b in budgets)
+
+
+def _check_offload_flag(offload) -> bool:
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be True (with the second tier explore was given) or False (without it), got "
+                        f"{offload!r}: the tier itself is chosen by explore(..., offload=)")
+    return offload
 
 
 def explore(
@@ -877,17 +920,21 @@ def explore(
     variants: bool = True,
     outputs: str | tuple[str, ...] | None = None,
     time_limit: float | None = PLAN_TIME_LIMIT,
+    offload: bool | str = False,
+    offload_limit: int | str | None = None,
 ) -> BudgetExplorer:
     """Capture, profile and build the block menus of ``model`` once, to see what budgets cost.
 
     ``explore(model, args).menu()`` gives plans from the smallest feasible budget to keeping
     everything (``python -m hierremat`` prints them); ``.plan(budget)`` one plan, which
     ``remat(model, ..., plan=...)`` runs. Options as for hierremat.plan (block options run
-    eagerly here: compiled forms are priced only when compiled, see ``compile=``).
+    eagerly here: compiled forms are priced only when compiled, see ``compile=``; offload and offload_limit
+    as for hierremat.plan).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(
-        slots, "optimal", output_held, block_options, cache, segmentation, variants, False, outputs, time_limit
+        slots, "optimal", output_held, block_options, cache, segmentation, variants, False, outputs, time_limit,
+        offload=offload, offload_limit=offload_limit,
     )
     model = uncompiled(model)
     kwargs = call_kwargs(model, example_kwargs or {})
@@ -918,6 +965,8 @@ def remat(
     time_limit: float | None = PLAN_TIME_LIMIT,
     max_shapes: int = DEFAULT_MAX_SHAPES,
     device: str | torch.device | None = None,
+    offload: bool | str | None = None,
+    offload_limit: int | str | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
@@ -932,6 +981,7 @@ def remat(
     shape is planned again when it comes back).
     device: as for hierremat.plan. A module planned on meta computes with the model's own weights from
     its first call after ``to_empty`` and initialization (a call before raises).
+    offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -945,9 +995,11 @@ def remat(
         compile = plan.compiled if plan is not None else "auto"
     if outputs is None and plan is not None:
         outputs = plan.outputs
+    if offload is None:
+        offload = plan is not None and plan.chain.offloads
     settings = PlanSettings(
         slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
-        None if device is None else str(device),
+        None if device is None else str(device), offload, offload_limit,
     )
     module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes)
     module._add(args, example_kwargs or {}, plan)

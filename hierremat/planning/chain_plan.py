@@ -5,6 +5,7 @@ assumed (:class:`PlannedChain`). Used by ``checkpoint_sequential`` and ``remat``
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -20,7 +21,9 @@ from ..errors import InfeasibleBudgetError
 from ..plans.costs import ChainCosts
 from ..plans.schedule import ChainSchedule
 from ..plans.sequential_plan import SequentialPlan
+from ..plans.transfers import transfer_plan
 from ..runtime.executor import ChainRunner, OutputUse, stage_buffers
+from ..runtime.offload import Offloading
 from ..runtime.profile import ChainProfile, profile_chain
 from ..runtime.step_grads import StepGrads
 
@@ -125,6 +128,7 @@ def plan_from_profile(
     strategy: str = "optimal",
     output_held: bool | int | None = None,
     step_grads: tuple[int, ...] | None = None,
+    offloading: Offloading | None = None,
 ) -> SequentialPlan:
     """Solve the chain so that the schedule's peak plus the runtime's replay reserve fits.
 
@@ -143,7 +147,29 @@ def plan_from_profile(
     (ChainCosts.step_grad_bytes; () for none); None (default): those the stages' parameters
     would get now (hierremat.runtime.step_grads: ``.grad`` None). The runtime checks it on every
     call (PlannedChain).
+
+    offloading: the second tier the chain may offload checkpoints to (hierremat.runtime.offload), or
+    None. Where the fastest plan would hold more there at once than its ``offload_limit``, the chain is
+    planned without offloading instead (logged).
     """
+    kwargs = dict(slots=slots, profile_seconds=profile_seconds, strategy=strategy, output_held=output_held,
+                  step_grads=step_grads)
+    tier = None if offloading is None else offloading.bandwidth
+    plan = _plan_from_profile(stages, profile, budget_bytes, device, tier=tier, **kwargs)
+    if offloading is not None:
+        held = offloading.needed_bytes(transfer_plan(plan.costs, plan.schedule))
+        if held > offloading.limit_bytes:
+            log.warning("the plan would hold %d B in the %s tier at once, over offload_limit=%d B: planned without "
+                        "offloading (raise offload_limit to offload)", held, offloading.kind, offloading.limit_bytes)
+            plan = _plan_from_profile(stages, profile, budget_bytes, device, tier=None, **kwargs)
+    return plan
+
+
+def _plan_from_profile(
+    stages: Sequence[Callable], profile: ChainProfile, budget_bytes: int, device: torch.device, *, slots: int,
+    profile_seconds: float, strategy: str, output_held: bool | int | None, step_grads: tuple[int, ...] | None, tier,
+) -> SequentialPlan:
+    """plan_from_profile with the second tier's bandwidths ``tier`` (plans.costs.TierBandwidth, or None)."""
     reserve, caller_rng = _replay_reserve(stages, profile, device)
     if step_grads is None:
         step_grads = StepGrads(stages).bytes()
@@ -165,6 +191,7 @@ def plan_from_profile(
     started = time.perf_counter()
     costs = replace(
         profile.costs, output_held_bytes=held_bytes(output_held, profile.costs), step_grad_bytes=tuple(step_grads),
+        tier=tier,
     )
     try:
         costs, schedule = solve(costs)
@@ -239,16 +266,18 @@ class PlannedChain:
 
     def __init__(
         self, stages: Sequence[Callable], plan: SequentialPlan, *, slots: int, strategy: str = "optimal",
-        signatures: Sequence[str] | None = None, menus=None, residents=None,
+        signatures: Sequence[str] | None = None, menus=None, residents=None, offloading: Offloading | None = None,
     ):
         """menus: the stages' block-option menus (hierremat.planning.menus.ChainMenus), if any;
-        residents: the values carried beside the activation (hierremat.plans.stage_info.ResidentLayout)."""
+        residents: the values carried beside the activation (hierremat.plans.stage_info.ResidentLayout);
+        offloading: the second tier re-plans may offload to and plans that offload run with."""
         self.stages = list(stages)
         self.slots = slots
         self.strategy = strategy
         self.signatures = signatures
         self.menus = menus
         self.residents = residents
+        self.offloading = offloading
         self.sharded = None
         self.agree = None
         self.step_grads = StepGrads(self.stages)
@@ -263,8 +292,17 @@ class PlannedChain:
             forwards = [self.menus.forward_executor(i, st.nograd_form) for i, st in enumerate(plan.costs.stages)]
         elif any(st.nograd_form != "autograd" for st in plan.costs.stages):
             raise ValueError("the plan runs generated forwards, but the chain has no block menus: plan it again")
+        transfers = transfer_plan(plan.costs, plan.schedule)
+        tier = None
+        if transfers.offloaded:
+            if self.offloading is None:
+                raise ValueError("the plan offloads checkpoints to a second tier: run it with offload=True (or a "
+                                 "directory)")
+            self.offloading.check(transfers)  # (a saved plan, or rank 0's under FSDP2: made with another limit)
+            tier = functools.partial(self.offloading.tier_for, transfers)
         self.runner = ChainRunner(
-            self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards, self.residents
+            self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards, self.residents,
+            tier, transfers,
         )
 
     def shard(self, sharded, plan: SequentialPlan, agree: Callable) -> None:
@@ -359,7 +397,7 @@ class PlannedChain:
             outcome = plan_from_profile(
                 self.stages, profile, self.plan.budget_bytes, device, slots=self.slots,
                 profile_seconds=profile_seconds, strategy=self.strategy, output_held=output_held,
-                step_grads=step_grads,
+                step_grads=step_grads, offloading=self.offloading,
             )
         except InfeasibleBudgetError as err:
             outcome = err

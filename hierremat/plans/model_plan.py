@@ -109,6 +109,7 @@ class ModelPlan:
                if self.chain.costs.residents else ""),
             f"  predicted step {c.predicted_step_time * 1e3:.2f} ms vs {c.no_remat_step_time * 1e3:.2f} ms keeping everything",
             f"  {c.autocast_line()}",
+            *([f"  {c.offload_line()}"] if c.costs.tier is not None else []),
             *(
                 [f"  FSDP2: gathers up to {format_bytes(max(self.gathered_stage_bytes))} of parameters per stage "
                  f"(in the stage costs) and holds {format_bytes(self.sharded_reserve_bytes)} beside the chain (the root "

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from ..budget import format_bytes
 from .costs import ChainCosts
-from .schedule import Backward, ChainSchedule, FAll, FCk, FNone
+from .schedule import Backward, ChainSchedule, FAll, FCk, FNone, Offload
 from .simulate import SimulationResult, simulate
+from .transfers import transfer_plan
 
 
 #: Options a summary names rather than numbers: stages in another form (hierremat.planning.output_stage).
@@ -56,6 +57,11 @@ class SequentialPlan:
         """Seconds of one forward+backward keeping everything (each stage's option 0)."""
         return sum(st.options[0].fwd_time + st.options[0].bwd_time for st in self.costs.stages)
 
+    @property
+    def offloads(self) -> bool:
+        """Whether the schedule offloads checkpoints to a second tier (it then runs with one)."""
+        return any(isinstance(op, Offload) for op in self.schedule.ops)
+
     def simulate(self) -> SimulationResult:
         """The simulator's replay of this plan as the runtime executes it.
 
@@ -66,7 +72,8 @@ class SequentialPlan:
 
     #: What stage_actions' words mean, for summaries.
     ACTIONS_LEGEND = (
-        "forwards: none/ck = without grad (ck keeps the input; * as generated code, + compiled), all = with "
+        "forwards: none/ck = without grad (ck keeps the input; * as generated code, + compiled; ck(off): the "
+        "input then offloaded to the second tier), all = with "
         "grad, keeping what autograd keeps, all[k] = block option k, all[fused_head] = the LM head fused with the loss"
     )
 
@@ -85,11 +92,12 @@ class SequentialPlan:
         'ck*' where the forward without grad runs as generated code, 'ck+' compiled)."""
         kinds: list[list[str]] = [[] for _ in range(self.schedule.length)]
         marks = [{"generated": "*", "compiled": "+"}.get(st.nograd_form, "") for st in self.costs.stages]
-        for op in self.schedule.ops:
+        offloaded = transfer_plan(self.costs, self.schedule).copy_starts if self.costs.tier is not None else ()
+        for index, op in enumerate(self.schedule.ops):
             if isinstance(op, FNone):
                 kinds[op.stage].append("none" + marks[op.stage])
             elif isinstance(op, FCk):
-                kinds[op.stage].append("ck" + marks[op.stage])
+                kinds[op.stage].append("ck" + marks[op.stage] + ("(off)" if index in offloaded else ""))
             elif isinstance(op, FAll):
                 name = self.costs.stages[op.stage].options[op.option].name
                 label = "" if op.option == 0 else name if name in NAMED_OPTIONS else str(op.option)
@@ -122,6 +130,14 @@ class SequentialPlan:
             "(counted in the stage costs)"
         )
 
+    def offload_line(self) -> str:
+        """What the plan offloads (plans.transfers), and the second tier's measured bandwidths."""
+        tier = self.costs.tier
+        if tier is None:
+            return "offloading: off"
+        return (f"{transfer_plan(self.costs, self.schedule).describe()} ({tier.kind} tier: "
+                f"{tier.offload_bytes_per_second / 1e6:.0f} MB/s out, {tier.fetch_bytes_per_second / 1e6:.0f} MB/s back)")
+
     def step_grads_line(self) -> str:
         """What the plan assumes of the parameter gradients (ChainCosts.step_grad_bytes)."""
         made = sum(self.costs.step_grad_bytes)
@@ -146,6 +162,7 @@ class SequentialPlan:
             f"output gradient {format_bytes(self.costs.output_grad)}",
             f"  {self.step_grads_line()}",
             f"  {self.autocast_line()}",
+            *([f"  {self.offload_line()}"] if self.costs.tier is not None else []),
             "",
             f"  {'stage':>5}  {'module':<18} {'output':>11} {'kept':>11} {'fwd ms':>8} {'bwd ms':>8}  forwards",
         ]

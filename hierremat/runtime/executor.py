@@ -17,10 +17,19 @@ ran with, its mutated buffers (BatchNorm running stats) are put back to their st
 before the first run for the replay and to their updated state after it (so they are
 updated exactly once per step). Every stage call, recomputations in backward included,
 runs under the autocast setting of the step's forward (hierremat.device.autocast).
+
+A schedule that offloads (issue 34) runs with a second tier (hierremat.runtime.second_tier) and its
+TransferPlan (hierremat.plans.transfers): x_i's copy out starts before the ``F_ck(i)`` that begins its
+forward sweep, ``Offload(i)`` waits for it and drops the chain's reference (the device memory is freed),
+a prefetch starts bringing it back where the plan says it fits, and ``Fetch(i)`` takes it back. The
+values a step offloads are keyed by the step, and dropped from the tier if the step ends without its
+backward.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -31,7 +40,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..budget import format_bytes
 from ..errors import UnsupportedModelError
-from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, FNone
+from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FNone, Offload
+from ..plans.transfers import TransferPlan
 from ..device.autocast import AutocastState
 from .residents import collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read
 from ..device.rng import RngState, cuda_devices_of
@@ -145,7 +155,7 @@ class ChainRunner:
     def __init__(
         self, stages: Sequence[Callable], schedule: ChainSchedule, mutated_buffers: Sequence[Sequence[str]],
         option_executors: Sequence[Sequence] | None = None, sharded=None,
-        forward_executors: Sequence | None = None, residents=None,
+        forward_executors: Sequence | None = None, residents=None, tier=None, transfers: TransferPlan | None = None,
     ):
         """option_executors[i][k]: runs option k >= 1 of stage i (hierremat.runtime.block_exec);
         option 0 is always the stage itself under autograd. forward_executors[i]: runs stage i's
@@ -153,9 +163,17 @@ class ChainRunner:
         there, or no list: the stage itself is called. sharded: a
         hierremat.runtime.fsdp.ShardedChain through which stages are called (FSDP2). residents: the
         values carried beside the activation (hierremat.plans.stage_info.ResidentLayout), or None; the
-        stages that make them run as option 0."""
+        stages that make them run as option 0. tier: the second tier (hierremat.runtime.second_tier) a
+        schedule that offloads runs with, or a callable giving the one for each step
+        (hierremat.runtime.offload.Offloading.tier_for); transfers: its TransferPlan (module docstring)."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
+        if any(isinstance(op, Offload) for op in schedule.ops) and (tier is None or transfers is None):
+            raise ValueError("the schedule offloads, but no second tier was given: plan and run with offload=True "
+                             "(or a directory)")
+        self._tier = tier
+        self.transfers = transfers or TransferPlan()
+        self.prefetches = self.transfers.prefetches_before()
         self.option_executors = option_executors or [()] * len(stages)
         for op in schedule.ops:
             if isinstance(op, FAll) and op.option != 0:
@@ -182,6 +200,11 @@ class ChainRunner:
             stage_buffers(stage, names) if count > 1 else []
             for stage, names, count in zip(self.stages, mutated_buffers, self.forward_counts)
         ]
+
+    @property
+    def tier(self):
+        """The second tier the next step offloads to (None where the schedule offloads nothing)."""
+        return self._tier() if callable(self._tier) else self._tier
 
     def run(self, x: torch.Tensor, shared: tuple = ()):
         """Run the chain on x; every stage is called as ``stage(x_i, *shared)``.
@@ -253,10 +276,17 @@ class _Step:
         self.cuda_devices = cuda_devices_of(x0)
         self.autocast = AutocastState.capture((x0.device.type,))
         self.stand_ins = runner.tied.stand_ins() if runner.tied else {}
+        self.serial = next(_STEPS)  # (keys this step's values in the second tier)
+        self.offloaded: set = set()
+        self.versions: dict[int, int] = {}  # x_i -> its version counter when its copy out started
+        self.tier = runner.tier if runner.transfers.offloaded else None
+        if self.tier is not None:  # a step freed before its backward leaves nothing in the tier
+            weakref.finalize(self, self.tier.abandon, self.offloaded)
 
     def run_forward(self) -> tuple:
-        for op in self.runner.schedule.ops[: self.runner.loss_index]:
-            self._execute(op)
+        with self._dropping_offloaded_on_error():
+            for index, op in enumerate(self.runner.schedule.ops[: self.runner.loss_index]):
+                self._execute(op, index)
         outputs = as_tuple(self.x.pop(len(self.runner.stages)))
         self.output_watch = OutputWatch(outputs)
         return outputs + tuple(e.detach() for e in self.runner.exported(self.resident_values))
@@ -275,14 +305,40 @@ class _Step:
         replays = any(c > 1 for c in self.runner.forward_counts)
         outer_rng = RngState.capture(self.cuda_devices) if replays else None
         try:
-            for op in self.runner.schedule.ops[self.runner.loss_index + 1 :]:
-                self._execute(op)
+            with self._dropping_offloaded_on_error():
+                self._start_fetches(self.runner.loss_index)
+                first = self.runner.loss_index + 1
+                for index, op in enumerate(self.runner.schedule.ops[first:], first):
+                    self._execute(op, index)
         finally:
             if outer_rng is not None:
                 outer_rng.restore()
         return self.grad.pop(0)
 
-    def _execute(self, op) -> None:
+    @contextlib.contextmanager
+    def _dropping_offloaded_on_error(self):
+        """A step that fails leaves nothing in the second tier."""
+        try:
+            yield
+        except BaseException:
+            for key in list(self.offloaded):
+                self.tier.discard(key)
+            self.offloaded.clear()
+            raise
+
+    def _start_fetches(self, index: int) -> None:
+        """Start bringing back the values the plan prefetches before op ``index``."""
+        for stage in self.runner.prefetches.get(index, ()):
+            self.tier.prefetch((self.serial, stage))
+
+    def _execute(self, op, index: int) -> None:
+        self._start_fetches(index)
+        if index in self.runner.transfers.copy_starts:  # the copy out runs beside the forward sweep
+            x = self.x[op.stage]
+            self.tier.offload((self.serial, op.stage), x)
+            self.offloaded.add((self.serial, op.stage))
+            self.versions[op.stage] = x._version
+            del x
         if isinstance(op, (FNone, FCk, FAll)):
             i = op.stage
             x = self.x[i] if isinstance(op, FCk) else self.x.pop(i)
@@ -323,6 +379,20 @@ class _Step:
         elif isinstance(op, Backward):
             with self.runner.tied.backward(op.stage, self.stand_ins):
                 self._backward(op.stage)
+        elif isinstance(op, Offload):
+            x = self.x.pop(op.stage)
+            self.tier.wait_offloaded((self.serial, op.stage))
+            if x._version != self.versions.pop(op.stage):
+                raise RuntimeError(
+                    f"hierremat: x_{op.stage}, the input of stage {op.stage}, was modified in place while it was "
+                    f"being offloaded (by stage {op.stage} or a later one): the copy may be torn. Make the stage "
+                    "leave its input unchanged (no in-place op on it), or plan without offload="
+                )
+            del x
+        elif isinstance(op, Fetch):
+            key = (self.serial, op.stage)
+            self.x[op.stage] = self.tier.fetch(key)
+            self.offloaded.discard(key)
         else:
             raise TypeError(f"unexpected op {op!r}")
 
@@ -397,6 +467,9 @@ class _Step:
         finally:
             for b, after in zip(buffers, updated):
                 b.data.copy_(after)
+
+
+_STEPS = itertools.count()
 
 
 class _ObserveOutputUse(torch.autograd.Function):

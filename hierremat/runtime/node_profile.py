@@ -7,8 +7,11 @@ just computed:
 * CUDA (``x.is_cuda``): one pair of CUDA events per repeat on the current stream, after
   a warm-up; the median. Workspace = the allocator's peak during one run of the op above
   what was allocated before it, minus the bytes of its result (clamped at 0).
-* CPU: ``time.perf_counter`` around each repeat after a warm-up; the median. Workspace
-  is 0: CPU kernels allocate their scratch below the dispatcher, out of sight.
+* CPU: ``time.perf_counter`` around each repeat after a warm-up; the median. Workspace:
+  the scratch a kernel allocates below the dispatcher (``_safe_softmax``'s mask, ...), which the
+  live-tensor tracker cannot see but the CPU allocator meter does, read from one more run of the
+  graph under ``torch.profiler``'s memory events (each node marked with ``record_function``): the
+  allocator's peak during the node above what was allocated before it, minus its result's new bytes.
 * ``method="flops"``: deterministic, no timing: ``overhead + flops / flops_per_s +
   bytes / bytes_per_s`` where flops come from ``torch.utils.flop_counter.FlopCounterMode``
   on the node's op and bytes are its tensor inputs and outputs; views and getitems cost 0.
@@ -135,6 +138,54 @@ class _Profiler(fx.Interpreter):
         return max(seconds, 1e-9), int(workspace)
 
 
+#: record_function label of a node's run in the workspace pass (CPU)
+_MARK = "hierremat-node:"
+
+
+class _CpuWorkspaces(fx.Interpreter):
+    """Runs the graph once, each node that computes marked for the profiler; ``new_bytes``: per node, the
+    bytes of the storages its result allocated."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.new_bytes: dict[str, int] = {}
+
+    def run_node(self, node: fx.Node):
+        if node.op != "call_function" or _is_free(node):
+            return super().run_node(node)
+        inputs = self.fetch_args_kwargs_from_env(node)
+        with torch.profiler.record_function(_MARK + node.name):
+            result = super().run_node(node)
+        self.new_bytes[node.name] = _new_bytes(result, inputs)
+        return result
+
+
+def _cpu_workspaces(gm: fx.GraphModule, args: list) -> dict[str, int]:
+    """Per node, the CPU allocator's peak during its run above what was allocated when it started, minus its
+    result's new bytes (module docstring)."""
+    interpreter = _CpuWorkspaces(gm)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        interpreter.run(*args, enable_io_processing=False)
+    events = list(prof.profiler.kineto_results.events())
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(_MARK):]) for e in events
+                    if e.name().startswith(_MARK))
+    del prof, events
+    workspaces, live, k = {}, 0, 0
+    for start, end, name in ranges:  # (the nodes run one after the other: their ranges are disjoint, in order)
+        while k < len(changes) and changes[k][0] < start:
+            live += changes[k][1]
+            k += 1
+        base = peak = live
+        while k < len(changes) and changes[k][0] <= end:
+            live += changes[k][1]
+            peak = max(peak, live)
+            k += 1
+        workspaces[name] = max(0, peak - base - interpreter.new_bytes.get(name, 0))
+    return workspaces
+
+
 def _with_copy_of(written: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with every occurrence of ``written`` replaced by one copy of it."""
     copy = written.clone()
@@ -184,4 +235,8 @@ def profile_nodes(
         if cuda:
             stack.enter_context(torch.cuda.device(device))
         profiler.run(*args, enable_io_processing=False)
+        if method == "measure" and not cuda:
+            for name, workspace in _cpu_workspaces(joint.module, args).items():
+                seconds, _ = profiler.costs[name]
+                profiler.costs[name] = (seconds, workspace)
     return profiler.costs

@@ -203,7 +203,7 @@ def profile_chain(
     autocast = AutocastState.capture((device.type,))
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated, traces = [], [], []
-    measured: dict[str, int] = {}
+    measured: dict[str, int] = {}  # (signature, whether x_i requires grad) -> the first stage measured so
     outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the next input of the others)
     values: dict[int, torch.Tensor] = {}
 
@@ -228,6 +228,7 @@ def profile_chain(
             )
             signature = signatures[i] if signatures is not None else None
             requires_grad = i > 0 or x0.requires_grad
+            measured_as = (signature, requires_grad)  # (a first stage without an input gradient costs less)
             wanted_mask = output_grad_mask if last else None
             cached = None
             if known is not None and i not in measure:
@@ -238,7 +239,7 @@ def profile_chain(
                     output_grad_mask = known.output_grad_mask
                 x = _next_input(i, cost, names, trace, y)
                 continue
-            if signature is None or signature not in measured:
+            if signature is None or measured_as not in measured:
                 if device.type == "cuda":  # measured or cached, this process' threads need the kernels warm
                     with scratch_grads(stage):
                         in_backward_thread(
@@ -246,8 +247,8 @@ def profile_chain(
                         )
                 if signature is not None:
                     cached = cost_cache.get_stage(signature, x, requires_grad, wanted_mask)
-            if signature is not None and (signature in measured or cached is not None):
-                first = measured.get(signature)
+            if signature is not None and (measured_as in measured or cached is not None):
+                first = measured.get(measured_as)
                 if first is not None and not produced and not mutated[first] and signature in outputs_of:
                     y, names = outputs_of[signature], ()  # an identical stage: its first one's output will do
                 else:
@@ -255,15 +256,15 @@ def profile_chain(
                     with torch.no_grad():
                         names = _mutated_buffer_names(stage, lambda: outputs.append(call(x)))
                     y = outputs[0]
-                if signature in measured:
-                    cost = replace(stage_costs[measured[signature]], name=_stage_name(i, stage))
-                    trace = traces[measured[signature]]
+                if measured_as in measured:
+                    cost = replace(stage_costs[measured[measured_as]], name=_stage_name(i, stage))
+                    trace = traces[measured[measured_as]]
                 else:
                     cost, mask, trace = cached
                     cost = replace(cost, name=_stage_name(i, stage))
                     if last:
                         output_grad_mask = mask
-                    measured[signature] = i
+                    measured[measured_as] = i
             else:
                 with scratch_grads(stage):
                     cost, names, y, mask, trace = _profile_stage(
@@ -272,7 +273,7 @@ def profile_chain(
                 if last:
                     output_grad_mask = mask
                 if signature is not None:
-                    measured[signature] = i
+                    measured[measured_as] = i
                     if timed:
                         cost_cache.put_stage(
                             signature, x, requires_grad, wanted_mask, cost, mask if last else None, trace

@@ -26,6 +26,7 @@ the tier's own use (for the disk, :attr:`DiskTier.file_bytes` are the files' siz
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
@@ -38,16 +39,14 @@ from pathlib import Path
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from ..errors import OffloadError
+
 log = logging.getLogger(__name__)
 
 #: Offsets in the host pool are multiples of this (every dtype's view of a slot is aligned).
 POOL_ALIGNMENT = 64
 #: File systems whose files are memory: a disk tier there frees no RAM.
 MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
-
-
-class OffloadError(RuntimeError):
-    """A second tier that cannot be written or read back whole (no room, no permission, a short read)."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +60,11 @@ class _Stored:
     nbytes: int
 
     def rebuild(self, data: torch.Tensor) -> torch.Tensor:
-        """The value from its bytes (``data``, uint8, on the device it is wanted on)."""
-        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=data.device)
-        if self.nbytes:
-            out.as_strided((out.numel(),), (1,)).view(torch.uint8).copy_(data)
-        return out
+        """The value from its bytes (``data``: uint8, on the device it is wanted on, a storage of its own),
+        viewing them (no copy: a fetch holds the value's bytes once)."""
+        if not self.nbytes:
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=data.device)
+        return data.view(self.dtype).as_strided(self.shape, self.stride)
 
 
 def _bytes_of(tensor: torch.Tensor) -> tuple[torch.Tensor, _Stored]:
@@ -96,18 +95,21 @@ class SecondTier:
         self.held_bytes = 0
         self.peak_bytes = 0
         self._stored: dict[object, _Stored] = {}
+        self._abandoned: collections.deque = collections.deque()  # keys to drop, from any thread (abandon)
         self.closed = False
 
     def offload(self, key, tensor: torch.Tensor) -> None:
         if self.closed:
             raise OffloadError(f"offload: the {self.kind} tier is closed")
+        self._drop_abandoned()
         if key in self._stored:
             raise KeyError(f"offload: {key!r} is already in the {self.kind} tier")
         data, stored = _bytes_of(tensor)
         if self.held_bytes + stored.nbytes > self.limit_bytes:
             raise OffloadError(
-                f"the {self.kind} tier would hold {self.held_bytes + stored.nbytes} bytes, over its offload_limit of "
-                f"{self.limit_bytes}: raise offload_limit"
+                f"the {self.kind} tier would hold {self.held_bytes + stored.nbytes} bytes, over the {self.limit_bytes} "
+                "it may hold (offload_limit, or the pool sized for the plan; steps that overlap, as several chains "
+                "run before one backward, share it): raise offload_limit"
             )
         self._start_offload(key, data, stored)  # (registered only once started: a failure leaves no trace)
         self._stored[key] = stored
@@ -120,6 +122,7 @@ class SecondTier:
         self._finish_offload(key)
 
     def prefetch(self, key) -> None:
+        self._drop_abandoned()
         self._start_fetch(key, self._stored[key])
 
     def fetch(self, key) -> torch.Tensor:
@@ -131,6 +134,23 @@ class SecondTier:
             self.held_bytes -= stored.nbytes
             self._forget(key)
 
+    def discard(self, key) -> None:
+        """Drop ``key``'s value without fetching it (a step that failed); nothing if absent."""
+        stored = self._stored.pop(key, None)
+        if stored is not None:
+            self.held_bytes -= stored.nbytes
+            self._forget(key)
+
+    def abandon(self, keys) -> None:
+        """Mark ``keys`` to be dropped (a step freed before its backward ran): safe from any thread, a garbage
+        collector's finalizer included; they are dropped by the next offload, prefetch or close (on the
+        thread that uses the tier)."""
+        self._abandoned.extend(keys)
+
+    def _drop_abandoned(self) -> None:
+        while self._abandoned:
+            self.discard(self._abandoned.popleft())
+
     def __contains__(self, key) -> bool:
         return key in self._stored
 
@@ -141,6 +161,7 @@ class SecondTier:
         self.close()
 
     def close(self) -> None:
+        self._abandoned.clear()
         for key in list(self._stored):
             self._forget(key)
         self._stored.clear()
@@ -264,7 +285,9 @@ class DiskTier(SecondTier):
 
     def _start_fetch(self, key, stored: _Stored) -> None:
         if key not in self._reads:
-            self._reads[key] = self._pool.submit(_read, self._descriptors[key], stored.nbytes, self._writes.get(key))
+            # (its buffer allocated here, on the caller's thread: the memory meters, which watch that thread, count it)
+            data = torch.empty(stored.nbytes, dtype=torch.uint8)
+            self._reads[key] = self._pool.submit(_read, self._descriptors[key], data, self._writes.get(key))
 
     def _finish_fetch(self, key, stored: _Stored) -> torch.Tensor:
         self._start_fetch(key, stored)
@@ -315,10 +338,11 @@ def _write(fd: int, box: list, nbytes: int, durable: bool) -> None:
         del data
 
 
-def _read(fd: int, nbytes: int, written: concurrent.futures.Future | None) -> torch.Tensor:
+def _read(fd: int, data: torch.Tensor, written: concurrent.futures.Future | None) -> torch.Tensor:
+    """Read the value's bytes into ``data`` (uint8, its size) once its write is done."""
     if written is not None:
         written.result()  # (its error, if any, is this read's)
-    data = torch.empty(nbytes, dtype=torch.uint8)
+    nbytes = data.numel()
     done = 0
     try:
         with memoryview(data.numpy()) as view:
@@ -359,6 +383,7 @@ class HostMemoryTier(SecondTier):
         self._slots: dict[object, tuple[int, int]] = {}
         self._events: dict[object, object] = {}
         self._fetched: dict[object, tuple[torch.Tensor, object]] = {}
+        self._sources: dict[object, torch.Tensor] = {}  # values whose copy out may still run (CUDA)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
 
     def _slot(self, nbytes: int) -> tuple[int, int]:
@@ -382,16 +407,19 @@ class HostMemoryTier(SecondTier):
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 slot.copy_(data, non_blocking=True)
-                data.record_stream(self._stream)  # its memory is reused only once the copy is done
                 event = torch.cuda.Event()
                 event.record(self._stream)
             self._events[key] = event
+            # the source is held until the copy is done (wait_offloaded), not recorded on the side stream:
+            # record_stream would delay its reuse past later copies queued there, beyond the plan's peak
+            self._sources[key] = data
         self._slots[key] = (start, end)
 
     def _finish_offload(self, key) -> None:
         event = self._events.get(key)  # (a later prefetch's event: after the copy out on the same stream)
         if event is not None:
             event.synchronize()
+        self._sources.pop(key, None)
 
     def _start_fetch(self, key, stored: _Stored) -> None:
         if key in self._fetched:
@@ -404,9 +432,8 @@ class HostMemoryTier(SecondTier):
         current = torch.cuda.current_stream(self.device)
         data = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)  # (allocated on `current`)
         self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream):  # (the compute stream waits for it before using or freeing it)
             data.copy_(slot, non_blocking=True)
-            data.record_stream(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._events[key] = event
@@ -414,20 +441,25 @@ class HostMemoryTier(SecondTier):
 
     def _finish_fetch(self, key, stored: _Stored) -> torch.Tensor:
         self._start_fetch(key, stored)
-        data, allocated_on = self._fetched[key]
+        data, allocated_on = self._fetched.pop(key)
+        event = self._events.pop(key, None)
         if self._cuda:
             current = torch.cuda.current_stream(self.device)
-            current.wait_event(self._events[key])
+            current.wait_event(event)  # (the compute stream then orders every later use and free after the copy)
             if current != allocated_on:
                 data.record_stream(current)
         return stored.rebuild(data)
 
     def _forget(self, key) -> None:
+        event = self._events.pop(key, None)
+        if event is not None and (key in self._fetched or key in self._sources):
+            event.synchronize()  # (a copy still writing a buffer, or reading a source, that is dropped here)
         self._slots.pop(key, None)
-        self._events.pop(key, None)
         self._fetched.pop(key, None)
+        self._sources.pop(key, None)
 
     def close(self) -> None:
         if self._cuda and self._stream is not None:
             self._stream.synchronize()
         super().close()
+        self._pool = None
