@@ -378,10 +378,10 @@ def test_live_bytes_after_each_forward_are_the_simulators_at_the_smallest_budget
     measured = []
     execute = executor._Step._execute
 
-    def observed(step, op):
+    def observed(step, op, index):
         before = tracker.live_bytes
         tracker.reset_peak()
-        execute(step, op)
+        execute(step, op, index)
         measured.append((op, before, tracker.peak_bytes, tracker.live_bytes))
 
     monkeypatch.setattr(executor._Step, "_execute", observed)

@@ -589,7 +589,7 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
         source = node.args[0] if node.target is operator.getitem and node.args else None
         if not alias and isinstance(source, fx.Node) and source.name in element_bytes:
             alias, out_bytes = source.name, 0  # an element of a multi-output op: a view of the op
-        time_s, workspace = node_costs.get(name, (0.0, 0))
+        time_s, workspace, *scratch = node_costs.get(name, (0.0, 0))
         graph_node = GraphNode(
             name=name,
             op=_op_name(node),
@@ -598,6 +598,7 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
             out_bytes=out_bytes,
             time=float(time_s),
             workspace_bytes=int(workspace) + layout.unused_bytes.get(name, 0),
+            scratch_bytes=int(scratch[0]) if scratch else 0,
             random=is_random_node(node),
             alias_of=alias,
             in_place=bool(alias) and overwritten_argument(node) is not None,

@@ -603,7 +603,9 @@ def build_menus(
         if signature not in generated:
             generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
             mutations = frozenset(node for node, _ in joint.mutations)
-            forwards[signature] = GeneratedForward(joint, forward_only(menu.graph, also=mutations))
+            # (priced as the stage's own no-grad forward is measured, without the kernels' scratch: see
+            # forward_only; the two run the same kernels)
+            forwards[signature] = GeneratedForward(joint, forward_only(menu.graph, also=mutations, count_scratch=False))
         binding = StageBinding(bound)
         executors[i] = [None] + [
             OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])

@@ -33,6 +33,8 @@ class GraphNode:
     out_bytes: bytes of the result it allocates (0 for a view: it shares ``alias_of``).
     time: seconds to run it once on the profiled device.
     workspace_bytes: transient bytes it needs above its inputs and result.
+    scratch_bytes: the part of ``workspace_bytes`` a CPU kernel allocates below the dispatcher (seen by the
+        allocator meter, not by the live-tensor tracker: hierremat.runtime.node_profile).
     random: it draws random numbers (dropout), so it may only be recomputed with its
         RNG state replayed.
     alias_of: name of the node (or block input) whose storage the result shares, "" if none.
@@ -50,12 +52,15 @@ class GraphNode:
     random: bool = False
     alias_of: str = ""
     in_place: bool = False
+    scratch_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.phase not in (FORWARD, BACKWARD):
             raise ValueError(f"node {self.name}: phase must be 'forward' or 'backward', got {self.phase!r}")
         if self.out_bytes < 0 or self.workspace_bytes < 0 or self.time < 0:
             raise ValueError(f"node {self.name}: negative size or time")
+        if not 0 <= self.scratch_bytes <= self.workspace_bytes:
+            raise ValueError(f"node {self.name}: scratch_bytes must be part of workspace_bytes")
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,7 @@ def concatenate(graphs: "list[BlockGraph] | tuple[BlockGraph, ...]") -> BlockGra
         return GraphNode(
             name=r[node.name], op=node.op, phase=node.phase, inputs=(*seed, *(r[a] for a in node.inputs)),
             out_bytes=node.out_bytes, time=node.time, workspace_bytes=node.workspace_bytes, random=node.random,
-            alias_of=r[node.alias_of] if node.alias_of else "", in_place=node.in_place,
+            alias_of=r[node.alias_of] if node.alias_of else "", in_place=node.in_place, scratch_bytes=node.scratch_bytes,
         )
 
     forward = [renamed(i, n) for i, g in enumerate(graphs) for n in g.forward_nodes]

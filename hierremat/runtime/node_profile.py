@@ -11,7 +11,8 @@ just computed:
   the scratch a kernel allocates below the dispatcher (``_safe_softmax``'s mask, ...), which the
   live-tensor tracker cannot see but the CPU allocator meter does, read from one more run of the
   graph under ``torch.profiler``'s memory events (each node marked with ``record_function``): the
-  allocator's peak during the node above what was allocated before it, minus its result's new bytes.
+  allocator's peak during the node above what was allocated before it, minus its result's new bytes
+  (returned a third time: it is scratch, hierremat.plans.block_graph.GraphNode.scratch_bytes).
 * ``method="flops"``: deterministic, no timing: ``overhead + flops / flops_per_s +
   bytes / bytes_per_s`` where flops come from ``torch.utils.flop_counter.FlopCounterMode``
   on the node's op and bytes are its tensor inputs and outputs; views and getitems cost 0.
@@ -209,7 +210,8 @@ def profile_nodes(
     bytes_per_s: float = BYTES_PER_S,
     op_overhead_s: float = OP_OVERHEAD_S,
 ) -> dict[str, tuple[float, int]]:
-    """Cost of every ``call_function`` node of ``joint``: name -> (seconds, workspace bytes).
+    """Cost of every ``call_function`` node of ``joint``: name -> (seconds, workspace bytes), and on CPU (measured)
+    a third element, the part of the workspace that is kernel scratch (all of it there).
 
     device: where to run (default: x's device); inputs and the stage's parameters and
         buffers are copied there if they live elsewhere.
@@ -236,7 +238,7 @@ def profile_nodes(
             stack.enter_context(torch.cuda.device(device))
         profiler.run(*args, enable_io_processing=False)
         if method == "measure" and not cuda:
-            for name, workspace in _cpu_workspaces(joint.module, args).items():
-                seconds, _ = profiler.costs[name]
-                profiler.costs[name] = (seconds, workspace)
+            scratch = _cpu_workspaces(joint.module, args)
+            for name, (seconds, _) in profiler.costs.items():
+                profiler.costs[name] = (seconds, scratch.get(name, 0), scratch.get(name, 0))
     return profiler.costs
