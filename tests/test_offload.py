@@ -8,6 +8,7 @@ planned without offloading; bad arguments and an unwritable directory are refuse
 transfer plan's stall equals the simulator's and its prefetches never raise an op above the simulated peak.
 """
 
+import contextlib
 import gc
 import logging
 import os
@@ -160,6 +161,41 @@ def test_a_forward_without_its_backward_leaves_nothing_in_the_tier():
     gc.collect()  # (its values are dropped by the tier's next use, on this thread)
     planned.run(x.detach().requires_grad_()).sum().backward()  # the next step runs
     assert tier.held_bytes == 0 and tier.file_bytes == 0
+
+
+@pytest.mark.parametrize("setup", ["bf16 autocast", "zero_grad(set_to_none=True)"])
+def test_offloading_under_autocast_and_gradients_made_in_the_step(setup):
+    """bf16 autocast (planned and run under it): gradients bitwise plain autocast's; ``.grad`` None at the
+    step's start (PyTorch's default zero_grad): the plan for the gradients the step allocates offloads too,
+    and the step stays within its predicted peak."""
+    chain, x = _chain(), torch.randn(2048, 64)
+    bf16 = setup == "bf16 autocast"
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    for p in chain.parameters():
+        p.grad = torch.zeros_like(p)
+    xr = x.detach().requires_grad_()
+    torch.manual_seed(7)
+    with autocast():
+        out = chain(xr)
+    out.float().sum().backward()
+    grads = [p.grad.clone() for p in chain.parameters()]
+    offloading = _free_tier()
+    with autocast():
+        budget = int(_floor(chain, x, offloading) * 1.3)
+        planned = _plan(list(chain), budget, x, slots=200, block_options="autograd", offloading=offloading)
+    for p in chain.parameters():
+        p.grad = None if not bf16 else p.grad.zero_()
+    xr = x.detach().requires_grad_()
+    with LiveTensorTracker() as tracker:
+        torch.manual_seed(7)
+        with autocast():
+            out = planned.run(xr)
+        out.float().sum().backward()
+    plan = planned.plan
+    assert plan.offloads, plan.summary()
+    assert bool(sum(plan.costs.step_grad_bytes)) != bf16  # (the plan made for the gradients the step allocates)
+    assert all(torch.equal(p.grad, g) for p, g in zip(chain.parameters(), grads))
+    assert tracker.peak_bytes <= plan.predicted_peak_bytes
 
 
 def test_over_the_limit_plans_without_offloading(caplog):
