@@ -18,9 +18,9 @@ over one step. Grad diff: max |grad - plain's| after one step from the same weig
 plan's against the plan without at the same budget (bitwise where they run the same stage options). Tier
 peak: the most bytes the disk tier's files held at once during a step.
 
-    python benchmarks/bench_offload.py [--rounds 3] [--points 5] [--layers 12 --batch 2 --seq 512]
+    python benchmarks/bench_offload.py [--rounds 3] [--points 5] [--layers 12 --batch 2 --seq 512] [--stem NAME]
 
-Writes benchmarks/results/bench_offload.md.
+Writes benchmarks/results/bench_offload.md (or NAME.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import common as C
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
 
-RESULTS = C.RESULTS_DIR / "bench_offload.md"
 SEED = 1234
 
 
@@ -191,17 +190,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--points", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stem", default="bench_offload", help="results file name (without .md)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     started = time.perf_counter()
     text, notes = run(args.layers, args.batch, args.seq, args.points, args.rounds)
     info = ", ".join(f"{k} {v}" for k, v in C.device_info(torch.device("cpu"), torch.get_num_threads()).items())
     command = (f"python benchmarks/bench_offload.py --layers {args.layers} --batch {args.batch} --seq {args.seq} "
-               f"--points {args.points} --rounds {args.rounds}")
+               f"--points {args.points} --rounds {args.rounds}"
+               + (f" --stem {args.stem}" if args.stem != "bench_offload" else ""))
     header = (f"# bench_offload: GPT-2 {args.layers} layers, outputs='loss', offload=True vs without\n\n{info}\n\n"
               f"`{command}` ({time.perf_counter() - started:.0f} s)\n\n")
     body = text + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    C.write_results(RESULTS, header + body)
+    C.write_results(C.RESULTS_DIR / f"{args.stem}.md", header + body)
 
 
 if __name__ == "__main__":

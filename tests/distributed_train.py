@@ -160,6 +160,8 @@ def main() -> None:
                    help="with --parallel fsdp: build on meta, plan (device=), shard, to_empty, then load the weights")
     p.add_argument("--lengths", default=None,
                    help="comma-separated sequence lengths the Llama's steps take in turn (each rank plans each new one)")
+    p.add_argument("--offload", action="store_true",
+                   help="plan with offload=True (a disk tier), its transfers priced free so that the plans offload")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -182,11 +184,18 @@ def main() -> None:
     if args.parallel:
         report["plain_peak"], report["sharded_first"], plain_grads = plain_run(
             args.model, args.parallel, local, device, args.autocast)
+    if args.offload:  # every rank's tier (the one remat finds for offload=True) with free transfers
+        from hierremat.plans.costs import TierBandwidth
+        from hierremat.runtime.offload import second_tier
+
+        second_tier(True, None, device, None).bandwidth = TierBandwidth("disk", 1e12, 1e12)
     with forward_context(device, args.autocast):  # plans are made for the autocast setting they run under
         if args.parallel == "fsdp":
-            runner = hr.remat(model, (), local[0], budget=args.budget, device=device if meta else None)
+            runner = hr.remat(model, (), local[0], budget=args.budget, device=device if meta else None,
+                              offload=args.offload)
         elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
-            box = [hr.plan(model, (), local[0], budget=args.budget).to_json() if rank == 0 else None]
+            box = [hr.plan(model, (), local[0], budget=args.budget, offload=args.offload).to_json() if rank == 0
+                   else None]
             dist.broadcast_object_list(box, src=0)
             runner = hr.remat(model, (), local[0], plan=hr.ModelPlan.from_json(box[0]))
     if args.parallel:

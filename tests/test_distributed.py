@@ -149,6 +149,15 @@ def test_two_ddp_ranks_train_a_t5_like_one_process_within_budget(tmp_path, autoc
     assert plan.chain.costs.residents != ()
 
 
+@pytest.mark.parametrize("parallel, model, budget", [("ddp", "t5", "2.5MiB"), ("fsdp", "llama", "3.15MiB")])
+def test_two_ranks_offloading_train_like_one_process_within_budget(tmp_path, parallel, model, budget):
+    """offload=True under DDP (rank 0's plan, run by every rank with its own disk tier) and FSDP2 (the plan
+    re-made for the shards offloads too): parameters those of one process, each rank within the budget."""
+    reports, params, single_params = _train(tmp_path, 2, "cpu", model, parallel, budget, extra=("--offload",))
+    plan = _check(reports, params, single_params, recomputes=False)
+    assert plan.chain.offloads and "offloading: x_" in reports[0]["summary"], reports[0]["summary"]
+
+
 @pytest.mark.parametrize("autocast", ["off", "bf16"])
 def test_two_fsdp2_ranks_plan_on_meta_then_shard_and_materialize(tmp_path, autocast):
     """torchtitan's order (issue 33): a Llama built on meta, hr.remat(device=) plans it with lent weights,
