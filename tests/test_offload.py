@@ -251,6 +251,32 @@ def test_whole_model_with_offload_is_exact_and_summarized(tmp_path):
     assert [str(tmp_path)] == [os.path.dirname(runner.tier.directory)]
 
 
+def test_a_compiled_training_step_offloads_exactly(tmp_path):
+    """``torch.compile`` of a whole training step around a module whose plan offloads: the chain runs eagerly
+    inside it (a graph break), gradients bitwise plain autograd's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*_chain(), torch.nn.Linear(64, 1))
+    x = torch.randn(2048, 64)
+    grads, _ = _reference(model, x)
+    second_tier(str(tmp_path), None, "cpu", None).bandwidth = FREE
+    # (compiled code keeps the model's output alive through the backward: planned so)
+    explorer = hr.explore(model, (x,), block_options="autograd", output_held=True, offload=str(tmp_path))
+    plan = explorer.plan(int(explorer.smallest_feasible_bytes * 1.15))
+    assert plan.chain.offloads
+    module = hr.remat(model, (x,), plan=plan, offload=str(tmp_path))
+
+    def train_step(m):
+        m(x).sum().backward()
+
+    compiled = torch.compile(train_step, backend="aot_eager")
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad.zero_()
+        torch.manual_seed(7)
+        compiled(module)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
 def test_bad_offload_arguments_are_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="offload_limit"):
         check_offload(False, "1GiB")
