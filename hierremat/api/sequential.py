@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable, Sequence
 
@@ -16,7 +15,7 @@ from ..store.cache import default_cache
 from ..plans.sequential_plan import SequentialPlan
 from ..device.autocast import AutocastState
 from ..runtime.executor import run_plainly
-from ..runtime.offload import Offloading, check_offload, second_tier
+from ..runtime.offload import Offloading, check_offload, offload_key, second_tier
 from ..runtime.profile import profile_chain
 from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_options, plan_from_profile, resolve_compile
 
@@ -244,9 +243,9 @@ def checkpoint_sequential(
     )
     if not torch.is_grad_enabled() or not needs_grad:
         return run_plainly(stages, input)  # nothing to plan for
-    where = os.path.abspath(os.fspath(offload)) if not isinstance(offload, bool) else offload
-    limit = None if offload_limit is None else parse_budget(offload_limit, name="offload_limit")
-    key = PlanCache.key(stages, input, budget_bytes, slots, block_options, variants, compile, (where, limit))
+    key = PlanCache.key(
+        stages, input, budget_bytes, slots, block_options, variants, compile, offload_key(offload, offload_limit)
+    )
     entry = plan_cache.get(key)
     if entry is None:
         _check_options(block_options, slots, time_limit)

@@ -203,15 +203,19 @@ class CpuAllocatorMeter:
     def __exit__(self, *exc) -> None:
         profile, self._profile = self._profile, None
         profile.__exit__(*exc)
-        changes = sorted(
-            (e.start_ns(), e.nbytes()) for e in profile.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
+        changes = cpu_allocator_changes(profile.profiler.kineto_results.events())
         del profile  # the profiler's results are not kept past this point
         live = 0
         for _, nbytes in changes:
             live += nbytes
             self.peak_bytes = max(self.peak_bytes, live)
+
+
+def cpu_allocator_changes(events) -> list[tuple[int, int]]:
+    """The CPU allocator's allocations (positive) and frees (negative) among a ``torch.profiler`` run's
+    ``kineto_results.events()``: (start ns, bytes), in time order."""
+    return sorted((e.start_ns(), e.nbytes()) for e in events
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
 
 
 def memory_meter(device: torch.device | str, record_allocations: bool = False):

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..device.autocast import AutocastState
-from ..device.memory import allocated_bytes
+from ..device.memory import allocated_bytes, cpu_allocator_changes
 from ..graphs.joint import JointGraph, is_view_node, joint_inputs, overwritten_argument
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
@@ -168,8 +168,7 @@ def _cpu_workspaces(gm: fx.GraphModule, args: list) -> dict[str, int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         interpreter.run(*args, enable_io_processing=False)
     events = list(prof.profiler.kineto_results.events())
-    changes = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    changes = cpu_allocator_changes(events)
     ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(_MARK):]) for e in events
                     if e.name().startswith(_MARK))
     del prof, events

@@ -130,6 +130,13 @@ def _existing_parent(directory: str) -> str:
     return path
 
 
+def offload_key(offload, offload_limit) -> tuple:
+    """``offload`` and ``offload_limit`` as they key a tier or a plan: a directory as its absolute path, the
+    limit in bytes (so '8GiB' and its byte count, or two spellings of one directory, are one tier)."""
+    where = os.path.abspath(os.fspath(offload)) if not isinstance(offload, bool) else offload
+    return where, None if offload_limit is None else parse_budget(offload_limit, name="offload_limit")
+
+
 _OPEN: dict[tuple, Offloading] = {}
 
 
@@ -142,9 +149,7 @@ def second_tier(offload, offload_limit, device: torch.device | str, cache: Optio
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    where = os.path.abspath(os.fspath(offload)) if not isinstance(offload, bool) else offload
-    limit = None if offload_limit is None else parse_budget(offload_limit, name="offload_limit")
-    key = (where, limit, str(device))
+    key = (*offload_key(offload, offload_limit), str(device))
     if key not in _OPEN:
         _OPEN[key] = Offloading(offload, offload_limit, device, cache)
     return _OPEN[key]

@@ -203,7 +203,7 @@ def profile_chain(
     autocast = AutocastState.capture((device.type,))
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated, traces = [], [], []
-    measured: dict[str, int] = {}  # (signature, whether x_i requires grad) -> the first stage measured so
+    measured: dict[tuple[str | None, bool], int] = {}  # (signature, x_i requires grad) -> the first stage measured so
     outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the next input of the others)
     values: dict[int, torch.Tensor] = {}
 

@@ -130,9 +130,7 @@ class SecondTier:
         try:
             return self._finish_fetch(key, stored)
         finally:
-            del self._stored[key]
-            self.held_bytes -= stored.nbytes
-            self._forget(key)
+            self.discard(key)
 
     def discard(self, key) -> None:
         """Drop ``key``'s value without fetching it (a step that failed); nothing if absent."""
