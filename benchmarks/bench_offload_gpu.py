@@ -14,8 +14,10 @@ called the Hugging Face way (``model(ids, labels=ids, use_cache=False).loss.back
   hierremat      ``hierremat.remat`` at HF checkpointing's measured peak and at half of it, ``offload=True`` and
                  without (the plan decides what to keep, recompute or offload).
 Peak: the bytes created during one step (``torch.cuda.max_memory_allocated`` delta on CUDA, the live-tensor
-tracker on CPU), after a warm-up step; time: median of ``--rounds`` interleaved rounds; grad diff: max |grad -
-plain's| after one step from the same weights and seed.
+tracker on CPU), after a warm-up step; reserved (CUDA): ``max_memory_reserved`` above what the caching
+allocator held after ``empty_cache``, the memory the card must really have; time: median of ``--rounds``
+interleaved rounds; grad diff: max |grad - plain's| after one step from the same weights and seed. hierremat's
+plan summaries follow the table.
 
     python benchmarks/bench_offload_gpu.py [--device cuda] [--layers 12 --width 768 --batch 8 --seq 1024]
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -60,6 +63,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.run, ctx.args, ctx.device = run, args, hidden.device
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
+        kind = hidden.device.type  # (the recomputation runs under the forward's autocast, as torch.utils.checkpoint's)
+        ctx.autocast = (kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind))
         pinned = hidden.is_cuda
         ctx.saved = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=pinned)
         ctx.saved.copy_(hidden, non_blocking=pinned)
@@ -70,7 +75,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx, grad):
         hidden = ctx.saved.to(ctx.device, non_blocking=True).requires_grad_()
         devices = [ctx.device] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        kind, dtype, enabled = ctx.autocast
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), torch.autocast(kind, dtype, enabled):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
@@ -103,6 +109,18 @@ def _save_on_cpu_context(device: torch.device):
         return (lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")), "save_on_cpu"
 
 
+def _peaks(step, device: torch.device) -> tuple[int, int | None]:
+    """The step's allocated peak (C.peak_bytes) and, on CUDA, its reserved peak: the caching allocator's
+    segments above what it held after ``empty_cache`` (what the device must really have free)."""
+    if device.type != "cuda":
+        return C.peak_bytes(step, device), None
+    gc.collect()
+    torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved(device)
+    peak = C.peak_bytes(step, device)  # (resets the peak statistics, reserved included, before the step)
+    return peak, torch.cuda.max_memory_reserved(device) - reserved_before
+
+
 @dataclass
 class Method:
     name: str
@@ -113,6 +131,7 @@ class Method:
     plan: object = None
     times: list[float] = field(default_factory=list)
     peak: int = 0
+    reserved: int | None = None
     grads: list | None = None
 
 
@@ -145,10 +164,13 @@ def run(args) -> str:
             loss.backward()
         return go
 
-    for method in methods:  # the peaks of the baselines (HF's sets the budgets)
+    def measure(method: Method) -> None:
         step(method)()
         C.zero_grads(C.params_of(method.model))
-        method.peak = C.peak_bytes(step(method), device)
+        method.peak, method.reserved = _peaks(step(method), device)
+
+    for method in methods:  # the peaks of the baselines (HF's sets the budgets)
+        measure(method)
     hf_peak = methods[1].peak
     infeasible = []
     for label, budget in (("at HF's memory", hf_peak), ("at half HF's memory", hf_peak // 2)):
@@ -163,9 +185,7 @@ def run(args) -> str:
                 continue
             method = Method(f"hierremat {label}" + (", offload=True" if offload else ""), model, module, budget=budget)
             method.plan = module.plans[-1]
-            step(method)()
-            C.zero_grads(C.params_of(model))
-            method.peak = C.peak_bytes(step(method), device)
+            measure(method)
             methods.append(method)
     for method in methods:  # gradients after one step from the same weights and seed
         C.zero_grads(C.params_of(method.model))
@@ -180,13 +200,18 @@ def run(args) -> str:
         offloaded = m.plan.chain.offload_line().split(";")[0] if m.plan is not None and m.plan.chain.offloads else ""
         rows.append([
             m.name, C.fmt(m.budget / C.MIB if m.budget else None), C.fmt(m.peak / C.MIB),
-            C.fmt(m.peak / methods[0].peak, ".3f"), C.fmt(C.median(m.times), ".3f"),
+            C.fmt(m.peak / methods[0].peak, ".3f"),
+            C.fmt(m.reserved / C.MIB if m.reserved is not None else None),
+            C.fmt(m.reserved / m.budget if m.reserved is not None and m.budget else None, ".3f"),
+            C.fmt(C.median(m.times), ".3f"),
             C.fmt(C.median(m.times) / plain_time, ".2f"), f"{C.max_abs_diff(m.grads, methods[0].grads):.1e}",
             offloaded,
         ])
-    table = C.markdown_table(["method", "budget MiB", "peak MiB", "peak / plain", "step s", "time / plain",
+    table = C.markdown_table(["method", "budget MiB", "peak MiB", "peak / plain", "reserved MiB", "reserved / budget",
+                              "step s", "time / plain",
                               "grad diff vs plain", "hierremat offloads"], rows)
-    return table + "".join(f"\n- {line}" for line in infeasible)
+    plans = "".join(f"\n\n{m.name}'s plan:\n\n```\n{m.plan.summary()}\n```" for m in methods if m.plan is not None)
+    return table + "".join(f"\n- {line}" for line in infeasible) + plans
 
 
 def main() -> None:

@@ -27,6 +27,14 @@ def _step(model, x, budget=None, seed=0):
 
 @pytest.mark.parametrize("make, shape", [(lambda: random_mlp_chain(0, width=256), (512, 256)), (conv_chain, (32, 3, 32, 32))])
 def test_cuda_gradients_equal_autograd_and_peak_within_budget(make, shape):
+    """cuDNN deterministic and without TF32: PyTorch lets cuDNN convolutions run in TF32 by default, and its
+    heuristics may pick another algorithm for a recomputation than for the plain forward (1.7e-3 apart on
+    an H200, torch 2.11), which an exactness check cannot tell from a wrong gradient."""
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
+        _check_gradients_and_peak(make, shape)
+
+
+def _check_gradients_and_peak(make, shape):
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = make().to(device)
@@ -40,9 +48,10 @@ def test_cuda_gradients_equal_autograd_and_peak_within_budget(make, shape):
         budget = f"{budget}B"
         hr.checkpoint_sequential(model, budget, x)  # plan outside the measured step
         gx, g, peak = _step(model, x, budget)
-        torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+        # (fp32 sums in another order: the first convolution's weight gradient came 1.7e-6 from plain's)
+        torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"input, {budget}: {m}")
         for a, b in zip(g, g_ref):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{budget}: {m}")
         # the allocator rounds blocks up to 512 bytes
         assert peak <= hr.parse_budget(budget) + 512 * 64
 

