@@ -103,3 +103,29 @@ def test_the_reported_minimum_trains_checkpoint_sequential():
         with LiveTensorTracker() as tracker:
             hr.checkpoint_sequential(model, budget, x).pow(2).mean().backward()
         assert tracker.peak_bytes <= err.value.min_budget_bytes
+
+
+def test_a_plan_that_keeps_everything_is_priced_as_it_runs():
+    """The DP prices its schedules with the chain's output gradient held to the end of the backward; one that
+    keeps everything runs as plain autograd, which frees it. The plan's predicted peak is the simulator's
+    replay as it runs (the stress test's invariant; a random chain at its reported minimum once broke it)."""
+    import numpy as np
+
+    from hierremat.dp import min_peak_schedule
+    from hierremat.planning.chain_plan import _fastest_fitting
+    from hierremat.plans.simulate import simulate
+
+    from chains import random_chain
+
+    kept_everything = 0
+    for seed in range(300):
+        rng = np.random.default_rng(seed)
+        costs = random_chain(rng, int(rng.integers(1, 4)), 2)
+        low = min_peak_schedule(costs.with_leaner_forwards()).predicted_peak_bytes
+        for budget in (low, low + 5, 4 * low):
+            planned, schedule = _fastest_fitting(costs, budget, 0, lambda schedule: 0, slots=400)
+            replay = simulate(planned, schedule, output_grad_persists=not schedule.keeps_everything)
+            assert schedule.predicted_peak_bytes == replay.peak_bytes <= budget, (seed, budget, schedule)
+            assert schedule.predicted_time == pytest.approx(replay.time, rel=1e-9)
+            kept_everything += schedule.keeps_everything
+    assert kept_everything > 10

@@ -107,14 +107,22 @@ def _fastest_fitting(
                 break
     if found:
         _, planned, schedule = min(found, key=lambda f: f[0])
-        return planned, schedule
-    schedule = min_peak_schedule(lean)
+        return planned, _as_run(planned, schedule)
+    schedule = _as_run(lean, min_peak_schedule(lean))
     if schedule.predicted_peak_bytes + reserved(schedule) > budget_bytes:
         # The budget reported works whatever schedule of least peak a later plan picks: which
         # one (hence which stages hold a replay reserve) depends on measured times, and a plan
         # at peak + every stage's reserve finds one through the DP at ``budget - reserve_bytes``.
         raise InfeasibleBudgetError(budget_bytes, schedule.predicted_peak_bytes + reserve_bytes)
     return lean, schedule
+
+
+def _as_run(costs: ChainCosts, schedule: ChainSchedule) -> ChainSchedule:
+    """``schedule`` priced as the runtime runs it. The DP prices every schedule with the chain's output
+    gradient held to the end of the backward (the chain Function holds it); a schedule that keeps
+    everything runs as plain autograd instead, which frees that gradient after its last use
+    (keep_all_schedule), so its peak can be lower than the DP's figure."""
+    return keep_all_schedule(costs) if schedule.keeps_everything else schedule
 
 
 def plan_from_profile(
