@@ -85,19 +85,76 @@ class SymbolicCapture:
     def specialize(self, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program's module at these inputs' sizes (module docstring), or None where it does not
         hold for them (the caller then exports at this shape)."""
-        if self.bindings(args, kwargs) is None:
+        bindings = self.bindings(args, kwargs)
+        if bindings is None:
             return None
         module = self.exported.module()
         leaves = self.leaves(args, kwargs)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in leaves]
         try:
-            FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
+            _SpecializedMetas(module, mode, bindings).propagate_dont_convert_inputs(*fakes)
         except Exception as err:  # a guard of the program fails at these sizes
             log.info("the symbolic capture does not hold at these sizes (%s): exporting at this shape", err)
             return None
         _fold_sizes(module)
         return module
+
+
+class _Unbound(Exception):
+    """A symbolic size with a symbol the call's inputs do not bind (an unbacked size, say)."""
+
+
+class _SpecializedMetas(FakeTensorProp):
+    """FakeTensorProp at a call's sizes that evaluates each node's symbolic metadata instead of running it.
+
+    A node whose exported value (``meta["val"]``: fake tensors with symbolic sizes, sizes) is known in the
+    bound symbols gets that value at these sizes: a fake tensor of its dtype and device with the sizes,
+    strides and storage offset evaluated, detached, as FakeTensorProp records it. Other nodes (the guards'
+    checks, values of symbols the inputs do not bind) run on fake tensors as in FakeTensorProp. The same
+    metadata, without dispatching every operator through fake tensors (a tenth of the time on GPT-2).
+    """
+
+    def __init__(self, module: fx.GraphModule, mode: FakeTensorMode, bindings: dict):
+        super().__init__(module, mode)
+        self._subs = {symbol: sympy.Integer(value) for symbol, value in bindings.items()}
+        self._sizes: dict = {}
+
+    def _size(self, value):
+        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return value
+        expr = value.node.expr
+        if expr not in self._sizes:
+            evaluated = expr.xreplace(self._subs)
+            if not evaluated.is_number:
+                raise _Unbound(expr)
+            kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)]
+            self._sizes[expr] = kind(evaluated)
+        return self._sizes[expr]
+
+    def _tensor(self, value: torch.Tensor) -> torch.Tensor:
+        shape = tuple(self._size(s) for s in value.shape)
+        stride = tuple(self._size(s) for s in value.stride())
+        offset = self._size(value.storage_offset())
+        with self._mode:
+            out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+            if offset:
+                extent = offset + sum((n - 1) * st for n, st in zip(shape, stride) if n) + 1
+                out = torch.empty(extent, dtype=value.dtype, device=value.device).as_strided(shape, stride, offset)
+        return out
+
+    def run_node(self, n: fx.Node):
+        symbolic = n.meta.get("val")
+        if n.op in ("call_function", "get_attr") and symbolic is not None:
+            try:
+                value = pytree.tree_map(
+                    lambda v: self._tensor(v) if isinstance(v, torch.Tensor) else self._size(v), symbolic
+                )
+            except _Unbound:
+                return super().run_node(n)
+            n.meta["val"] = value
+            return value
+        return super().run_node(n)
 
 
 def _fold_sizes(module: fx.GraphModule) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -246,11 +247,21 @@ class ShapeFit:
         fit reproduces every sample to the byte, where those are the largest at every sample and the
         others (sizes that depend on the data, such as an embedding gradient's distinct rows), raised by
         their largest miss, stay below them at the target; else None."""
-        if len({len(c) for c in candidates}) > 1:
-            return None  # allocations differ in number (a loop over chunks whose count depends on the size)
+        rows = self._rows
+        counts = Counter(len(c) for c in candidates)
+        if len(counts) > 1:
+            # Allocations differ in number. A shape exported on its own (the first) allocates otherwise than
+            # those specialized from the symbolic capture (the target's kind), as can a loop over chunks whose
+            # count depends on the size: fit from the samples that allocate as most do, where they suffice
+            # (one more than the monomials, as for any memory fit).
+            (count, most), (_, second) = counts.most_common(2)
+            keep = [i for i, c in enumerate(candidates) if len(c) == count]
+            if most == second or most <= rows.shape[1] or np.linalg.matrix_rank(rows[keep]) < rows.shape[1]:
+                return None
+            rows, candidates = rows[keep], [candidates[i] for i in keep]
         measured = np.array(candidates, dtype=float)
-        coefficients, *_ = np.linalg.lstsq(self._rows, measured, rcond=None)
-        misses = np.abs(self._rows @ coefficients - measured).max(axis=0)
+        coefficients, *_ = np.linalg.lstsq(rows, measured, rcond=None)
+        misses = np.abs(rows @ coefficients - measured).max(axis=0)
         exact = misses <= 0.5
         if not exact.any() or (measured[:, exact].max(axis=1) < measured.max(axis=1)).any():
             return None
