@@ -5,11 +5,11 @@ once with symbolic sizes (batch, sequence length, ...). Where the model's code n
 be one value (a reshape against a weight, a branch on a size), export specializes that
 dimension and keeps the others symbolic; :attr:`SymbolicCapture.symbolic_dims` says which
 stayed symbolic. A call at a new shape then needs no trace: :meth:`SymbolicCapture.specialize`
-gives the program's graph with every node's metadata propagated at the call's sizes (fake
-tensors, no computation) and every size-valued node folded to its integer, which is the graph
-an export at that shape gives up to view-only nodes (``slice(x, 0, 0, end)``) that a concrete
-trace drops. Everything downstream (segmentation, joint tracing, profiling) sees a concrete
-graph, as after a per-shape export.
+gives the program's graph with every node's metadata at the call's sizes (the symbolic metadata
+evaluated there, no computation), every size-valued node folded to its integer and every slice
+that takes a whole dimension dropped: the graph an export at that shape gives. Everything
+downstream (segmentation, joint tracing, profiling) sees a concrete graph, as after a per-shape
+export.
 
 The program is valid for the sizes its range constraints allow and its guards accept
 (``ExportedProgram.range_constraints``, the module's ``_guards_fn``); a call outside them
@@ -98,7 +98,24 @@ class SymbolicCapture:
             log.info("the symbolic capture does not hold at these sizes (%s): exporting at this shape", err)
             return None
         _fold_sizes(module)
+        _drop_whole_slices(module)
         return module
+
+
+def _drop_whole_slices(module: fx.GraphModule) -> None:
+    """Replace every ``slice`` that takes its whole dimension (``x[:, :n]`` at a size n equal to the
+    dimension's) by its input, as an export at that shape traces it: the slice is a view of the same
+    values, and its backward would allocate a zero tensor of the input's size to copy the gradient into."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.slice.Tensor or not isinstance(node.args[0], fx.Node):
+            continue
+        source, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if (isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.shape == out.shape
+                and source.stride() == out.stride() and source.storage_offset() == out.storage_offset()):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    module.recompile()
 
 
 class _Unbound(Exception):

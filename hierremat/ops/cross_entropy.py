@@ -12,8 +12,8 @@ This variant runs the same two forward kernels and, in the backward, the same tw
 kernels on blocks of rows, writing each block of the logits' gradient into its place: the
 per-row kernels see the same rows with the same values, so the gradient is bitwise the one
 autograd computes, while only one block of the intermediate gradient exists at a time
-(two ``[N, C]`` tensors plus a block of at most 1/16 of the rows and 8 MiB: about a
-third less at that moment). It runs the same kernels; on a 2-core CPU the blocked backward
+(two ``[N, C]`` tensors plus one buffer of at most a sixteenth of the elements and 8 MiB,
+shared by the blocks: about a third less at that moment). It runs the same kernels; on a 2-core CPU the blocked backward
 was faster than the whole one (its blocks stay in cache). The forward is unchanged: the
 logits and the log-probabilities exist together there. (Going below two ``[N, C]``
 tensors means recomputing the logits block by block, as Cut Cross-Entropy does, Wijmans
@@ -62,11 +62,14 @@ def _backward(ctx, grad_loss, _grad_log_probs, _grad_total_weight):
     log_probs, target, total_weight = ctx.saved_tensors
     grad_logits = torch.empty_like(log_probs)
     rows, classes = log_probs.shape
-    step = max(1, min(-(-rows // _BLOCKS), _BLOCK_BYTES // max(1, classes * log_probs.element_size())))
+    buffer = torch.empty(block_elements(rows, classes, log_probs.element_size()), dtype=log_probs.dtype,
+                         device=log_probs.device)
+    step = buffer.numel() // classes
     per_row = grad_loss.dim() > 0  # reduction "none": one gradient per row
     for start in range(0, rows, step):
         block = slice(start, min(rows, start + step))
-        grad_log_probs = torch.ops.aten.nll_loss_backward(
+        grad_log_probs = buffer[: (block.stop - start) * classes].view(-1, classes)
+        torch.ops.aten.nll_loss_backward.grad_input(  # (zeroes it first, as the functional form's zeros)
             grad_loss[block] if per_row else grad_loss,
             log_probs[block],
             target[block],
@@ -74,12 +77,22 @@ def _backward(ctx, grad_loss, _grad_log_probs, _grad_total_weight):
             ctx.reduction,
             ctx.ignore_index,
             total_weight,
+            grad_input=grad_log_probs,
         )
         torch.ops.aten._log_softmax_backward_data.out(
             grad_log_probs, log_probs[block], 1, log_probs.dtype, out=grad_logits[block]
         )
-        del grad_log_probs
     return grad_logits, None, None, None
+
+
+def block_elements(rows: int, classes: int, element_size: int) -> int:
+    """Elements of the one buffer the backward's blocks of the intermediate gradient share: a sixteenth of
+    the ``[rows, classes]`` elements rounded up, at most _BLOCK_BYTES, at least one row (each block is as
+    many whole rows as it holds). Its bytes are then a polynomial in the rows wherever ``classes`` is a
+    multiple of 16 (hierremat.planning.shape_fit fits a new length's memory from it exactly; rows rounded
+    to whole blocks would not be), and one allocation serves every block."""
+    sixteenth = -(-rows * classes // _BLOCKS)
+    return max(classes, min(sixteenth, _BLOCK_BYTES // element_size))
 
 
 _row_blocked_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
