@@ -129,7 +129,8 @@ class _SpecializedMetas(FakeTensorProp):
     bound symbols gets that value at these sizes: a fake tensor of its dtype and device with the sizes,
     strides and storage offset evaluated, detached, as FakeTensorProp records it. Other nodes (the guards'
     checks, values of symbols the inputs do not bind) run on fake tensors as in FakeTensorProp. The same
-    metadata, without dispatching every operator through fake tensors (a tenth of the time on GPT-2).
+    metadata, without dispatching every operator through fake tensors (a 4-layer GPT-2's capture at a new
+    length: 0.14 s, from 0.25-0.57 s).
     """
 
     def __init__(self, module: fx.GraphModule, mode: FakeTensorMode, bindings: dict):

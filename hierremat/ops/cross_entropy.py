@@ -13,8 +13,8 @@ kernels on blocks of rows, writing each block of the logits' gradient into its p
 per-row kernels see the same rows with the same values, so the gradient is bitwise the one
 autograd computes, while only one block of the intermediate gradient exists at a time
 (two ``[N, C]`` tensors plus one buffer of at most a sixteenth of the elements and 8 MiB,
-shared by the blocks: about a third less at that moment). It runs the same kernels; on a 2-core CPU the blocked backward
-was faster than the whole one (its blocks stay in cache). The forward is unchanged: the
+shared by the blocks: about a third less at that moment). It runs the same kernels; on a
+2-core CPU the blocked backward was faster than the whole one (its blocks stay in cache). The forward is unchanged: the
 logits and the log-probabilities exist together there. (Going below two ``[N, C]``
 tensors means recomputing the logits block by block, as Cut Cross-Entropy does, Wijmans
 et al. 2024, which changes the summation order of the head's weight gradient.)
@@ -64,7 +64,7 @@ def _backward(ctx, grad_loss, _grad_log_probs, _grad_total_weight):
     rows, classes = log_probs.shape
     buffer = torch.empty(block_elements(rows, classes, log_probs.element_size()), dtype=log_probs.dtype,
                          device=log_probs.device)
-    step = buffer.numel() // classes
+    step = max(1, buffer.numel() // max(1, classes))
     per_row = grad_loss.dim() > 0  # reduction "none": one gradient per row
     for start in range(0, rows, step):
         block = slice(start, min(rows, start + step))
