@@ -49,8 +49,8 @@ def _check(
 ):
     """On CUDA, gradients are compared to within 1e-6 relative, not bitwise: CUDA's embedding
     backward accumulates with atomics, so two plain runs already differ in the last bits. Where two
-    plain runs differ in a tensor, it is compared within its dtype's tolerance (a model held in bf16:
-    one bf16 ulp of a sum accumulated in another order). The allocator rounds each block up to 512 bytes."""
+    plain runs differ in a tensor, it is compared within its dtype's tolerance (where it is bf16, that
+    spread is an ulp or more). The allocator rounds each block up to 512 bytes."""
     device = torch.device(device)
     torch.manual_seed(0)
     model = make_model().to(device)
@@ -59,8 +59,10 @@ def _check(
     ids = torch.randint(0, 256, (2, 48), device=device)
     reference = copy.deepcopy(model)
     loss_ref, grads_ref, plain_peak = _step(reference, ids, recipe, dtype)
-    _, grads_again, _ = _step(reference, ids, recipe, dtype)
-    plain_varies = [False] + [not same_bits(a, b) for a, b in zip(grads_ref, grads_again)]  # (the loss first)
+    plain_varies = [False] * (1 + len(grads_ref))  # (the loss first)
+    if device.type == "cuda":
+        _, grads_again, _ = _step(reference, ids, recipe, dtype)
+        plain_varies[1:] = [not same_bits(a, b) for a, b in zip(grads_ref, grads_again)]
     kwargs = {"labels": ids, "use_cache": False}
     autocast = torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
     with autocast, pytest.raises(hr.InfeasibleBudgetError) as err:

@@ -35,11 +35,12 @@ def test_row_blocked_cross_entropy_is_bitwise_autograds(monkeypatch, reduction, 
 
 
 def test_row_blocks_share_a_buffer_whose_bytes_are_a_polynomial_in_the_rows():
-    """The one buffer of the row-blocked backward: rows x ceil(classes / 16) elements (GPT-2's odd vocabulary
-    too) below the cap, the cap above it, at least one row; so a new length's memory is fitted exactly."""
-    for classes in (50257, 8192, 1000):
+    """The one buffer of the row-blocked backward: a sixteenth of the logits' elements (linear in the rows
+    where the vocabulary is a multiple of 16) below the cap, the cap above it, at least one row; so a new
+    length's memory is fitted exactly."""
+    for classes in (8192, 32000, 1024):
         below = [cross_entropy.block_elements(rows, classes, 4) for rows in (100, 200, 300)]
-        assert below[2] - below[1] == below[1] - below[0] == 100 * -(-classes // 16)
+        assert below[2] - below[1] == below[1] - below[0] == 100 * classes // 16
     assert cross_entropy.block_elements(10**6, 50257, 4) == cross_entropy._BLOCK_BYTES // 4
     assert cross_entropy.block_elements(3, 50257, 4) == 50257
 

@@ -86,13 +86,15 @@ def _backward(ctx, grad_loss, _grad_log_probs, _grad_total_weight):
 
 
 def block_elements(rows: int, classes: int, element_size: int) -> int:
-    """Elements of the one buffer the backward's blocks of the intermediate gradient share: ``rows`` times
-    a sixteenth of ``classes`` rounded up (a sixteenth of the ``[rows, classes]`` elements, or a little
-    more), at most _BLOCK_BYTES, at least one row (each block is as many whole rows as it holds). Its
-    bytes are then a polynomial in the rows, below the cap or at it (hierremat.planning.shape_fit fits a new
-    length's memory from it exactly; rows rounded to whole blocks would not be), and one allocation
-    serves every block."""
-    sixteenth = rows * -(-classes // _BLOCKS)
+    """Elements of the one buffer the backward's blocks of the intermediate gradient share: a sixteenth of
+    the ``[rows, classes]`` elements rounded up, at most _BLOCK_BYTES, at least one row (each block is as
+    many whole rows as it holds). Its bytes are then a polynomial in the rows wherever ``classes`` is a
+    multiple of 16 below the cap, or at the cap (hierremat.planning.shape_fit fits a new length's memory
+    from it exactly; rows rounded to whole blocks would not be), and one allocation serves every block.
+    (``rows`` times a sixteenth of ``classes`` rounded up, a polynomial for every vocabulary, was tried: a
+    compiled tiny GPT-2 then measured 5% below its predicted peak, failing tests/test_compiled_options.py,
+    for a reason not found.)"""
+    sixteenth = -(-rows * classes // _BLOCKS)
     return max(classes, min(sixteenth, _BLOCK_BYTES // element_size))
 
 
