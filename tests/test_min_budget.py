@@ -11,12 +11,17 @@ outputs alive through the backward is told the minimum for that too
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
+from hierremat.dp import min_peak_schedule
+from hierremat.planning.chain_plan import _fastest_fitting
+from hierremat.plans.simulate import simulate
 
+from chains import random_chain
 from models import LossOnly, TinyResNet, random_mlp_chain, tiny_bert, tiny_gpt2, tiny_llama, tiny_qwen2, tiny_vit
 
 pytest.importorskip("transformers")
@@ -109,14 +114,6 @@ def test_a_plan_that_keeps_everything_is_priced_as_it_runs():
     """The DP prices its schedules with the chain's output gradient held to the end of the backward; one that
     keeps everything runs as plain autograd, which frees it. The plan's predicted peak is the simulator's
     replay as it runs (the stress test's invariant; a random chain at its reported minimum once broke it)."""
-    import numpy as np
-
-    from hierremat.dp import min_peak_schedule
-    from hierremat.planning.chain_plan import _fastest_fitting
-    from hierremat.plans.simulate import simulate
-
-    from chains import random_chain
-
     kept_everything = 0
     for seed in range(300):
         rng = np.random.default_rng(seed)

@@ -76,7 +76,7 @@ def _metas(module) -> list:
 
 def test_specialized_metas_are_fake_tensor_propagation_s(monkeypatch):
     """specialize evaluates the program's symbolic metadata at a call's sizes (no operator dispatched): the
-    metadata FakeTensorProp records, node for node, and a guard that fails at those sizes still refuses them."""
+    metadata FakeTensorProp records, node for node, and the same code."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     from hierremat.graphs import symbolic as symbolic_module

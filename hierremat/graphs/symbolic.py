@@ -97,16 +97,16 @@ class SymbolicCapture:
         except Exception as err:  # a guard of the program fails at these sizes
             log.info("the symbolic capture does not hold at these sizes (%s): exporting at this shape", err)
             return None
-        _fold_sizes(module)
-        _drop_whole_slices(module)
+        _fold_sizes(module.graph)
+        _drop_whole_slices(module.graph)
+        module.recompile()
         return module
 
 
-def _drop_whole_slices(module: fx.GraphModule) -> None:
+def _drop_whole_slices(graph: fx.Graph) -> None:
     """Replace every ``slice`` that takes its whole dimension (``x[:, :n]`` at a size n equal to the
     dimension's) by its input, as an export at that shape traces it: the slice is a view of the same
     values, and its backward would allocate a zero tensor of the input's size to copy the gradient into."""
-    graph = module.graph
     for node in list(graph.nodes):
         if node.target is not torch.ops.aten.slice.Tensor or not isinstance(node.args[0], fx.Node):
             continue
@@ -115,7 +115,6 @@ def _drop_whole_slices(module: fx.GraphModule) -> None:
                 and source.stride() == out.stride() and source.storage_offset() == out.storage_offset()):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-    module.recompile()
 
 
 class _Unbound(Exception):
@@ -155,11 +154,10 @@ class _SpecializedMetas(FakeTensorProp):
         stride = tuple(self._size(s) for s in value.stride())
         offset = self._size(value.storage_offset())
         with self._mode:
-            out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
-            if offset:
-                extent = offset + sum((n - 1) * st for n, st in zip(shape, stride) if n) + 1
-                out = torch.empty(extent, dtype=value.dtype, device=value.device).as_strided(shape, stride, offset)
-        return out
+            if not offset:
+                return torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+            extent = offset + sum((n - 1) * st for n, st in zip(shape, stride) if n) + 1
+            return torch.empty(extent, dtype=value.dtype, device=value.device).as_strided(shape, stride, offset)
 
     def run_node(self, n: fx.Node):
         symbolic = n.meta.get("val")
@@ -175,15 +173,13 @@ class _SpecializedMetas(FakeTensorProp):
         return super().run_node(n)
 
 
-def _fold_sizes(module: fx.GraphModule) -> None:
+def _fold_sizes(graph: fx.Graph) -> None:
     """Replace every node that computes a size (``sym_size``, arithmetic on sizes) by its value."""
-    graph = module.graph
     for node in list(graph.nodes):
         value = node.meta.get("val")
         if node.op == "call_function" and isinstance(value, int) and not isinstance(value, bool):
             node.replace_all_uses_with(value)
             graph.erase_node(node)
-    module.recompile()
 
 
 def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict) -> SymbolicCapture | None:

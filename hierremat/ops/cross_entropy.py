@@ -15,8 +15,8 @@ autograd computes, while only one block of the intermediate gradient exists at a
 (two ``[N, C]`` tensors plus one buffer of at most a sixteenth of the elements and 8 MiB,
 shared by the blocks: about a third less at that moment). It runs the same kernels; on a
 2-core CPU the blocked backward was faster than the whole one (its blocks stay in cache).
-The forward is unchanged: the logits and the log-probabilities exist together there. (Going below two ``[N, C]``
-tensors means recomputing the logits block by block, as Cut Cross-Entropy does, Wijmans
+The forward is unchanged: the logits and the log-probabilities exist together there.
+(Going below two ``[N, C]`` tensors means recomputing the logits block by block, as Cut Cross-Entropy does, Wijmans
 et al. 2024, which changes the summation order of the head's weight gradient.)
 """
 
