@@ -176,7 +176,11 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
             used = options_used(plan.chain.schedule)
             assert any(plan.chain.costs.stages[i].options[k].name.endswith("+compiled") for i, k in used), plan.summary()
         grads, peak = _trained_exactly_within(module, reference, model, ids, meter, budget, plan)
-        assert abs(peak - plan.predicted_peak_bytes) <= max(0.05 * plan.predicted_peak_bytes, 64 * 1024)
+        # the plan that ran: _step holds the loss, which the plan assumed released, so the first step
+        # re-planned with it held (with the costs measured under this run's load: not always the schedule before)
+        (ran,) = module.plans
+        predicted = ran.predicted_peak_bytes
+        assert abs(peak - predicted) <= max(0.05 * predicted, 64 * 1024), ran.summary()
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.compiled and again.compile_seconds == plan.compile_seconds
     saved = hr.remat(model, (ids,), kwargs, plan=again, cache=cache, output_held=False)
@@ -224,8 +228,9 @@ def test_compiled_options_with_the_fused_head_train_at_their_minimum(tmp_path, m
         _trained_exactly_within(module, reference, model, ids, CpuAllocatorMeter, budget, plan)
 
 
-def test_checkpoint_sequential_compiled_keeps_dropout_exact(tmp_path, monkeypatch):
+def test_checkpoint_sequential_compiled_keeps_dropout_exact(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HIERREMAT_CACHE_DIR", str(tmp_path))
+    plan_cache.clear()  # (the one entry left is this test's plan)
     _prefer_compiled(monkeypatch)
     torch.manual_seed(0)
     seq = torch.nn.Sequential(*[
@@ -240,12 +245,18 @@ def test_checkpoint_sequential_compiled_keeps_dropout_exact(tmp_path, monkeypatc
     for model, kwargs in ((seq, {"compile": True}), (reference, None)):
         xi = x.clone().requires_grad_()
         torch.manual_seed(3)
-        y = hr.checkpoint_sequential(model, "100KiB", xi, **kwargs) if kwargs else model(xi)
+        with caplog.at_level(logging.INFO, logger="hierremat"):
+            y = hr.checkpoint_sequential(model, "100KiB", xi, time_limit=None, **kwargs) if kwargs else model(xi)
         y.square().sum().backward()
         out.append((y.detach(), xi.grad, [p.grad for p in model.parameters()]))
     (y, dx, grads), (y_ref, dx_ref, grads_ref) = out
-    entry = list(plan_cache._plans.values())[-1]
-    assert any(entry.menus.is_compiled_index(i, k) for i, k in options_used(entry.plan.schedule)), entry.plan.summary()
+    (entry,) = plan_cache._plans.values()
+    menus = entry.menus
+    # (once in CI, under load, no compiled form was planned: the message says why if it happens again)
+    assert any(menus.is_compiled_index(i, k) for i, k in options_used(entry.plan.schedule)), (
+        entry.plan.summary(), {k: v[1] for k, v in menus.compiled.items()}, menus.compile_failed,
+        [r.getMessage() for r in caplog.records if r.name.startswith("hierremat")],
+    )
     torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(dx, dx_ref, rtol=RTOL, atol=ATOL)
     for a, b in zip(grads, grads_ref):

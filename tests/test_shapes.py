@@ -24,7 +24,7 @@ from hierremat.ilp.options import recost_options, simulate_option, solve_menu
 from hierremat.plans.block_graph import BlockGraph
 from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.plans.memory_trace import MemoryTrace, with_memory
-from hierremat.planning.shape_fit import MAX_SAMPLES, ShapeFit, ShapeSample, add_sample
+from hierremat.planning.shape_fit import MAX_SAMPLES, ShapeFit, ShapeSample, add_sample, sizes_to_sample
 from hierremat.runtime.profile import ChainProfile
 
 from models import tiny_gpt2
@@ -278,8 +278,8 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     with autocast():
         plain = hr.plan(model, (), longest, budget="64GiB", strategy="none", cache=str(tmp_path)).predicted_peak_bytes
         budget = int(0.6 * plain)
-        module = hr.remat(model, (), longest, budget=budget, cache=str(tmp_path))
-    for step, length in enumerate((64, 40, 23, 51, 40, 30)):
+        module = hr.remat(model, (), _batch(40, pad=5), budget=budget, cache=str(tmp_path))
+    for step, length in enumerate((40, 64, 23, 51, 40, 30)):
         batch = _batch(length, pad=step % 3)
         for m in (model, reference):
             for p in m.parameters():
@@ -310,20 +310,22 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
             assert allocator <= plan.predicted_peak_bytes <= budget and tracker <= budget, (length, tracker, allocator)
         else:
             assert plan.predicted_peak_bytes <= budget and tracker <= budget, (length, tracker, allocator)
-    plans = module.plans
-    assert len(plans) == 5  # one per distinct length
-    assert plans[0].capture_kind == "exported"
-    assert all(p.capture_kind == "specialized" for p in plans[1:])
-    assert all(p.options_solves == 0 for p in plans[1:])  # menus re-costed, never solved again
-    assert all(any(m.get("recosted") for m in p.menus.values()) for p in plans[1:])
+    first, *plans = sorted(module.plans, key=lambda p: p.capture_kind != "exported")  # (the rest in the order made)
+    assert len(plans) == 4  # one per distinct length
+    assert first.capture_kind == "exported" and first.times == "measured"
+    assert all(p.capture_kind == "specialized" for p in plans)
+    assert all(p.options_solves == 0 for p in plans)  # menus re-costed, never solved again
+    assert all(any(m.get("recosted") for m in p.menus.values()) for p in plans)
     assert "the symbolic capture specialized to this shape" in plans[-1].summary()
     assert "re-costed" in plans[-1].summary()
-    # three shapes measured (the first one too, once the symbolic capture can say its sizes): the fourth's
-    # times are fitted from them and its memory measured (nothing would check a fit from three), a sample for
-    # memory; the fifth's times are fitted and its memory, but for the LM head's (its loss runs over chunks
-    # whose number depends on the length)
-    assert sum(p.times == "measured" for p in plans) == 3
-    assert sum("from 3 measured shapes" in p.times and "memory measured at this shape" in p.times for p in plans) == 1
+    # one shape measured in full (the first; its sizes known once the symbolic capture can say them). At the
+    # second (64) the model is measured at half and a quarter of it (32, 16: no plans): the second's times are
+    # fitted from those three and its memory measured (nothing would check a fit from three), a sample for
+    # memory; from the third on, times and memory are fitted
+    assert "from 3 measured shapes" in plans[0].times and "memory measured at this shape" in plans[0].times
+    assert all("measured at this shape" not in p.times for p in plans[1:]), [p.times for p in plans]
+    samples = next(iter(module._samples.values()))
+    assert {v for s in samples for _, v in s.bindings} - {2} == {40, 64, 32, 16}  # (2: the batch)
     assert "times and memory fitted over" in plans[-1].summary() and "(memory only)" in plans[-1].summary()
 
 
@@ -369,3 +371,29 @@ def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
         add_sample(many, replace(_sample(times, length), bindings=(("s", length),), times_measured=length % 2 == 0))
     add_sample(many, replace(_sample(times, 99), bindings=(("s", 99),)))
     assert len(many) == MAX_SAMPLES and sum(not s.times_measured for s in many) == MAX_SAMPLES // 2 - 1
+
+
+def test_a_second_shape_asks_for_two_shorter_ones_and_narrowing_keeps_each_rows_prefix():
+    """At a family's second shape, with one size differing from the first's, the model is measured at half
+    and a quarter of it; not where more than one size differs, nor once the timed shapes suffice. The
+    narrowed inputs are each row's first tokens, mask and labels, in new storage."""
+    times = {"a": lambda s: 1e-3 + 2e-5 * s, "b": lambda s: 5e-4 + 1e-5 * s}
+    first = [replace(_sample(times, 64), bindings=(("b", 2), ("s", 64)))]
+    assert sizes_to_sample(first, {"b": 2, "s": 80}) == (("s",), [40, 20])
+    assert sizes_to_sample(first, {"b": 2, "s": 40}) == (("s",), [20])  # (10: below MIN_SAMPLED_SIZE)
+    assert sizes_to_sample(first, {"b": 3, "s": 80}) is None  # two sizes differ: nothing to cut both from
+    assert sizes_to_sample(first, {"b": 2, "s": 128}) == (("s",), [32])  # (64 is measured)
+    two = [replace(first[0], bindings=(("b", 2), ("s", 64), ("t", 64)))]  # one length, two symbols
+    assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 80}) == (("s", "t"), [40, 20])
+    assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 81}) is None
+    three = first + [replace(_sample(times, n), bindings=(("b", 2), ("s", n))) for n in (40, 20)]
+    assert sizes_to_sample(three, {"b": 2, "s": 80}) is None
+    model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
+    symbolic = capture_symbolic(model, (), _batch(24, pad=3))
+    batch = _batch(32, pad=5)
+    names = tuple(str(s) for s, v in symbolic.bindings((), batch).items() if v == 32)
+    args, kwargs = symbolic.narrowed((), batch, names, 12)
+    assert args == () and set(kwargs) == set(batch)
+    for key, value in batch.items():
+        assert torch.equal(kwargs[key], value[:, :12]) and kwargs[key].data_ptr() != value.data_ptr()
+    assert {v for s, v in symbolic.bindings((), kwargs).items() if str(s) in names} == {12}

@@ -49,7 +49,7 @@ from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_opt
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from ..planning.menus import StageMenu, build_menus
-from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern
+from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern, sizes_to_sample
 
 log = logging.getLogger(__name__)
 
@@ -527,6 +527,20 @@ def _compile(
     return compiled
 
 
+def _sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings,
+               symbolic: SymbolicCapture) -> ShapeSample | None:
+    """The costs measured in full at these inputs (times and memory, no plan solved), captured from
+    ``symbolic``, bound to their sizes; None where the capture does not take them."""
+    bindings = symbolic.bindings(args, kwargs)
+    if bindings is None:
+        return None
+    started = time.perf_counter()
+    autocast = AutocastState.capture(_device_types(args, kwargs))
+    chain, x0, shared, _, _ = _captured_chain(model, args, kwargs, settings, autocast, started, symbolic)
+    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started))
+    return profiled.sample().bound(bindings)
+
+
 def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
     leaves = pytree.tree_leaves((args, kwargs))
     return tuple(dict.fromkeys(v.device.type for v in leaves if isinstance(v, torch.Tensor)))
@@ -620,6 +634,8 @@ class RematModule(nn.Module):
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
         symbolic = self._symbolic_capture(args, kwargs) if plan is None and lent_to is None else None
         samples = self._samples.setdefault(_family_key(args, kwargs), [])
+        if symbolic is not None:
+            self._sample_smaller_shapes(symbolic, args, kwargs, samples)
         sources: list[str] = []
         try:
             with recorded_sources() as sources:
@@ -641,6 +657,36 @@ class RematModule(nn.Module):
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
         return compiled
+
+    def _sample_smaller_shapes(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
+                               samples: list[ShapeSample]) -> None:
+        """At a family's second shape, measure it also at shorter lengths cut from these inputs
+        (hierremat.planning.shape_fit.sizes_to_sample), so that the shapes after it are fitted rather than
+        each measured; a length the model cannot take is skipped (logged)."""
+        bindings = symbolic.bindings(args, kwargs)
+        wanted = sizes_to_sample(samples, bindings) if bindings else None
+        if wanted is None:
+            return
+        names, values = wanted
+        name = "=".join(names)
+        for value in values:
+            started = time.perf_counter()
+            narrowed = symbolic.narrowed(args, kwargs, names, value)
+            sources: list[str] = []
+            try:
+                with recorded_sources() as sources:
+                    sample = _sample_at(self.model, *narrowed, self.settings, symbolic) if narrowed else None
+            except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
+                log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
+                         type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+                continue
+            finally:
+                forget_sources(sources)
+                clear_fake_tensor_cache()
+            if sample is not None:
+                add_sample(samples, sample)
+                log.info("%s measured at %s=%d in %.2f s, to fit later shapes from", type(self.model).__name__, name,
+                         value, time.perf_counter() - started)
 
     def _drop_plans(self, keep_lent: bool = False) -> None:
         """Forget every plan (``keep_lent``: but those made on meta, not yet bound to the model's tensors)."""

@@ -53,6 +53,12 @@ EXTRAPOLATION = 2.0
 #: How far outside the measured sizes memory is fitted; farther out (or from fewer shapes than the
 #: monomials and one more) it is measured, in single runs, while the times are fitted.
 MEMORY_EXTRAPOLATION = 1.25
+#: Timed shapes a fit over one varying size needs (its three monomials: ShapeFit.of), the first measured.
+SAMPLED_SHAPES = 3
+#: The smallest size sizes_to_sample measures at: below it allocations whose sizes depend on the data (an
+#: embedding backward's buffers over the distinct tokens) outgrow the ones linear in the size at GPT-2 64
+#: wide, and a memory fit over such a shape is not exact (then shapes' memory is measured).
+MIN_SAMPLED_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,30 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
         older = range(len(samples) - 1)  # never the one just measured
         memory_only = [i for i in older if not samples[i].times_measured]
         samples.pop(min(memory_only or older, key=crowding))
+
+
+def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], list[int]] | None:
+    """Where a family's second shape comes (``bindings``: its sizes) and the shapes measured cannot fit a
+    third's times yet, the sizes to measure at now, cut from this call's inputs (hierremat.graphs.symbolic
+    SymbolicCapture.narrowed): (the sizes that differ from the samples', all equal: export may give one
+    length several symbols; their values). Half and a quarter of this call's value, so that with the shape
+    measured first every later shape between an eighth of the smaller and twice the larger has its times
+    fitted, and from the next one its memory too (a shape more than the monomials), instead of measuring
+    each of the next shapes in full (issue 35: "profile each distinct block at a few sizes"). None where
+    sizes of different values differ, or the samples already suffice."""
+    target = {str(k): int(v) for k, v in bindings.items()}
+    known = [dict(s.bindings) for s in samples if s.bindings]
+    if not known or any(set(k) != set(target) for k in known):
+        return None
+    if sum(s.times_measured for s in samples) >= SAMPLED_SHAPES:
+        return None
+    differing = sorted({name for k in known for name in target if k[name] != target[name]})
+    if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
+        return None
+    value = target[differing[0]]
+    seen = {k[differing[0]] for k in known} | {value}
+    values = [v for v in (value // 2, value // 4) if v >= MIN_SAMPLED_SIZE and v not in seen]
+    return (tuple(differing), values) if values else None
 
 
 def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
