@@ -14,7 +14,9 @@ AdamW, PyTorch's default ``optimizer.zero_grad()``. Methods, each on the same we
               with a fresh cache (every block menu solved in the run).
 Steps are interleaved: at every step each method runs once, in a seeded shuffled order; a method's wall
 time is the sum of its steps (hierremat's includes its planning). Per length: planning seconds (the plan's
-capture + profile + block options + DP), the allocator-meter and live-tensor-tracker peaks of one extra
+capture + profile + block options + DP), the new length's whole cost to hierremat ("new-length s": its first
+step's wall time, 512's with the plan remat made, less a later step's: the symbolic capture, shapes measured to
+fit from, the plan, the first run of generated code), the allocator-meter and live-tensor-tracker peaks of one extra
 step (not timed) against the budget, the predicted and measured (median) step time, and whether every
 gradient equals plain's bitwise at every step.
 
@@ -118,6 +120,7 @@ def run_loop(steps: int, count: int, cache: str) -> str:
         method = Method(name, model, module, torch.optim.AdamW(model.parameters(), lr=1e-4))
         method.seconds = time.perf_counter() - started  # hierremat's first plan
         methods.append(method)
+    planned = methods[2].seconds
     rng = random.Random(SEED)
     bitwise = True
     seen: set[int] = set()
@@ -128,17 +131,20 @@ def run_loop(steps: int, count: int, cache: str) -> str:
         seen.add(length)
         order = list(methods)
         rng.shuffle(order)
+        first_step = 0.0
         for method in order:
             torch.manual_seed(step)  # dropout: the same masks for every method
             elapsed = method.step(batch)
             method.seconds += elapsed
             if not first:
                 method.step_seconds.setdefault(length, []).append(elapsed)
+            elif method.name == "hierremat":
+                first_step = elapsed
         plain, remat = methods[0], methods[2]
         bitwise &= all(torch.equal(a, b) for a, b in zip(plain.grads, remat.grads))
         if first:
             plan = remat.module.plans[-1]
-            per_length[length] = {"plan": plan, "bitwise": True}
+            per_length[length] = {"plan": plan, "bitwise": True, "first": first_step + (planned if length == 512 else 0.0)}
     for length, row in per_length.items():  # one extra step per length, measured, not timed
         batch = padded_batch(length, vocab, SEED)
         remat = methods[2]
@@ -167,13 +173,13 @@ def run_loop(steps: int, count: int, cache: str) -> str:
         plan_seconds = plan.capture_seconds + plan.chain.profile_seconds + plan.options_seconds + plan.chain.solve_seconds
         rows.append([
             str(length), plan.capture_kind, _fitted(plan.times),
-            str(plan.options_solves), C.fmt(plan_seconds, ".2f"),
+            str(plan.options_solves), C.fmt(plan_seconds, ".2f"), C.fmt(row["first"] - measured, ".2f"),
             C.fmt(row["alloc"] / C.MIB), C.fmt(row["tracker"] / C.MIB), C.fmt(row["alloc"] / budget, ".3f"),
             C.fmt(plan.predicted_peak_bytes / C.MIB), C.fmt(plan.predicted_step_time * 1e3, ".0f"),
             C.fmt(measured * 1e3, ".0f"), C.fmt(plan.predicted_step_time / measured, ".2f"),
         ])
     detail = C.markdown_table(
-        ["length", "capture", "costs", "ILP solves", "plan s", "alloc peak MiB", "tracker MiB", "peak/budget",
+        ["length", "capture", "costs", "ILP solves", "plan s", "new-length s", "alloc peak MiB", "tracker MiB", "peak/budget",
          "predicted MiB", "predicted ms", "measured ms", "predicted/measured"], rows,
     )
     return (f"budget {budget / C.MIB:.1f} MiB = 0.5 x plain's allocator peak at 512 ({plain_peak / C.MIB:.1f} MiB); "

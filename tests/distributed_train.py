@@ -162,6 +162,8 @@ def main() -> None:
                    help="comma-separated sequence lengths the Llama's steps take in turn (each rank plans each new one)")
     p.add_argument("--offload", action="store_true",
                    help="plan with offload=True (a disk tier), its transfers priced free so that the plans offload")
+    p.add_argument("--block-options", default="ilp", choices=("ilp", "autograd"),
+                   help="hierremat's block_options (autograd: no ILP menus, whose solves a loaded machine may cut short)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -192,10 +194,10 @@ def main() -> None:
     with forward_context(device, args.autocast):  # plans are made for the autocast setting they run under
         if args.parallel == "fsdp":
             runner = hr.remat(model, (), local[0], budget=args.budget, device=device if meta else None,
-                              offload=args.offload)
+                              offload=args.offload, block_options=args.block_options)
         elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
-            box = [hr.plan(model, (), local[0], budget=args.budget, offload=args.offload).to_json() if rank == 0
-                   else None]
+            box = [hr.plan(model, (), local[0], budget=args.budget, offload=args.offload,
+                           block_options=args.block_options).to_json() if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             runner = hr.remat(model, (), local[0], plan=hr.ModelPlan.from_json(box[0]))
     if args.parallel:
