@@ -567,16 +567,17 @@ def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: i
     warm = grad_forward()  # first grad-mode run and backward pay one-off costs: not timed
     backward_through(gradient_edges(warm), _ones_for(warm, grad_mask))
     del warm
-    fwd_time = median_seconds(grad_forward, repeats, device)
-    bwd_samples = []
-    for _ in range(repeats):
-        out = grad_forward()
+    fwd_samples, bwd_samples = [], []
+    for _ in range(repeats):  # each timed forward's backward is the timed backward (a forward less per sample)
+        made = []
+        fwd_samples.append(median_seconds(lambda: made.append(grad_forward()), 1, device))
+        out = made.pop()
         edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out
-        if all(e is None for e in edges):
-            break
-        bwd_samples.append(median_seconds(functools.partial(backward_through, edges, grads), 1, device))
+        if any(e is not None for e in edges):
+            bwd_samples.append(median_seconds(functools.partial(backward_through, edges, grads), 1, device))
         del edges, grads
+    fwd_time = statistics.median(fwd_samples)
     return nograd_time, fwd_time, statistics.median(bwd_samples) if bwd_samples else 0.0
 
 
