@@ -318,14 +318,15 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     assert all(any(m.get("recosted") for m in p.menus.values()) for p in plans)
     assert "the symbolic capture specialized to this shape" in plans[-1].summary()
     assert "re-costed" in plans[-1].summary()
-    # one shape measured in full (the first; its sizes known once the symbolic capture can say them). At the
-    # second (64) the model is measured at half and a quarter of it (32, 16: no plans): the second's times are
-    # fitted from those three and its memory measured (nothing would check a fit from three), a sample for
-    # memory; from the third on, times and memory are fitted
-    assert "from 3 measured shapes" in plans[0].times and "memory measured at this shape" in plans[0].times
-    assert all("measured at this shape" not in p.times for p in plans[1:]), [p.times for p in plans]
+    # two shapes measured in full (the first; its sizes known once the symbolic capture can say them), and the
+    # second (64) with a quarter of it (16: no plan made): the third's times are fitted from those three and its
+    # memory measured (nothing would check a fit from three), a sample for memory; from the fourth on, times
+    # and memory are fitted
+    assert plans[0].times == "measured"
+    assert "from 3 measured shapes" in plans[1].times and "memory measured at this shape" in plans[1].times
+    assert all("measured at this shape" not in p.times for p in plans[2:]), [p.times for p in plans]
     samples = next(iter(module._samples.values()))
-    assert {v for s in samples for _, v in s.bindings} - {2} == {40, 64, 32, 16}  # (2: the batch)
+    assert {v for s in samples for _, v in s.bindings} - {2} == {40, 64, 16, 23}  # (2: the batch)
     assert "times and memory fitted over" in plans[-1].summary() and "(memory only)" in plans[-1].summary()
 
 
@@ -374,17 +375,18 @@ def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
 
 
 def test_a_second_shape_asks_for_two_shorter_ones_and_narrowing_keeps_each_rows_prefix():
-    """At a family's second shape, with one size differing from the first's, the model is measured at half
-    and a quarter of it; not where more than one size differs, nor once the timed shapes suffice. The
-    narrowed inputs are each row's first tokens, mask and labels, in new storage."""
+    """At a family's second shape, with one size differing from the first's, the model is measured at a
+    quarter of it too; not where more than one size differs, nor once the timed shapes suffice. The
+    narrowed inputs are each row's first tokens, mask and labels, in new storage, or its last where only
+    those keep the rows' padding."""
     times = {"a": lambda s: 1e-3 + 2e-5 * s, "b": lambda s: 5e-4 + 1e-5 * s}
     first = [replace(_sample(times, 64), bindings=(("b", 2), ("s", 64)))]
-    assert sizes_to_sample(first, {"b": 2, "s": 80}) == (("s",), [40, 20])
-    assert sizes_to_sample(first, {"b": 2, "s": 40}) == (("s",), [20])  # (10: below MIN_SAMPLED_SIZE)
+    assert sizes_to_sample(first, {"b": 2, "s": 80}) == (("s",), [20])
+    assert sizes_to_sample(first, {"b": 2, "s": 60}) is None  # (15: below MIN_SAMPLED_SIZE)
     assert sizes_to_sample(first, {"b": 3, "s": 80}) is None  # two sizes differ: nothing to cut both from
-    assert sizes_to_sample(first, {"b": 2, "s": 128}) == (("s",), [32])  # (64 is measured)
+    assert sizes_to_sample(first, {"b": 2, "s": 256}) is None  # (64 is measured)
     two = [replace(first[0], bindings=(("b", 2), ("s", 64), ("t", 64)))]  # one length, two symbols
-    assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 80}) == (("s", "t"), [40, 20])
+    assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 80}) == (("s", "t"), [20])
     assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 81}) is None
     three = first + [replace(_sample(times, n), bindings=(("b", 2), ("s", n))) for n in (40, 20)]
     assert sizes_to_sample(three, {"b": 2, "s": 80}) is None
@@ -397,3 +399,9 @@ def test_a_second_shape_asks_for_two_shorter_ones_and_narrowing_keeps_each_rows_
     for key, value in batch.items():
         assert torch.equal(kwargs[key], value[:, :12]) and kwargs[key].data_ptr() != value.data_ptr()
     assert {v for s, v in symbolic.bindings((), kwargs).items() if str(s) in names} == {12}
+    # the last row padded by 5: its first 12 tokens are not; its last 12 keep the padding, as RematModule cuts
+    module = hr.remat(model, (), _batch(24, pad=3), budget="1GiB", cache=False)
+    _, suffix = module._narrowed(symbolic, (), batch, names, 12)
+    assert all(torch.equal(suffix[key], value[:, -12:]) for key, value in batch.items())
+    _, prefix = module._narrowed(symbolic, (), _batch(32), names, 12)  # no padding: the first tokens
+    assert all(torch.equal(prefix[key], value[:, :12]) for key, value in _batch(32).items())

@@ -671,7 +671,7 @@ class RematModule(nn.Module):
         name = "=".join(names)
         for value in values:
             started = time.perf_counter()
-            narrowed = symbolic.narrowed(args, kwargs, names, value)
+            narrowed = self._narrowed(symbolic, args, kwargs, names, value)
             sources: list[str] = []
             try:
                 with recorded_sources() as sources:
@@ -687,6 +687,19 @@ class RematModule(nn.Module):
                 add_sample(samples, sample)
                 log.info("%s measured at %s=%d in %.2f s, to fit later shapes from", type(self.model).__name__, name,
                          value, time.perf_counter() - started)
+
+    def _narrowed(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, names: tuple[str, ...],
+                  value: int) -> tuple[tuple, dict] | None:
+        """The inputs cut to ``value`` along the sizes ``names``: each row's first entries, or its last
+        where only those keep which padding masks are all ones as the call has them (right-padded rows cut
+        to a prefix lose their padding, and a model may run a mask of all ones otherwise)."""
+        wanted = padding_key(self.model, args, kwargs)
+        cut = symbolic.narrowed(args, kwargs, names, value)
+        if cut is not None and padding_key(self.model, *cut) != wanted:
+            suffix = symbolic.narrowed(args, kwargs, names, value, last=True)
+            if suffix is not None and padding_key(self.model, *suffix) == wanted:
+                return suffix
+        return cut
 
     def _drop_plans(self, keep_lent: bool = False) -> None:
         """Forget every plan (``keep_lent``: but those made on meta, not yet bound to the model's tensors)."""

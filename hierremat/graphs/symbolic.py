@@ -84,10 +84,11 @@ class SymbolicCapture:
                 return None
         return values
 
-    def narrowed(self, args: tuple, kwargs: dict, symbols: tuple[str, ...], value: int) -> tuple[tuple, dict] | None:
+    def narrowed(self, args: tuple, kwargs: dict, symbols: tuple[str, ...], value: int,
+                 last: bool = False) -> tuple[tuple, dict] | None:
         """The call's inputs with every dimension whose size is one of ``symbols`` (by name) cut to its first
-        ``value`` entries, as copies: the same data at a shorter length (a prefix of each row's tokens, mask
-        and labels); None for a call of another structure."""
+        ``value`` entries (``last``: its last), as copies: the same data at a shorter length (a prefix of each
+        row's tokens, mask and labels, or a suffix); None for a call of another structure."""
         if self.leaves(args, kwargs) is None:
             return None
         leaves, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in self.keywords}))
@@ -96,7 +97,7 @@ class SymbolicCapture:
             if isinstance(leaf, torch.Tensor) and sizes is not None:
                 for dim, size in enumerate(sizes):
                     if str(size) in symbols:
-                        leaf = leaf.narrow(dim, 0, value)
+                        leaf = leaf.narrow(dim, leaf.shape[dim] - value if last else 0, value)
                 leaf = leaf.clone()
             cut.append(leaf)
         narrowed_args, narrowed_kwargs = pytree.tree_unflatten(cut, spec)

@@ -130,11 +130,14 @@ def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tup
     """Where a family's second shape comes (``bindings``: its sizes) and the shapes measured cannot fit a
     third's times yet, the sizes to measure at now, cut from this call's inputs (hierremat.graphs.symbolic
     SymbolicCapture.narrowed): (the sizes that differ from the samples', all equal: export may give one
-    length several symbols; their values). Half and a quarter of this call's value, so that with the shape
-    measured first every later shape between an eighth of the smaller and twice the larger has its times
-    fitted, and from the next one its memory too (a shape more than the monomials), instead of measuring
-    each of the next shapes in full (issue 35: "profile each distinct block at a few sizes"). None where
-    sizes of different values differ, or the samples already suffice."""
+    length several symbols; their values). A quarter of this call's value: with the first shape and this
+    one, measured in full, that is the three timed shapes a fit needs, spread over the lengths seen and
+    below, so that every later shape from an eighth of the smallest to twice the largest has its times
+    fitted (and from the fourth shape on its memory, a shape more than the monomials) instead of the next
+    shapes each measured in full (issue 35: "profile each distinct block at a few sizes"). Half and a
+    quarter instead, with this shape fitted, left no sample between half of it and the first: an LM
+    head's time per row, which grows where its logits outgrow the cache, came out 20% low there. None
+    where sizes of different values differ, or the samples already suffice."""
     target = {str(k): int(v) for k, v in bindings.items()}
     known = [dict(s.bindings) for s in samples if s.bindings]
     if not known or any(set(k) != set(target) for k in known):
@@ -146,7 +149,7 @@ def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tup
         return None
     value = target[differing[0]]
     seen = {k[differing[0]] for k in known} | {value}
-    values = [v for v in (value // 2, value // 4) if v >= MIN_SAMPLED_SIZE and v not in seen]
+    values = [v for v in (value // 4,) if v >= MIN_SAMPLED_SIZE and v not in seen]
     return (tuple(differing), values) if values else None
 
 
