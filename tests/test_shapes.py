@@ -18,6 +18,7 @@ import torch
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter
+from hierremat.graphs.capture import capture
 from hierremat.graphs.symbolic import capture_symbolic
 from hierremat.graphs.joint import to_block_graph, trace_joint
 from hierremat.ilp.options import recost_options, simulate_option, solve_menu
@@ -374,7 +375,7 @@ def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
     assert len(many) == MAX_SAMPLES and sum(not s.times_measured for s in many) == MAX_SAMPLES // 2 - 1
 
 
-def test_a_second_shape_asks_for_two_shorter_ones_and_narrowing_keeps_each_rows_prefix():
+def test_a_second_shape_asks_for_a_quarter_length_and_narrowing_keeps_each_rows_prefix_or_padding():
     """At a family's second shape, with one size differing from the first's, the model is measured at a
     quarter of it too; not where more than one size differs, nor once the timed shapes suffice. The
     narrowed inputs are each row's first tokens, mask and labels, in new storage, or its last where only
@@ -405,3 +406,6 @@ def test_a_second_shape_asks_for_two_shorter_ones_and_narrowing_keeps_each_rows_
     assert all(torch.equal(suffix[key], value[:, -12:]) for key, value in batch.items())
     _, prefix = module._narrowed(symbolic, (), _batch(32), names, 12)  # no padding: the first tokens
     assert all(torch.equal(prefix[key], value[:, :12]) for key, value in _batch(32).items())
+    # a shorter length is only measured from the symbolic capture, never exported on its own
+    with pytest.raises(ValueError, match="does not hold"):
+        capture(model, (), {"input_ids": batch["input_ids"]}, symbolic=symbolic, export=False)

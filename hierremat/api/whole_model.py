@@ -291,13 +291,16 @@ def _lending_device(model: nn.Module, args: tuple, kwargs: dict, device: str | N
 
 
 def _captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, autocast: AutocastState,
-                    started: float, symbolic: SymbolicCapture | None = None, lent_to: torch.device | None = None):
+                    started: float, symbolic: SymbolicCapture | None = None, lent_to: torch.device | None = None,
+                    export: bool = True):
     """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds,
     whether the capture was specialized from ``symbolic``). lent_to: a model without weights is captured as on
-    this device (hierremat.graphs.fake_weights), its chain inputs computed there with lent weights."""
+    this device (hierremat.graphs.fake_weights), its chain inputs computed there with lent weights. export:
+    where ``symbolic`` does not hold at these inputs, export them (else ValueError: hierremat.graphs.capture)."""
     inputs = (args, kwargs)
     if lent_to is None:
-        captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs, symbolic=symbolic)
+        captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs, symbolic=symbolic,
+                           export=export)
     else:  # captured as on lent_to with fake weights, bound to the model's own (meta) ones after
         inputs = lent_inputs(inputs, lent_to)
         with weights_faked_on(model, lent_to) as fake:
@@ -530,13 +533,14 @@ def _compile(
 def _sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings,
                symbolic: SymbolicCapture) -> ShapeSample | None:
     """The costs measured in full at these inputs (times and memory, no plan solved), captured from
-    ``symbolic``, bound to their sizes; None where the capture does not take them."""
+    ``symbolic`` (never exported on their own), bound to their sizes; None where the capture does not take
+    them."""
     bindings = symbolic.bindings(args, kwargs)
     if bindings is None:
         return None
     started = time.perf_counter()
     autocast = AutocastState.capture(_device_types(args, kwargs))
-    chain, x0, shared, _, _ = _captured_chain(model, args, kwargs, settings, autocast, started, symbolic)
+    chain, x0, shared, _, _ = _captured_chain(model, args, kwargs, settings, autocast, started, symbolic, export=False)
     profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started))
     return profiled.sample().bound(bindings)
 
@@ -660,9 +664,10 @@ class RematModule(nn.Module):
 
     def _sample_smaller_shapes(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                                samples: list[ShapeSample]) -> None:
-        """At a family's second shape, measure it also at shorter lengths cut from these inputs
-        (hierremat.planning.shape_fit.sizes_to_sample), so that the shapes after it are fitted rather than
-        each measured; a length the model cannot take is skipped (logged)."""
+        """At a family's second shape (while its measured shapes cannot fit a new one's times), measure the
+        model also at a shorter length cut from these inputs (hierremat.planning.shape_fit.sizes_to_sample),
+        so that the shapes after it are fitted rather than each measured; a length the model cannot take is
+        skipped (logged)."""
         bindings = symbolic.bindings(args, kwargs)
         wanted = sizes_to_sample(samples, bindings) if bindings else None
         if wanted is None:
@@ -683,7 +688,10 @@ class RematModule(nn.Module):
             finally:
                 forget_sources(sources)
                 clear_fake_tensor_cache()
-            if sample is not None:
+            if sample is None:
+                log.info("%s not measured at %s=%d (its symbolic capture does not take it)", type(self.model).__name__,
+                         name, value)
+            else:
                 add_sample(samples, sample)
                 log.info("%s measured at %s=%d in %.2f s, to fit later shapes from", type(self.model).__name__, name,
                          value, time.perf_counter() - started)

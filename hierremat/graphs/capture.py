@@ -109,7 +109,7 @@ def keep_outputs(gm: fx.GraphModule, names: tuple[str, ...], model_name: str) ->
 
 def capture(
     model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, variants: bool = True,
-    outputs: tuple[str, ...] | None = None, symbolic: SymbolicCapture | None = None,
+    outputs: tuple[str, ...] | None = None, symbolic: SymbolicCapture | None = None, export: bool = True,
 ) -> CapturedModel:
     """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem.
 
@@ -118,7 +118,8 @@ def capture(
     into ``.grad``).
     outputs: the names of the outputs to return (hierremat.plan's ``outputs=``); None: all.
     symbolic: the model's symbolic capture: its program specialized at these inputs' sizes
-    stands for the export where it holds for them (hierremat.graphs.symbolic).
+    stands for the export where it holds for them (hierremat.graphs.symbolic); where it does not, the
+    model is exported at these inputs, or with ``export`` False a ValueError is raised.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -126,6 +127,8 @@ def capture(
         args = (args,)
     module = symbolic.specialize(args, kwargs or {}) if symbolic is not None else None
     specialized = module is not None
+    if module is None and not export:
+        raise ValueError("the symbolic capture does not hold at these sizes")
     if module is None:
         module = _export(model, args, kwargs or {})
     if outputs is not None:

@@ -127,17 +127,17 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
 
 
 def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], list[int]] | None:
-    """Where a family's second shape comes (``bindings``: its sizes) and the shapes measured cannot fit a
-    third's times yet, the sizes to measure at now, cut from this call's inputs (hierremat.graphs.symbolic
-    SymbolicCapture.narrowed): (the sizes that differ from the samples', all equal: export may give one
-    length several symbols; their values). A quarter of this call's value: with the first shape and this
-    one, measured in full, that is the three timed shapes a fit needs, spread over the lengths seen and
-    below, so that every later shape from an eighth of the smallest to twice the largest has its times
-    fitted (and from the fourth shape on its memory, a shape more than the monomials) instead of the next
-    shapes each measured in full (issue 35: "profile each distinct block at a few sizes"). Half and a
-    quarter instead, with this shape fitted, left no sample between half of it and the first: an LM
-    head's time per row, which grows where its logits outgrow the cache, came out 20% low there. None
-    where sizes of different values differ, or the samples already suffice."""
+    """Where a new shape of a family comes (``bindings``: its sizes; the second, typically) and the shapes
+    measured cannot fit its times yet, the sizes to measure at now, cut from this call's inputs
+    (hierremat.graphs.symbolic SymbolicCapture.narrowed): (the sizes that differ from the samples', all
+    equal: export may give one length several symbols; the sequence length, typically, or a batch size that
+    differs alone; their values). A quarter of this call's value: with the first shape and this one,
+    measured in full, that is the three timed shapes a fit needs, spread over the lengths seen and below, so
+    that every later shape within EXTRAPOLATION of them has its times fitted (and from the fourth shape on
+    its memory, a shape more than the monomials) instead of the next shapes each measured in full (issue
+    35: "profile each distinct block at a few sizes"). Half and a quarter instead, with this shape fitted, left no sample between half of it and the
+    first: an LM head's time per row, which grows where its logits outgrow the cache, came out 20% low
+    there. None where sizes of different values differ, or the samples already suffice."""
     target = {str(k): int(v) for k, v in bindings.items()}
     known = [dict(s.bindings) for s in samples if s.bindings]
     if not known or any(set(k) != set(target) for k in known):
