@@ -382,12 +382,12 @@ def test_a_second_shape_asks_for_a_quarter_length_and_narrowing_keeps_each_rows_
     those keep the rows' padding."""
     times = {"a": lambda s: 1e-3 + 2e-5 * s, "b": lambda s: 5e-4 + 1e-5 * s}
     first = [replace(_sample(times, 64), bindings=(("b", 2), ("s", 64)))]
-    assert sizes_to_sample(first, {"b": 2, "s": 80}) == (("s",), [20])
+    assert sizes_to_sample(first, {"b": 2, "s": 80}) == (("s",), 20)
     assert sizes_to_sample(first, {"b": 2, "s": 60}) is None  # (15: below MIN_SAMPLED_SIZE)
     assert sizes_to_sample(first, {"b": 3, "s": 80}) is None  # two sizes differ: nothing to cut both from
     assert sizes_to_sample(first, {"b": 2, "s": 256}) is None  # (64 is measured)
     two = [replace(first[0], bindings=(("b", 2), ("s", 64), ("t", 64)))]  # one length, two symbols
-    assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 80}) == (("s", "t"), [20])
+    assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 80}) == (("s", "t"), 20)
     assert sizes_to_sample(two, {"b": 2, "s": 80, "t": 81}) is None
     three = first + [replace(_sample(times, n), bindings=(("b", 2), ("s", n))) for n in (40, 20)]
     assert sizes_to_sample(three, {"b": 2, "s": 80}) is None

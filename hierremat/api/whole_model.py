@@ -639,7 +639,7 @@ class RematModule(nn.Module):
         symbolic = self._symbolic_capture(args, kwargs) if plan is None and lent_to is None else None
         samples = self._samples.setdefault(_family_key(args, kwargs), [])
         if symbolic is not None:
-            self._sample_smaller_shapes(symbolic, args, kwargs, samples)
+            self._sample_shorter_length(symbolic, args, kwargs, samples)
         sources: list[str] = []
         try:
             with recorded_sources() as sources:
@@ -662,7 +662,7 @@ class RematModule(nn.Module):
             forget_sources(dropped.sources)
         return compiled
 
-    def _sample_smaller_shapes(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
+    def _sample_shorter_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                                samples: list[ShapeSample]) -> None:
         """At a family's second shape (while its measured shapes cannot fit a new one's times), measure the
         model also at a shorter length cut from these inputs (hierremat.planning.shape_fit.sizes_to_sample),
@@ -672,29 +672,28 @@ class RematModule(nn.Module):
         wanted = sizes_to_sample(samples, bindings) if bindings else None
         if wanted is None:
             return
-        names, values = wanted
+        names, value = wanted
         name = "=".join(names)
-        for value in values:
-            started = time.perf_counter()
-            narrowed = self._narrowed(symbolic, args, kwargs, names, value)
-            sources: list[str] = []
-            try:
-                with recorded_sources() as sources:
-                    sample = _sample_at(self.model, *narrowed, self.settings, symbolic) if narrowed else None
-            except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
-                log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
-                         type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
-                continue
-            finally:
-                forget_sources(sources)
-                clear_fake_tensor_cache()
-            if sample is None:
-                log.info("%s not measured at %s=%d (its symbolic capture does not take it)", type(self.model).__name__,
-                         name, value)
-            else:
-                add_sample(samples, sample)
-                log.info("%s measured at %s=%d in %.2f s, to fit later shapes from", type(self.model).__name__, name,
-                         value, time.perf_counter() - started)
+        started = time.perf_counter()
+        narrowed = self._narrowed(symbolic, args, kwargs, names, value)
+        sources: list[str] = []
+        try:
+            with recorded_sources() as sources:
+                sample = _sample_at(self.model, *narrowed, self.settings, symbolic) if narrowed else None
+        except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
+            log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
+                     type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+            return
+        finally:
+            forget_sources(sources)
+            clear_fake_tensor_cache()
+        if sample is None:
+            log.info("%s not measured at %s=%d (its symbolic capture does not take it)", type(self.model).__name__,
+                     name, value)
+            return
+        add_sample(samples, sample)
+        log.info("%s measured at %s=%d in %.2f s, to fit later shapes from", type(self.model).__name__, name, value,
+                 time.perf_counter() - started)
 
     def _narrowed(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, names: tuple[str, ...],
                   value: int) -> tuple[tuple, dict] | None:

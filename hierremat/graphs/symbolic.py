@@ -19,7 +19,6 @@ gets None, and the caller exports at that shape alone.
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -44,12 +43,15 @@ class SymbolicCapture:
     exported: the program. input_sizes: per flattened input (``(args, kwargs)`` leaves), the
     size of each dimension: an int where export specialized it, else the sympy symbol.
     symbolic_dims: ``(input index, dim)`` of each dimension that stayed symbolic.
+    unlifted: the program's module (``exported.module()``), unlifted once: each shape specializes a
+    copy of its graph (unlifting anew took a tenth of a new shape's planning).
     """
 
     exported: torch.export.ExportedProgram
     input_sizes: tuple
     symbolic_dims: tuple[tuple[int, int], ...]
     keywords: tuple[str, ...]
+    unlifted: fx.GraphModule
 
     def leaves(self, args: tuple, kwargs: dict) -> list | None:
         """The call's inputs flattened as the program takes them (keyword arguments in the captured
@@ -103,16 +105,11 @@ class SymbolicCapture:
         narrowed_args, narrowed_kwargs = pytree.tree_unflatten(cut, spec)
         return tuple(narrowed_args), dict(narrowed_kwargs)
 
-    @functools.cached_property
-    def _unlifted(self) -> fx.GraphModule:
-        return self.exported.module()
-
     def _fresh_module(self) -> fx.GraphModule:
-        """The program's module with a graph of its own to specialize: the module unlifted once (unlifting it
-        anew took a tenth of a new shape's planning), its graph copied, its attributes shared."""
-        base = self._unlifted
-        module = fx.GraphModule(base, copy.deepcopy(base.graph))
-        module.meta.update(base.meta)
+        """The program's module with a graph of its own to specialize: ``unlifted``'s graph copied, its
+        attributes shared."""
+        module = fx.GraphModule(self.unlifted, copy.deepcopy(self.unlifted.graph))
+        module.meta.update(self.unlifted.meta)
         return module
 
     def specialize(self, args: tuple, kwargs: dict) -> fx.GraphModule | None:
@@ -231,7 +228,8 @@ def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict) -> Symbo
         log.info("%s has no symbolic capture (%s: %s): each input shape is exported on its own",
                  type(model).__name__, type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
         return None
-    user_inputs = [n for n in exported.module().graph.nodes if n.op == "placeholder"]
+    unlifted = exported.module()
+    user_inputs = [n for n in unlifted.graph.nodes if n.op == "placeholder"]
     if len(user_inputs) != len(pytree.tree_leaves((args, kwargs))):
         log.info("%s's symbolic capture takes its inputs otherwise than the call: each input shape is exported on its "
                  "own", type(model).__name__)
@@ -253,7 +251,7 @@ def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict) -> Symbo
     if not symbolic:
         log.info("%s specializes every input size: each input shape is exported on its own", type(model).__name__)
         return None
-    return SymbolicCapture(exported, tuple(sizes), symbolic, tuple(kwargs))
+    return SymbolicCapture(exported, tuple(sizes), symbolic, tuple(kwargs), unlifted)
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic) -> tuple | dict:

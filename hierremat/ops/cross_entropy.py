@@ -91,9 +91,11 @@ def block_elements(rows: int, classes: int, element_size: int) -> int:
     many whole rows as it holds). Its bytes are then a polynomial in the rows wherever ``classes`` is a
     multiple of 16 below the cap, or at the cap (hierremat.planning.shape_fit fits a new length's memory
     from it exactly; rows rounded to whole blocks would not be), and one allocation serves every block.
-    (``rows`` times a sixteenth of ``classes`` rounded up, a polynomial for every vocabulary, was tried: a
-    compiled tiny GPT-2 then measured 5% below its predicted peak, failing tests/test_compiled_options.py,
-    for a reason not found.)"""
+    (``rows`` times a sixteenth of ``classes`` rounded up, a polynomial for every vocabulary below the cap,
+    was tried and set aside when tests/test_compiled_options.py failed beside it; that failure was the test
+    comparing against a plan re-made under load, and its vocabulary of 256 gives both formulas the same
+    sizes. It would fit odd vocabularies below the cap; shapes on both sides of the cap fit no memory with
+    either formula.)"""
     sixteenth = -(-rows * classes // _BLOCKS)
     return max(classes, min(sixteenth, _BLOCK_BYTES // element_size))
 

@@ -126,18 +126,19 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
         samples.pop(min(memory_only or older, key=crowding))
 
 
-def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], list[int]] | None:
+def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], int] | None:
     """Where a new shape of a family comes (``bindings``: its sizes; the second, typically) and the shapes
-    measured cannot fit its times yet, the sizes to measure at now, cut from this call's inputs
+    measured cannot fit its times yet, the size to measure at now, cut from this call's inputs
     (hierremat.graphs.symbolic SymbolicCapture.narrowed): (the sizes that differ from the samples', all
     equal: export may give one length several symbols; the sequence length, typically, or a batch size that
-    differs alone; their values). A quarter of this call's value: with the first shape and this one,
-    measured in full, that is the three timed shapes a fit needs, spread over the lengths seen and below, so
-    that every later shape within EXTRAPOLATION of them has its times fitted (and from the fourth shape on
-    its memory, a shape more than the monomials) instead of the next shapes each measured in full (issue
-    35: "profile each distinct block at a few sizes"). Half and a quarter instead, with this shape fitted, left no sample between half of it and the
-    first: an LM head's time per row, which grows where its logits outgrow the cache, came out 20% low
-    there. None where sizes of different values differ, or the samples already suffice."""
+    differs alone; the value). A quarter of this call's value: with the first shape and this one, measured
+    in full, that is the three timed shapes a fit needs, spread over the lengths seen and below, so that
+    every later shape within EXTRAPOLATION of them has its times fitted (and from the fourth shape on its
+    memory, a shape more than the monomials) instead of the next shapes each measured in full (issue 35:
+    "profile each distinct block at a few sizes"). Half and a quarter instead, with this shape fitted, left
+    no sample between half of it and the first: an LM head's time per row, which grows where its logits
+    outgrow the cache, came out 20% low there. None where sizes of different values differ, the quarter is
+    below MIN_SAMPLED_SIZE or measured already, or the samples already suffice."""
     target = {str(k): int(v) for k, v in bindings.items()}
     known = [dict(s.bindings) for s in samples if s.bindings]
     if not known or any(set(k) != set(target) for k in known):
@@ -147,10 +148,10 @@ def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tup
     differing = sorted({name for k in known for name in target if k[name] != target[name]})
     if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
         return None
-    value = target[differing[0]]
-    seen = {k[differing[0]] for k in known} | {value}
-    values = [v for v in (value // 4,) if v >= MIN_SAMPLED_SIZE and v not in seen]
-    return (tuple(differing), values) if values else None
+    quarter = target[differing[0]] // 4
+    if quarter < MIN_SAMPLED_SIZE or quarter in {k[differing[0]] for k in known}:
+        return None
+    return tuple(differing), quarter
 
 
 def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
