@@ -7,18 +7,20 @@ use_cache=False)``), planned with ``outputs="loss"`` (the fused LM head: the iss
 One capture and one profile (``hierremat.explore(..., offload=True)``): every plan, with the second tier
 and without it (``plan(budget, offload=False)``), is solved from the same measured costs, so their predicted
 times compare exactly; each is then run with ``hierremat.remat(model, ..., plan=plan)``.
-On CPU the second tier is a disk tier in the system's temporary directory (bandwidths measured durable).
+On CPU the second tier is a disk tier in the system's temporary directory (bandwidths measured durable); on
+CUDA (``--device cuda``) it is pinned host memory. ``--bf16``: every step under bf16 autocast.
 
 Budgets: the smallest feasible one without offloading (the issue's floor), then ``--points`` budgets spaced
 geometrically up to plain's predicted peak (keeping everything). Where both plans are the same schedule the
 step is measured once (it is the same computation). Time: median wall seconds of a step over ``--rounds``
 rounds, methods interleaved in a seeded shuffled order, ``.grad`` kept allocated; beside it the plan's
 predicted step (deterministic, from the one profile). Peak: the live-tensor tracker and the CPU allocator meter
-over one step. Grad diff: max |grad - plain's| after one step from the same weights and seed, and the offloading
+over one step (on CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before the step). Grad diff: max |grad - plain's| after one step from the same weights and seed, and the offloading
 plan's against the plan without at the same budget (bitwise where they run the same stage options). Tier
-peak: the most bytes the disk tier's files held at once during a step.
+peak: the most bytes the second tier held at once during a step (the disk tier's files).
 
     python benchmarks/bench_offload.py [--rounds 3] [--points 5] [--layers 12 --batch 2 --seq 512] [--stem NAME]
+                                       [--device cuda] [--bf16]
 
 Writes benchmarks/results/bench_offload.md (or NAME.md).
 """
@@ -26,6 +28,7 @@ Writes benchmarks/results/bench_offload.md (or NAME.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import time
@@ -59,7 +62,7 @@ class Row:
     plan: object = None
     same_as: "Row | None" = None  # the row whose schedule this one runs (measured there)
     times: list[float] = field(default_factory=list)
-    tracker_peak: int = 0
+    tracker_peak: int | None = 0  # None: not measured (CUDA)
     alloc_peak: int = 0
     tier_peak: int = 0
     grads: list | None = None
@@ -97,58 +100,72 @@ def _watch_tier(module, watch: _TierWatch, watched_tiers: set) -> None:
     tier.fetch = watched
 
 
-def run(layers: int, batch: int, seq: int, points: int, rounds: int) -> tuple[str, list[str]]:
-    model = _gpt2(layers)
+def run(layers: int, batch: int, seq: int, points: int, rounds: int, device: torch.device,
+        bf16: bool) -> tuple[str, list[str]]:
+    model = _gpt2(layers).to(device)
     params = C.params_of(model)
-    ids = torch.randint(0, 50257, (batch, seq), generator=torch.Generator().manual_seed(SEED))
+    ids = torch.randint(0, 50257, (batch, seq), generator=torch.Generator().manual_seed(SEED)).to(device)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     kwargs = {"labels": ids, "use_cache": False}
     notes = []
     C.zero_grads(params)  # (.grad kept allocated through the run: the budget does not count it)
     started = time.perf_counter()
-    explorer = hr.explore(model, (ids,), kwargs, outputs="loss", offload=True)
-    notes.append(f"one capture and profile, menus and the tier's bandwidths: {time.perf_counter() - started:.1f} s")
-    floor_without = explorer.smallest_feasible(offload=False)
-    floor_with = explorer.smallest_feasible(offload=True)
+    with autocast():  # (the explorer and every plan under the autocast the steps run with)
+        explorer = hr.explore(model, (ids,), kwargs, outputs="loss", offload=True)
+        notes.append(f"one capture and profile, menus and the tier's bandwidths: {time.perf_counter() - started:.1f} s")
+        floor_without = explorer.smallest_feasible(offload=False)
+        floor_with = explorer.smallest_feasible(offload=True)
     top = max(explorer.keep_all_bytes, floor_without + 1)
     budgets = sorted({floor_without} | {int(floor_without * (top / floor_without) ** (k / points))
                                          for k in range(1, points + 1)})
     rows = [Row(None, None, model)]
     for budget in budgets:
-        without = explorer.plan(budget, offload=False)
-        with_tier = explorer.plan(budget, offload=True)
-        base = Row(budget, False, hr.remat(model, (ids,), kwargs, plan=without), without)
-        off = Row(budget, True, hr.remat(model, (ids,), kwargs, plan=with_tier), with_tier)
+        with autocast():
+            without = explorer.plan(budget, offload=False)
+            with_tier = explorer.plan(budget, offload=True)
+            base = Row(budget, False, hr.remat(model, (ids,), kwargs, plan=without), without)
+            off = Row(budget, True, hr.remat(model, (ids,), kwargs, plan=with_tier), with_tier)
         if with_tier.chain.schedule == without.chain.schedule:
             off.same_as = base
         rows += [base, off]
     measured = [r for r in rows if r.same_as is None]
     watch, watched_tiers = _TierWatch(), set()
+
+    def step(row: Row):
+        def go():
+            with autocast():
+                loss = row.module(ids, **kwargs).loss
+            loss.backward()
+        return go
+
     for row in measured:  # gradients after one step from the same weights (and dropout seed)
         C.zero_grads(params)
         torch.manual_seed(SEED)
-        row.module(ids, **kwargs).loss.backward()
+        step(row)()
         row.grads = C.grads_of(params)
         if row.offload:
             _watch_tier(row.module, watch, watched_tiers)
 
-    def step(row: Row):
-        return lambda: row.module(ids, **kwargs).loss.backward()
-
     for row in measured:
         C.zero_grads(params)
-        row.alloc_peak = C.allocator_peak_bytes(step(row))
-        C.zero_grads(params)
         watch.peak = 0
-        with LiveTensorTracker() as tracker:
-            step(row)()
-        row.tracker_peak = tracker.peak_bytes
+        if device.type == "cpu":
+            row.alloc_peak = C.allocator_peak_bytes(step(row))
+            C.zero_grads(params)
+            with LiveTensorTracker() as tracker:
+                step(row)()
+            row.tracker_peak = tracker.peak_bytes
+        else:
+            row.alloc_peak, row.tracker_peak = C.peak_bytes(step(row), device), None
         row.tier_peak = watch.peak
 
-    C.interleave(measured, rounds, SEED, lambda row, _r: row.times.append(C.timed_step(step(row), params,
-                                                                                         torch.device("cpu"))))
+    C.interleave(measured, rounds, SEED, lambda row, _r: row.times.append(C.timed_step(step(row), params, device)))
     plain = rows[0]
     plain_time = C.median(plain.times)
-    table = [["plain autograd", "", "", "1.00", "", C.fmt(plain_time, ".2f"), C.fmt(plain.tracker_peak / C.MIB),
+    def mib(nbytes: int | None) -> str:
+        return C.fmt(nbytes / C.MIB if nbytes is not None else None)
+
+    table = [["plain autograd", "", "", "1.00", "", C.fmt(plain_time, ".3f"), mib(plain.tracker_peak),
               C.fmt(plain.alloc_peak / C.MIB), "", "", "", "0", ""]]
     for row in rows[1:]:
         source = row.same_as or row
@@ -162,8 +179,8 @@ def run(layers: int, batch: int, seq: int, points: int, rounds: int) -> tuple[st
             C.fmt(row.budget / C.MIB), C.fmt(row.plan.predicted_peak_bytes / C.MIB),
             C.fmt(C.median(source.times) / plain_time, ".2f"),
             C.fmt(row.plan.predicted_step_time / without.plan.predicted_step_time, ".3f") if row.offload else "1.000",
-            C.fmt(C.median(source.times), ".2f"), C.fmt(source.tracker_peak / C.MIB), C.fmt(source.alloc_peak / C.MIB),
-            C.fmt(source.alloc_peak / row.budget, ".3f"), C.fmt(row.plan.predicted_step_time, ".2f"),
+            C.fmt(C.median(source.times), ".3f"), mib(source.tracker_peak), mib(source.alloc_peak),
+            C.fmt(source.alloc_peak / row.budget, ".3f"), C.fmt(row.plan.predicted_step_time, ".3f"),
             moved, f"{diff_plain:.1e}", "" if math.isnan(diff_without) else f"{diff_without:.1e}",
         ])
         if row.offload and row.same_as is None:
@@ -191,14 +208,18 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stem", default="bench_offload", help="results file name (without .md)")
+    parser.add_argument("--device", default="cpu", help="cpu (the disk tier) or cuda (pinned host memory)")
+    parser.add_argument("--bf16", action="store_true", help="every step under bf16 autocast")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     started = time.perf_counter()
-    text, notes = run(args.layers, args.batch, args.seq, args.points, args.rounds)
-    info = ", ".join(f"{k} {v}" for k, v in C.device_info(torch.device("cpu"), torch.get_num_threads()).items())
+    device = torch.device(args.device)
+    text, notes = run(args.layers, args.batch, args.seq, args.points, args.rounds, device, args.bf16)
+    info = ", ".join(f"{k} {v}" for k, v in C.device_info(device, torch.get_num_threads()).items())
     command = (f"python benchmarks/bench_offload.py --layers {args.layers} --batch {args.batch} --seq {args.seq} "
                f"--points {args.points} --rounds {args.rounds}"
-               + (f" --stem {args.stem}" if args.stem != "bench_offload" else ""))
+               + (f" --stem {args.stem}" if args.stem != "bench_offload" else "")
+               + (f" --device {args.device}" if device.type != "cpu" else "") + (" --bf16" if args.bf16 else ""))
     header = (f"# bench_offload: GPT-2 {args.layers} layers, outputs='loss', offload=True vs without\n\n{info}\n\n"
               f"`{command}` ({time.perf_counter() - started:.0f} s)\n\n")
     body = text + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"

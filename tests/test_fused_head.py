@@ -343,3 +343,37 @@ def test_outputs_loss_fused_head_cuda():
         for a, b in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
     assert module.plans[0].chain.stage_actions()[-1] == f"all[{FUSED_HEAD}]"
+
+
+def test_a_plan_from_explore_whose_only_option_is_the_fused_head_runs(monkeypatch):
+    """Where no stage has a block menu (on CUDA under bf16 autocast every block's joint graph can fail its
+    exactness check), the plan's only option is the fused head, and it has no menu to store: the plan still
+    runs with ``remat(..., plan=)`` (it raised "stage 3 has no executor for option 1" before), exact and within
+    its budget."""
+    import hierremat.planning.menus as menus
+
+    def no_joint_graph(*args, **kwargs):
+        raise RuntimeError("no joint graph here")
+
+    monkeypatch.setattr(menus, "trace_joint", no_joint_graph)
+    torch.manual_seed(4)
+    model = tiny_gpt2(n_layer=2, vocab_size=4096)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 4096, (2, 96))
+    kwargs = {"labels": ids, "use_cache": False}
+    explorer = hr.explore(model, (ids,), kwargs, outputs="loss", cache=False)
+    budget = explorer.smallest_feasible_bytes
+    plan = explorer.plan(budget)
+    assert not plan.menus and plan.chain.stage_actions()[-1] == f"all[{FUSED_HEAD}]", plan.summary()
+    module = hr.remat(model, (ids,), kwargs, plan=plan)
+    for step in range(2):
+        _zero_grads(model)
+        _zero_grads(reference)
+        torch.manual_seed(step)
+        with LiveTensorTracker() as tracker:
+            _loss(module, ids, kwargs).backward()
+        torch.manual_seed(step)
+        reference(ids, **kwargs).loss.backward()
+        assert tracker.peak_bytes <= budget, plan.summary()
+        for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=ATOL, msg=name)

@@ -495,7 +495,7 @@ def _compile(
                 "plan does not match this model and input: its stages have other signatures "
                 f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
             )
-        if plan.menus:
+        if plan.menus or options_used(plan.chain.schedule):  # (a fused head alone is an option with no menu stored)
             stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
             menus = build_menus(
                 chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents
