@@ -20,10 +20,15 @@ fit from, the plan, the first run of generated code), the allocator-meter and li
 step (not timed) against the budget, the predicted and measured (median) step time, and whether every
 gradient equals plain's bitwise at every step.
 
+``--model gpt2-12``: 12-layer GPT-2 (768 wide, vocabulary 50257), lengths 160..256 instead (issue 35's 2 s per
+new length at that size).
+
     python benchmarks/bench_shapes.py [--steps 36] [--lengths 12]
+    python benchmarks/bench_shapes.py --model gpt2-12 --steps 8 --lengths 6
     python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2)
 
-Writes benchmarks/results/bench_shapes.md (the ``--rss`` table to bench_shapes_rss.md).
+Writes benchmarks/results/bench_shapes.md (``--model gpt2-12``: bench_shapes_gpt2-12.md; the ``--rss`` table to
+bench_shapes_rss.md).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ RESULTS = C.RESULTS_DIR / "bench_shapes.md"
 RSS_RESULTS = C.RESULTS_DIR / "bench_shapes_rss.md"
 SEED = 1234
 BATCH = 4
+#: --model: (layers, width, vocabulary, shortest length, longest length)
+MODELS = {"gpt2-4": (4, 256, 8192, 64, 512), "gpt2-12": (12, 768, 50257, 160, 256)}
 
 
 def _gpt2(n_layer: int, n_embd: int, vocab: int, positions: int):
@@ -89,19 +96,19 @@ class Method:
         return elapsed
 
 
-def _loop_lengths(steps: int, count: int) -> list[int]:
-    lengths = [64 + round(i * (512 - 64) / (count - 1)) for i in range(count)]
+def _loop_lengths(steps: int, count: int, shortest: int = 64, longest: int = 512) -> list[int]:
+    lengths = [shortest + round(i * (longest - shortest) / (count - 1)) for i in range(count)]
     schedule = [lengths[i % count] for i in range(steps)]
     random.Random(SEED).shuffle(schedule)
     return schedule
 
 
-def run_loop(steps: int, count: int, cache: str) -> str:
-    vocab = 8192
+def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4") -> str:
+    layers, width, vocab, low, high = MODELS[model]
     torch.manual_seed(SEED)
-    base = _gpt2(4, 256, vocab, 512)
-    schedule = _loop_lengths(steps, count)
-    longest = padded_batch(512, vocab, SEED)
+    base = _gpt2(layers, width, vocab, high)
+    schedule = _loop_lengths(steps, count, low, high)
+    longest = padded_batch(high, vocab, SEED)
     probe = copy.deepcopy(base)
     plain_peak = C.allocator_peak_bytes(lambda: probe(**longest).loss.backward())
     budget = plain_peak // 2
@@ -144,7 +151,7 @@ def run_loop(steps: int, count: int, cache: str) -> str:
         bitwise &= all(torch.equal(a, b) for a, b in zip(plain.grads, remat.grads))
         if first:
             plan = remat.module.plans[-1]
-            per_length[length] = {"plan": plan, "bitwise": True, "first": first_step + (planned if length == 512 else 0.0)}
+            per_length[length] = {"plan": plan, "bitwise": True, "first": first_step + (planned if length == high else 0.0)}
     for length, row in per_length.items():  # one extra step per length, measured, not timed
         batch = padded_batch(length, vocab, SEED)
         remat = methods[2]
@@ -161,7 +168,7 @@ def run_loop(steps: int, count: int, cache: str) -> str:
         remat.optimizer.zero_grad()
     hf_seconds = methods[1].seconds
     summary = C.markdown_table(
-        ["method", "wall s (36 steps incl. planning)", "x hf", "x plain"],
+        ["method", f"wall s ({steps} steps incl. planning)", "x hf", "x plain"],
         [[m.name, C.fmt(m.seconds, ".1f"), C.fmt(m.seconds / hf_seconds, ".2f"),
           C.fmt(m.seconds / methods[0].seconds, ".2f")] for m in methods],
     )
@@ -182,7 +189,8 @@ def run_loop(steps: int, count: int, cache: str) -> str:
         ["length", "capture", "costs", "ILP solves", "plan s", "new-length s", "alloc peak MiB", "tracker MiB", "peak/budget",
          "predicted MiB", "predicted ms", "measured ms", "predicted/measured"], rows,
     )
-    return (f"budget {budget / C.MIB:.1f} MiB = 0.5 x plain's allocator peak at 512 ({plain_peak / C.MIB:.1f} MiB); "
+    return (f"GPT-2 {layers} layers, {width} wide, vocabulary {vocab}, batch {BATCH}; "
+            f"budget {budget / C.MIB:.1f} MiB = 0.5 x plain's allocator peak at {high} ({plain_peak / C.MIB:.1f} MiB); "
             f"lengths {sorted(set(schedule))}; gradients bitwise equal to plain's at every step: {bitwise}\n\n"
             f"{summary}\n\n{detail}")
 
@@ -232,6 +240,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=36)
     parser.add_argument("--lengths", type=int, default=12)
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-4",
+                        help="gpt2-12: 12-layer GPT-2 (768 wide, vocabulary 50257) over lengths 160..256 (issue 35's "
+                        "2 s per new length); try --steps 8 --lengths 6")
     parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -241,8 +252,9 @@ def main() -> None:
         command, path = f"--rss {args.rss}", RSS_RESULTS
     else:
         with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
-            text = run_loop(args.steps, args.lengths, cache)
-        command, path = f"--steps {args.steps} --lengths {args.lengths}", RESULTS
+            text = run_loop(args.steps, args.lengths, cache, args.model)
+        command = f"--steps {args.steps} --lengths {args.lengths}" + (f" --model {args.model}" if args.model != "gpt2-4" else "")
+        path = RESULTS if args.model == "gpt2-4" else C.RESULTS_DIR / f"bench_shapes_{args.model}.md"
     header = (f"# bench_shapes\n\n{info}\n\n"
               f"`python benchmarks/bench_shapes.py {command}` ({time.perf_counter() - started:.0f} s)\n\n")
     C.write_results(path, header + text + "\n")

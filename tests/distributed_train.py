@@ -10,7 +10,7 @@ DistributedDataParallel. Without ``--parallel``, one process trains plainly on t
 global batches. ``--autocast bf16``: every forward, and the planning, under bf16 autocast.
 ``--meta`` (FSDP2): torchtitan's order, the model built on meta, planned there, sharded, then
 materialized (``to_empty``) and given ``new_model``'s weights. ``--lengths 96,64,80``: the Llama's steps take those sequence lengths in turn (a new length is planned
-on each rank when it first comes). ``--set-to-none``: every step starts with PyTorch's default ``zero_grad(set_to_none=True)``, so
+on each rank when it first comes; under FSDP2, after ``fully_shard``: without its weights, then for the shards). ``--set-to-none``: every step starts with PyTorch's default ``zero_grad(set_to_none=True)``, so
 it allocates the gradients (counted in the budget); else ``.grad`` is kept between steps.
 Both write the final parameters and the first step's gradients (rank 0; with ``--parallel``
 also those of the first step of FSDP2 or DDP alone on the same batches) and a report per rank (peaks,
@@ -227,11 +227,14 @@ def main() -> None:
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
     if args.parallel:
         remat = runner.module if args.parallel == "ddp" else runner
-        report["plan"] = remat.plans[-1].to_json()  # the plan of the shape used last (rank 0's, broadcast)
+        report["plan"] = remat.plans[-1].to_json()  # the plan of the shape used last (rank 0's, broadcast), counted below
         report["summary"] = remat.plans[-1].summary()
         report["plans"] = len(remat.plans)
+        report["chains"] = [{k: v for k, v in json.loads(plan.to_json())["chain"].items() if k != "solve_seconds"}
+                            for plan in remat.plans]  # (every shape's: each rank must run rank 0's)
+        report["gathered"] = [list(plan.gathered_stage_bytes or ()) for plan in remat.plans]
     if args.parallel == "fsdp":
-        report["all_gathers"] = count_all_gathers(runner, local[0], forward_context(device, args.autocast))
+        report["all_gathers"] = count_all_gathers(runner, local[-1], forward_context(device, args.autocast))
     args.out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         torch.save(state, args.out / "params.pt")

@@ -186,6 +186,23 @@ def test_two_ddp_ranks_train_varying_lengths_with_default_zero_grad_within_budge
     assert all(report["plans"] == 3 for report in reports)
 
 
+@pytest.mark.parametrize("autocast", ["off", "bf16"])
+def test_two_fsdp2_ranks_plan_new_lengths_after_fully_shard(tmp_path, autocast):
+    """Sequence lengths first seen after fully_shard (issue 35): each is planned without the model's weights (their
+    whole shapes, lent weights), then for the shards; every rank runs rank 0's plan at every length, the
+    parameters are one process's after steps of 96, 64, 80, 96, 64 and 80 tokens (fp32), and the second step of
+    each length is within the budget on every rank, with PyTorch's default zero_grad."""
+    steps = ("--lengths", "96,64,80", "--steps", "6")
+    reports, sharded_params, single_params = _train(tmp_path, 2, "cpu", "llama", "fsdp", "3.6MiB", autocast,
+                                                    set_to_none=True, extra=steps)
+    _check_fsdp(reports, sharded_params, single_params)
+    for report in reports:
+        assert report["plans"] == 3
+        assert all(peak <= report["budget"] for peak in report["peaks"][3:]), (report["peaks"], report["budget"])
+    assert all(report["chains"] == reports[0]["chains"] for report in reports), "every rank on rank 0's plans"
+    assert all(max(gathered, default=0) > 0 for gathered in reports[0]["gathered"]), "each length planned for the shards"
+
+
 @pytest.mark.cuda
 def test_cuda_fsdp2_trains_like_one_process_within_budget(tmp_path):
     """One FSDP2 rank (nccl) on the GPU: the hooks, the re-plan and the accounting on CUDA. (One rank holds

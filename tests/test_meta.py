@@ -164,3 +164,22 @@ def test_weights_that_cannot_be_lent_are_named_with_their_bytes(monkeypatch):
     ids = torch.randint(0, 256, (2, 16))
     with pytest.raises(hr.UnsupportedModelError, match=r"MiB\) could not be allocated"):
         hr.plan(_on_meta(lambda: tiny_gpt2(n_layer=1)), (ids,), budget="1GiB", cache=False, device="cpu")
+
+
+def test_without_weights_gives_meta_tensors_of_whole_shapes_keeps_ties_and_puts_everything_back():
+    """hierremat.runtime.fsdp.without_weights (a new shape of an FSDP2-sharded model is planned through it): within,
+    every parameter and buffer is a meta tensor of its shape and dtype, tied weights one tensor; after, even on an
+    error inside, the model's own tensors again (the FSDP2 case runs in tests/test_distributed.py)."""
+    from hierremat.runtime.fsdp import without_weights
+
+    model = tiny_gpt2(n_layer=1)
+    own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    with pytest.raises(RuntimeError, match="inside"):
+        with without_weights(model):
+            for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+                assert t.is_meta and t.shape == own[name].shape and t.dtype == own[name].dtype, name
+            assert model.lm_head.weight is model.transformer.wte.weight
+            assert all(p.requires_grad for p in model.parameters())
+            raise RuntimeError("inside")
+    now = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    assert now.keys() == own.keys() and all(now[k] is own[k] for k in own)

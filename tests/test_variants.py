@@ -20,7 +20,7 @@ REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_row_blocked_cross_entropy_is_bitwise_autograds(monkeypatch, reduction, dtype):
-    monkeypatch.setattr(cross_entropy, "_BLOCK_BYTES", 7 * 300 * 8)  # blocks of 3-7 rows: many, and a ragged last one
+    monkeypatch.setattr(cross_entropy, "_BLOCKS", 12)  # blocks of 4 rows: many, and a ragged last one
     torch.manual_seed(0)
     logits = torch.randn(50, 300, dtype=dtype, requires_grad=True)
     target = torch.randint(0, 300, (50,))
@@ -35,14 +35,14 @@ def test_row_blocked_cross_entropy_is_bitwise_autograds(monkeypatch, reduction, 
 
 
 def test_row_blocks_share_a_buffer_whose_bytes_are_a_polynomial_in_the_rows():
-    """The one buffer of the row-blocked backward: a sixteenth of the logits' elements (linear in the rows
-    where the vocabulary is a multiple of 16) below the cap, the cap above it, at least one row; so a new
-    length's memory is fitted exactly."""
-    for classes in (8192, 32000, 1024):
-        below = [cross_entropy.block_elements(rows, classes, 4) for rows in (100, 200, 300)]
-        assert below[2] - below[1] == below[1] - below[0] == 100 * classes // 16
-    assert cross_entropy.block_elements(10**6, 50257, 4) == cross_entropy._BLOCK_BYTES // 4
-    assert cross_entropy.block_elements(3, 50257, 4) == 50257
+    """The one buffer of the row-blocked backward: the rows times a sixteenth of the vocabulary rounded up (linear
+    in the rows for every vocabulary, odd ones included, and at any size: no cap to cross), at least one row; so
+    a new length's memory is fitted exactly."""
+    for classes in (8192, 32000, 1024, 50257, 1000):
+        sizes = [cross_entropy.block_elements(rows, classes) for rows in (100, 200, 300, 4096, 8192)]
+        assert sizes[2] - sizes[1] == sizes[1] - sizes[0] == 100 * -(-classes // 16)
+        assert sizes[4] - sizes[3] == 4096 * -(-classes // 16)
+    assert cross_entropy.block_elements(3, 50257) == 50257
 
 
 class LanguageModelHead(torch.nn.Module):

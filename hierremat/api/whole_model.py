@@ -38,7 +38,7 @@ from ..plans.sequential_plan import SequentialPlan
 from ..device import is_abstract
 from ..device.autocast import AutocastState
 from ..runtime.executor import as_tuple
-from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered
+from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered, without_weights
 from ..runtime.offload import Offloading, check_offload, second_tier
 from ..runtime.lent_weights import bind_to_model, has_abstract_weights, lent_inputs, lent_weights
 from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
@@ -441,13 +441,13 @@ def _compile(
     span this shape, its times are fitted from them and only its memory is measured."""
     started = time.perf_counter()
     model = uncompiled(model)
-    if is_sharded(model):
+    lent_to = _lending_device(model, args, kwargs, settings.device)
+    if is_sharded(model) and lent_to is None:  # (a new shape of a sharded model is planned without its weights)
         raise UnsupportedModelError(
             f"{type(model).__name__} is already sharded with fully_shard: hierremat plans the whole model first. Call "
             "hierremat.remat(model, ...) before fully_shard (as activation checkpointing is applied before it), then "
             "fully_shard each block and the model; the first call re-plans for the shards"
         )
-    lent_to = _lending_device(model, args, kwargs, settings.device)
     if lent_to is None:
         check_devices(_device_types(args, kwargs), "the example inputs")
         autocast = AutocastState.capture(_device_types(args, kwargs))
@@ -629,10 +629,13 @@ class RematModule(nn.Module):
     def plans(self) -> list[ModelPlan]:
         return [c.plan for c in self._compiled.values()]
 
-    def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None) -> _Compiled:
+    def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None,
+             settings: PlanSettings | None = None) -> _Compiled:
+        """Plan the model for these inputs (``settings``: this module's, unless given) and keep the plan."""
+        settings = settings or self.settings
         kwargs = call_kwargs(self.model, kwargs)
-        lending = self.settings.device or has_abstract_weights(self.model)
-        lent_to = _lending_device(self.model, args, kwargs, self.settings.device) if lending else None
+        lending = settings.device or has_abstract_weights(self.model)
+        lent_to = _lending_device(self.model, args, kwargs, settings.device) if lending else None
         if lent_to is not None:  # planned for inputs on the device it trains on
             args, kwargs = lent_inputs((args, kwargs), lent_to)
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
@@ -643,7 +646,7 @@ class RematModule(nn.Module):
         sources: list[str] = []
         try:
             with recorded_sources() as sources:
-                compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, self.settings, symbolic, samples)
+                compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, settings, symbolic, samples)
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -660,6 +663,24 @@ class RematModule(nn.Module):
         while len(self._compiled) > self.max_shapes:
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
+        return compiled
+
+    def _add_sharded(self, args: tuple, kwargs: dict) -> _Compiled:
+        """A new input shape after ``fully_shard``: planned as a model built on meta is (its parameters' whole
+        shapes, weights lent on the inputs' device: hierremat.runtime.fsdp.without_weights), without block
+        options (FSDP2 runs option 0), then re-planned for the shards, every rank on rank 0's plan."""
+        devices = {str(v.device) for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)}
+        device = self.settings.device or (devices.pop() if len(devices) == 1 else None)
+        if device is None:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} is sharded and its inputs are on {len(devices)} devices: pass device= to "
+                "hierremat.remat to plan its new input shapes there"
+            )
+        with without_weights(self.model):
+            compiled = self._add(args, kwargs, settings=replace(self.settings, device=device, block_options="autograd"))
+        log.info("%s is sharded: a new input shape planned without its weights, then for the shards",
+                 type(self.model).__name__)
+        compiled.shard(self.model, self.budget_bytes)
         return compiled
 
     def _sample_shorter_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
@@ -775,7 +796,7 @@ class RematModule(nn.Module):
                     "inputs differ (shape, dtype, device or non-tensor values) from the planned ones; "
                     "call hierremat.remat(..., on_new_shape='replan') to plan per shape"
                 )
-            compiled = self._add(args, kwargs)
+            compiled = self._add_sharded(args, kwargs) if is_sharded(self.model) else self._add(args, kwargs)
         if compiled.lent:  # planned on meta: the model's own weights from now on
             compiled.bind_to(self.model)
         return compiled.chain.orchestrator, kwargs

@@ -12,9 +12,10 @@ This variant runs the same two forward kernels and, in the backward, the same tw
 kernels on blocks of rows, writing each block of the logits' gradient into its place: the
 per-row kernels see the same rows with the same values, so the gradient is bitwise the one
 autograd computes, while only one block of the intermediate gradient exists at a time
-(two ``[N, C]`` tensors plus one buffer of at most a sixteenth of the elements and 8 MiB,
-shared by the blocks: about a third less at that moment). It runs the same kernels; on a
-2-core CPU the blocked backward was faster than the whole one (its blocks stay in cache).
+(two ``[N, C]`` tensors plus one buffer of a sixteenth of the elements, shared by the blocks: about
+a third less at that moment). It runs the same kernels; on a 2-core CPU the blocked backward was faster than
+the whole one, measured when blocks were at most 8 MiB and stayed in cache (they are a sixteenth of the rows
+since 2026-11-26: see block_elements).
 The forward is unchanged: the logits and the log-probabilities exist together there.
 (Going below two ``[N, C]`` tensors means recomputing the logits block by block, as Cut Cross-Entropy does, Wijmans
 et al. 2024, which changes the summation order of the head's weight gradient.)
@@ -24,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-_BLOCK_BYTES = 8 << 20  # one block of rows of the intermediate gradient, at most (bytes)
-_BLOCKS = 16  # and at most 1/16 of the rows
+_BLOCKS = 16  # one block of rows of the intermediate gradient is a sixteenth of the rows
 
 
 @torch.library.custom_op("hierremat::row_blocked_cross_entropy", mutates_args=())
@@ -62,8 +62,7 @@ def _backward(ctx, grad_loss, _grad_log_probs, _grad_total_weight):
     log_probs, target, total_weight = ctx.saved_tensors
     grad_logits = torch.empty_like(log_probs)
     rows, classes = log_probs.shape
-    buffer = torch.empty(block_elements(rows, classes, log_probs.element_size()), dtype=log_probs.dtype,
-                         device=log_probs.device)
+    buffer = torch.empty(block_elements(rows, classes), dtype=log_probs.dtype, device=log_probs.device)
     step = max(1, buffer.numel() // max(1, classes))
     per_row = grad_loss.dim() > 0  # reduction "none": one gradient per row
     for start in range(0, rows, step):
@@ -85,19 +84,17 @@ def _backward(ctx, grad_loss, _grad_log_probs, _grad_total_weight):
     return grad_logits, None, None, None
 
 
-def block_elements(rows: int, classes: int, element_size: int) -> int:
-    """Elements of the one buffer the backward's blocks of the intermediate gradient share: a sixteenth of
-    the ``[rows, classes]`` elements rounded up, at most _BLOCK_BYTES, at least one row (each block is as
-    many whole rows as it holds). Its bytes are then a polynomial in the rows wherever ``classes`` is a
-    multiple of 16 below the cap, or at the cap (hierremat.planning.shape_fit fits a new length's memory
-    from it exactly; rows rounded to whole blocks would not be), and one allocation serves every block.
-    (``rows`` times a sixteenth of ``classes`` rounded up, a polynomial for every vocabulary below the cap,
-    was tried and set aside when tests/test_compiled_options.py failed beside it; that failure was the test
-    comparing against a plan re-made under load, and its vocabulary of 256 gives both formulas the same
-    sizes. It would fit odd vocabularies below the cap; shapes on both sides of the cap fit no memory with
-    either formula.)"""
-    sixteenth = -(-rows * classes // _BLOCKS)
-    return max(classes, min(sixteenth, _BLOCK_BYTES // element_size))
+def block_elements(rows: int, classes: int) -> int:
+    """Elements of the one buffer the backward's blocks of the intermediate gradient share: ``rows`` times a
+    sixteenth of ``classes`` rounded up, at least one row (each block is as many whole rows as it holds; from 16
+    rows on, about a sixteenth of the rows). Its bytes are a polynomial in the rows for every vocabulary, so a new
+    length's memory is fitted exactly from lengths measured before (hierremat.planning.shape_fit).
+
+    Until 2026-11-26 the buffer was also capped at 8 MiB. The cap saved memory only where the logits exceed
+    128 MiB (fp32), at most 3% of that moment then (two ``[N, C]`` tensors and the buffer). But lengths on both
+    sides of the cap fitted no memory: 12-layer GPT-2 at batch 4 (vocabulary 50257) crosses it at 167 tokens, so
+    each new length measured its head."""
+    return max(classes, rows * -(-classes // _BLOCKS))
 
 
 _row_blocked_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -74,7 +74,7 @@ from ..graphs.variants.relu_masks import pack_relu_masks
 log = logging.getLogger(__name__)
 
 #: Bump when node profiling or the time calibration changes (invalidates cached menus).
-COST_MODEL_VERSION = "nodes-3"
+COST_MODEL_VERSION = "nodes-4"  # 4: the row-blocked loss's buffer uncapped (its workspace)
 #: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
 TIE_MARGIN = 1e-6
 #: An option no leaner than autograd's (option 0) in any memory figure is taken only where it is faster by

@@ -28,6 +28,10 @@ for the backward that follows. Sharding itself is FSDP2's; hierremat only calls 
 module. The captured stage graphs read each parameter from the model at every call
 (``GraphStage.bind``), so they use the unsharded parameters FSDP2 has just gathered.
 
+A new input shape after ``fully_shard`` (a sequence length not seen before) is planned as a model built on
+meta is (:func:`without_weights`: the parameters' whole shapes, lent weights to measure with), then
+re-planned for the shards as the first shape was: every rank on rank 0's plan.
+
 What FSDP2 holds is counted (:func:`with_gathered`, :func:`reserve_bytes`; the plan's summary
 shows it): each stage's gathered parameters while it runs (forward, recomputation,
 backward), its unsharded gradients and reduce-scatter buffers, the root module's
@@ -42,9 +46,10 @@ FSDP2's post-backward hook cannot see them): the plan uses what autograd keeps p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -154,6 +159,45 @@ class ShardedChain:
         if not isinstance(self.model, FSDPModule):
             return chain(x, *shared)
         return _as_forward_of(self.model, chain)(x, *shared)
+
+
+@contextlib.contextmanager
+def without_weights(model: nn.Module) -> Iterator[None]:
+    """Within: ``model``, sharded with FSDP2, as a model built on meta, to plan a new input shape with lent weights
+    (hierremat.runtime.lent_weights), as its first shape may be planned: every parameter and buffer a meta
+    tensor of its whole (unsharded) shape and dtype, and FSDP2's forward hooks off (they would all-gather, and
+    export traces the modules' own forwards). The parameters, buffers and hooks are put back on exit. Nothing
+    runs on the shards: no collective, so each rank may plan on its own before they agree in
+    ``_Compiled.shard``."""
+    saved, meta = [], {}  # (one meta tensor per tensor: tied weights stay tied)
+
+    def meta_of(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in meta:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            meta[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        return meta[id(t)]
+
+    try:
+        for module in model.modules():
+            tensors = {kind: dict(getattr(module, kind)) for kind in ("_parameters", "_buffers")}
+            hooks = {kind: getattr(module, kind) for kind in _FORWARD_HOOKS} if is_fsdp_module(module) else {}
+            saved.append((module, tensors, hooks))
+            for kind, named in tensors.items():
+                getattr(module, kind).update({name: meta_of(t) for name, t in named.items() if t is not None})
+            for kind, value in hooks.items():
+                setattr(module, kind, type(value)())
+        yield
+    finally:
+        for module, tensors, hooks in saved:
+            module._parameters.update(tensors["_parameters"])
+            module._buffers.update(tensors["_buffers"])
+            for kind, value in hooks.items():
+                setattr(module, kind, value)
+
+
+#: the nn.Module attributes that hold forward hooks (FSDP2 registers its own there)
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 def _as_forward_of(module: nn.Module, forward: Callable) -> Callable:
