@@ -164,6 +164,8 @@ def main() -> None:
                    help="plan with offload=True (a disk tier), its transfers priced free so that the plans offload")
     p.add_argument("--block-options", default="ilp", choices=("ilp", "autograd"),
                    help="hierremat's block_options (autograd: no ILP menus, whose solves a loaded machine may cut short)")
+    p.add_argument("--uneven", action="store_true",
+                   help="rank 1's batches after the first 8 tokens shorter (with FSDP2, hierremat raises on every rank)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -180,6 +182,8 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
     batches = global_batches(args.model, args.steps, device, lengths)
     local = [{k: v[rank * len(v) // world : (rank + 1) * len(v) // world] for k, v in b.items()} for b in batches]
+    if args.uneven and rank == 1:
+        local = local[:1] + [{k: v[:, :-8] for k, v in b.items()} for b in local[1:]]
     report = {"world": world}
     runner = model
     plain_grads = None
@@ -233,7 +237,8 @@ def main() -> None:
         report["chains"] = [{k: v for k, v in json.loads(plan.to_json())["chain"].items() if k != "solve_seconds"}
                             for plan in remat.plans]  # (every shape's: each rank must run rank 0's)
         report["gathered"] = [list(plan.gathered_stage_bytes or ()) for plan in remat.plans]
-    if args.parallel == "fsdp":
+    if args.parallel == "fsdp":  # (the .grad state of the steps above: the plan reported is the one counted)
+        optimizer.zero_grad(set_to_none=args.set_to_none)
         report["all_gathers"] = count_all_gathers(runner, local[-1], forward_context(device, args.autocast))
     args.out.mkdir(parents=True, exist_ok=True)
     if rank == 0:

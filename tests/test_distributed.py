@@ -203,6 +203,20 @@ def test_two_fsdp2_ranks_plan_new_lengths_after_fully_shard(tmp_path, autocast):
     assert all(max(gathered, default=0) > 0 for gathered in reports[0]["gathered"]), "each length planned for the shards"
 
 
+def test_fsdp2_ranks_called_with_different_lengths_raise_on_every_rank(tmp_path):
+    """Under FSDP2 every rank runs one schedule, so every rank must be called with inputs of one shape: where rank 1's
+    second batch is shorter than rank 0's, both ranks raise UnsupportedModelError at that call (no rank is left
+    waiting in a collective the other never reaches)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+           "--model", "llama", "--parallel", "fsdp", "--budget", "3.6MiB", "--device", "cpu", "--steps", "2",
+           "--uneven", "--out", str(tmp_path / "fsdp")]
+    done = subprocess.run(cmd, cwd=HERE, env=_env("cpu"), capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert output.count("every rank must be called with inputs of the same shapes") >= 2, output[-6000:]
+    assert "rank 0 and rank 1 differ" in output
+
+
 @pytest.mark.cuda
 def test_cuda_fsdp2_trains_like_one_process_within_budget(tmp_path):
     """One FSDP2 rank (nccl) on the GPU: the hooks, the re-plan and the accounting on CUDA. (One rank holds

@@ -118,6 +118,7 @@ class _Compiled:
         self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
         self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.graphs.sources)
         self.lent = False  # planned on meta with lent weights: bound to the model's own when it has them
+        self.unsharded: ModelPlan | None = None  # the plan before shard() re-made it (what each re-shard starts from)
 
     def graphs(self) -> list[nn.Module]:
         """Every graph that reads the model's tensors: the orchestrator, the stages and their other forms."""
@@ -154,11 +155,15 @@ class _Compiled:
 
     def shard(self, model: nn.Module, budget_bytes: int) -> None:
         """Re-plan for the FSDP2 modules ``fully_shard`` made of ``model`` (hierremat.runtime.fsdp):
-        option 0 per stage, what FSDP2 gathers counted, rank 0's plan on every rank."""
+        option 0 per stage, what FSDP2 gathers counted, rank 0's plan on every rank (a collective: every rank
+        calls it together). Again after that, from the plan made before the first call (RematModule._orchestrator:
+        where another rank plans a new shape, this rank re-plans with it)."""
         sharded = ShardedChain(model, self.chain.stages)
         gathered = sharded.gathered_bytes()
         planned = self.chain_module.planned
-        plan = self.plan
+        if self.unsharded is None:
+            self.unsharded = self.plan
+        plan = self.unsharded
         costs = with_gathered(plan.chain.costs, gathered)
         reserve = reserve_bytes(gathered)
         profile = ChainProfile(costs, plan.chain.mutated_buffers, plan.chain.output_grad_mask)
@@ -204,6 +209,43 @@ def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | 
     if "infeasible" in theirs:
         return InfeasibleBudgetError(*theirs["infeasible"])
     return SequentialPlan.from_json(theirs["plan"])
+
+
+#: The budget a new shape of a sharded model is first planned within (RematModule._add_sharded): none.
+UNBOUNDED_BYTES = 1 << 62
+
+
+def _ranks_plan(shape_key, plans: bool) -> bool:
+    """Under FSDP2 every rank runs one schedule (its all-gathers happen in the schedule's order): whether any rank
+    of the default process group plans in this call (``plans``: this one does), where every rank then re-plans for
+    the shards together with it (_Compiled.shard: rank 0's plan on every rank). One small all-gather of the ranks'
+    input keys per call where the group has several ranks. Ranks called with inputs of other shapes, dtypes or
+    autocast (``shape_key``: hierremat's input key without the padding state) raise UnsupportedModelError, every
+    one of them, before any plans or runs a step; a padding state differing between ranks is one schedule's
+    (rank 0's), as at the first call after fully_shard."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plans
+
+    def without_index(part):  # (each rank's inputs are on its own device: cuda:0, cuda:1, ...)
+        if isinstance(part, tuple):
+            return tuple(without_index(p) for p in part)
+        return part.type if isinstance(part, torch.device) else part
+
+    mine = (repr(without_index(shape_key)), plans)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    keys = [k for k, _ in every]
+    if len(set(keys)) > 1:
+        other = next(r for r, k in enumerate(keys) if k != keys[0])
+        raise UnsupportedModelError(
+            f"under FSDP2 every rank must be called with inputs of the same shapes, dtypes and autocast setting (every "
+            f"rank runs one schedule, whose all-gathers must match), but rank 0 and rank {other} differ: {keys[0]} "
+            f"against {keys[other]}. Pad every rank's batch to one length (the global batch's longest, or a fixed "
+            "multiple)"
+        )
+    return any(p for _, p in every)
 
 
 @dataclass(frozen=True)
@@ -434,20 +476,21 @@ def _profile_and_solve(
 
 def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
-    symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (),
+    symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
 ) -> _Compiled:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
-    span this shape, its times are fitted from them and only its memory is measured."""
+    span this shape, its times are fitted from them and only its memory is measured. shards: the model is
+    sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded)."""
     started = time.perf_counter()
     model = uncompiled(model)
-    lent_to = _lending_device(model, args, kwargs, settings.device)
-    if is_sharded(model) and lent_to is None:  # (a new shape of a sharded model is planned without its weights)
+    if is_sharded(model) and not shards:
         raise UnsupportedModelError(
             f"{type(model).__name__} is already sharded with fully_shard: hierremat plans the whole model first. Call "
             "hierremat.remat(model, ...) before fully_shard (as activation checkpointing is applied before it), then "
             "fully_shard each block and the model; the first call re-plans for the shards"
         )
+    lent_to = _lending_device(model, args, kwargs, settings.device)
     if lent_to is None:
         check_devices(_device_types(args, kwargs), "the example inputs")
         autocast = AutocastState.capture(_device_types(args, kwargs))
@@ -629,10 +672,12 @@ class RematModule(nn.Module):
     def plans(self) -> list[ModelPlan]:
         return [c.plan for c in self._compiled.values()]
 
-    def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None,
-             settings: PlanSettings | None = None) -> _Compiled:
-        """Plan the model for these inputs (``settings``: this module's, unless given) and keep the plan."""
+    def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None, settings: PlanSettings | None = None,
+             budget_bytes: int | None = None, shards: bool = False) -> _Compiled:
+        """Plan the model for these inputs (``settings`` and ``budget_bytes``: this module's, unless given; ``shards``:
+        as _compile takes it) and keep the plan."""
         settings = settings or self.settings
+        budget_bytes = budget_bytes if budget_bytes is not None else self.budget_bytes
         kwargs = call_kwargs(self.model, kwargs)
         lending = settings.device or has_abstract_weights(self.model)
         lent_to = _lending_device(self.model, args, kwargs, settings.device) if lending else None
@@ -646,7 +691,7 @@ class RematModule(nn.Module):
         sources: list[str] = []
         try:
             with recorded_sources() as sources:
-                compiled = _compile(self.model, args, kwargs, self.budget_bytes, plan, settings, symbolic, samples)
+                compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards)
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -666,18 +711,15 @@ class RematModule(nn.Module):
         return compiled
 
     def _add_sharded(self, args: tuple, kwargs: dict) -> _Compiled:
-        """A new input shape after ``fully_shard``: planned as a model built on meta is (its parameters' whole
-        shapes, weights lent on the inputs' device: hierremat.runtime.fsdp.without_weights), without block
-        options (FSDP2 runs option 0), then re-planned for the shards, every rank on rank 0's plan."""
-        devices = {str(v.device) for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)}
-        device = self.settings.device or (devices.pop() if len(devices) == 1 else None)
-        if device is None:
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__} is sharded and its inputs are on {len(devices)} devices: pass device= to "
-                "hierremat.remat to plan its new input shapes there"
-            )
+        """A new input shape after ``fully_shard`` (every rank called with it: _ranks_plan): planned
+        as a model built on meta is (its parameters' whole shapes, weights lent on the device its shards are on:
+        hierremat.runtime.fsdp.without_weights), without block options (FSDP2 runs option 0) and without a budget
+        (the whole model's gradients would be counted, not the shards'), then re-planned for the shards within the
+        budget, every rank on rank 0's plan or raising rank 0's InfeasibleBudgetError."""
+        device = str(next(iter(self.model.parameters())).device)  # (a DTensor's: where its local shard is)
+        settings = replace(self.settings, device=device, block_options="autograd", compile=False)
         with without_weights(self.model):
-            compiled = self._add(args, kwargs, settings=replace(self.settings, device=device, block_options="autograd"))
+            compiled = self._add(args, kwargs, settings=settings, budget_bytes=UNBOUNDED_BYTES, shards=True)
         log.info("%s is sharded: a new input shape planned without its weights, then for the shards",
                  type(self.model).__name__)
         compiled.shard(self.model, self.budget_bytes)
@@ -776,13 +818,16 @@ class RematModule(nn.Module):
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._compiled.move_to_end(key)
-        if compiled is None or not compiled.sharded:  # has fully_shard been applied since the plan?
+        sharded = is_sharded(self.model)
+        # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule)
+        others_plan = sharded and _ranks_plan(_input_key(self.model, args, kwargs, False), compiled is None)
+        if compiled is None or not compiled.sharded or others_plan:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
                 raise UnsupportedModelError(
                     "fully_shard was applied to the module hierremat.remat returned: apply it to the model passed to "
                     "remat (each block, then the model itself)"
                 )
-            if compiled is not None and is_sharded(self.model):
+            if compiled is not None and sharded:
                 compiled.shard(self.model, self.budget_bytes)
         if compiled is None:
             if any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled):  # all but autocast and padding
