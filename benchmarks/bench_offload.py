@@ -15,9 +15,10 @@ geometrically up to plain's predicted peak (keeping everything). Where both plan
 step is measured once (it is the same computation). Time: median wall seconds of a step over ``--rounds``
 rounds, methods interleaved in a seeded shuffled order, ``.grad`` kept allocated; beside it the plan's
 predicted step (deterministic, from the one profile). Peak: the live-tensor tracker and the CPU allocator meter
-over one step (on CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before the step). Grad diff: max |grad - plain's| after one step from the same weights and seed, and the offloading
-plan's against the plan without at the same budget (bitwise where they run the same stage options). Tier
-peak: the most bytes the second tier held at once during a step (the disk tier's files).
+over one step (on CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before the step). Grad
+diff: max |grad - plain's| after one step from the same weights and seed, and the offloading plan's against
+the plan without at the same budget (bitwise where they run the same stage options). Tier peak: the most bytes
+the second tier held at once during a step (the disk tier's files).
 
     python benchmarks/bench_offload.py [--rounds 3] [--points 5] [--layers 12 --batch 2 --seq 512] [--stem NAME]
                                        [--device cuda] [--bf16]
@@ -28,7 +29,6 @@ Writes benchmarks/results/bench_offload.md (or NAME.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import math
 import time
@@ -105,12 +105,11 @@ def run(layers: int, batch: int, seq: int, points: int, rounds: int, device: tor
     model = _gpt2(layers).to(device)
     params = C.params_of(model)
     ids = torch.randint(0, 50257, (batch, seq), generator=torch.Generator().manual_seed(SEED)).to(device)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     kwargs = {"labels": ids, "use_cache": False}
     notes = []
     C.zero_grads(params)  # (.grad kept allocated through the run: the budget does not count it)
     started = time.perf_counter()
-    with autocast():  # (the explorer and every plan under the autocast the steps run with)
+    with C.step_autocast(device, bf16):  # (the explorer and every plan under the autocast the steps run with)
         explorer = hr.explore(model, (ids,), kwargs, outputs="loss", offload=True)
         notes.append(f"one capture and profile, menus and the tier's bandwidths: {time.perf_counter() - started:.1f} s")
         floor_without = explorer.smallest_feasible(offload=False)
@@ -120,7 +119,7 @@ def run(layers: int, batch: int, seq: int, points: int, rounds: int, device: tor
                                          for k in range(1, points + 1)})
     rows = [Row(None, None, model)]
     for budget in budgets:
-        with autocast():
+        with C.step_autocast(device, bf16):
             without = explorer.plan(budget, offload=False)
             with_tier = explorer.plan(budget, offload=True)
             base = Row(budget, False, hr.remat(model, (ids,), kwargs, plan=without), without)
@@ -133,7 +132,7 @@ def run(layers: int, batch: int, seq: int, points: int, rounds: int, device: tor
 
     def step(row: Row):
         def go():
-            with autocast():
+            with C.step_autocast(device, bf16):
                 loss = row.module(ids, **kwargs).loss
             loss.backward()
         return go

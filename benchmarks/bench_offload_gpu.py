@@ -140,7 +140,6 @@ def run(args) -> str:
     base = _gpt2(args.layers, args.width).to(device)
     ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(SEED)).to(device)
     kwargs = {"labels": ids, "use_cache": False}
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
 
     def copy_of():
         model = copy.deepcopy(base)
@@ -159,7 +158,8 @@ def run(args) -> str:
 
     def step(method: Method):
         def go():
-            with (method.context() if method.context else contextlib.nullcontext()), autocast():
+            with (method.context() if method.context else contextlib.nullcontext()), \
+                    C.step_autocast(device, args.bf16):
                 loss = method.module(ids, **kwargs).loss
             loss.backward()
         return go
@@ -177,7 +177,7 @@ def run(args) -> str:
         for offload in (False, True):
             model = copy_of()
             try:
-                with autocast():
+                with C.step_autocast(device, args.bf16):
                     module = hr.remat(model, (ids,), kwargs, budget=budget, offload=offload, outputs=args.outputs)
             except hr.InfeasibleBudgetError as err:
                 infeasible.append(f"hierremat {label}, offload={offload}: {budget / C.MIB:.2f} MiB is below its "

@@ -73,6 +73,11 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 # measuring
 
 
+def step_autocast(device: torch.device, bf16: bool):
+    """The context a benchmark's forwards (and hierremat's planning) run in: bf16 autocast on ``device``, or none."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -234,8 +234,7 @@ def main() -> None:
         report["plan"] = remat.plans[-1].to_json()  # the plan of the shape used last (rank 0's, broadcast), counted below
         report["summary"] = remat.plans[-1].summary()
         report["plans"] = len(remat.plans)
-        report["chains"] = [{k: v for k, v in json.loads(plan.to_json())["chain"].items() if k != "solve_seconds"}
-                            for plan in remat.plans]  # (every shape's: each rank must run rank 0's)
+        report["all_plans"] = [plan.to_json() for plan in remat.plans]  # (every shape's: each rank must run rank 0's)
         report["gathered"] = [list(plan.gathered_stage_bytes or ()) for plan in remat.plans]
     if args.parallel == "fsdp":  # (the .grad state of the steps above: the plan reported is the one counted)
         optimizer.zero_grad(set_to_none=args.set_to_none)

@@ -190,13 +190,20 @@ class _Compiled:
         )
 
 
+def _ranks() -> int:
+    """How many ranks the default process group has (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | InfeasibleBudgetError:
     """Rank 0's planning outcome (a plan, or the budget was infeasible) on every rank of the
     default process group: every rank must run the same schedule (its collectives happen in
     the schedule's order) or raise the same error. ``outcome`` itself without a group."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _ranks() == 1:
         return outcome
     if isinstance(outcome, InfeasibleBudgetError):
         mine = {"infeasible": [outcome.budget_bytes, outcome.min_budget_bytes, outcome.what,
@@ -220,12 +227,12 @@ def _ranks_plan(shape_key, plans: bool) -> bool:
     of the default process group plans in this call (``plans``: this one does), where every rank then re-plans for
     the shards together with it (_Compiled.shard: rank 0's plan on every rank). One small all-gather of the ranks'
     input keys per call where the group has several ranks. Ranks called with inputs of other shapes, dtypes or
-    autocast (``shape_key``: hierremat's input key without the padding state) raise UnsupportedModelError, every
+    autocast (``shape_key``: the call's input key without its padding state) raise UnsupportedModelError, every
     one of them, before any plans or runs a step; a padding state differing between ranks is one schedule's
     (rank 0's), as at the first call after fully_shard."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _ranks() == 1:
         return plans
 
     def without_index(part):  # (each rank's inputs are on its own device: cuda:0, cuda:1, ...)
@@ -234,7 +241,7 @@ def _ranks_plan(shape_key, plans: bool) -> bool:
         return part.type if isinstance(part, torch.device) else part
 
     mine = (repr(without_index(shape_key)), plans)
-    every = [None] * dist.get_world_size()
+    every = [None] * _ranks()
     dist.all_gather_object(every, mine)
     keys = [k for k, _ in every]
     if len(set(keys)) > 1:
@@ -819,8 +826,9 @@ class RematModule(nn.Module):
         if compiled is not None:
             self._compiled.move_to_end(key)
         sharded = is_sharded(self.model)
-        # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule)
-        others_plan = sharded and _ranks_plan(_input_key(self.model, args, kwargs, False), compiled is None)
+        # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule); the key
+        # compared across ranks is this one without its padding state (_input_key's third part)
+        others_plan = sharded and _ranks_plan(key[:2] + key[3:], compiled is None)
         if compiled is None or not compiled.sharded or others_plan:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
                 raise UnsupportedModelError(
@@ -841,7 +849,7 @@ class RematModule(nn.Module):
                     "inputs differ (shape, dtype, device or non-tensor values) from the planned ones; "
                     "call hierremat.remat(..., on_new_shape='replan') to plan per shape"
                 )
-            compiled = self._add_sharded(args, kwargs) if is_sharded(self.model) else self._add(args, kwargs)
+            compiled = self._add_sharded(args, kwargs) if sharded else self._add(args, kwargs)
         if compiled.lent:  # planned on meta: the model's own weights from now on
             compiled.bind_to(self.model)
         return compiled.chain.orchestrator, kwargs
