@@ -166,6 +166,9 @@ def main() -> None:
                    help="hierremat's block_options (autograd: no ILP menus, whose solves a loaded machine may cut short)")
     p.add_argument("--uneven", action="store_true",
                    help="rank 1's batches after the first 8 tokens shorter (with FSDP2, hierremat raises on every rank)")
+    p.add_argument("--refuse", action="store_true",
+                   help="with --parallel fsdp: on_new_shape='error', and rank 1 forgets its plans after the first "
+                        "step, as if evicted (hierremat raises on every rank at the next)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -198,7 +201,8 @@ def main() -> None:
     with forward_context(device, args.autocast):  # plans are made for the autocast setting they run under
         if args.parallel == "fsdp":
             runner = hr.remat(model, (), local[0], budget=args.budget, device=device if meta else None,
-                              offload=args.offload, block_options=args.block_options)
+                              offload=args.offload, block_options=args.block_options,
+                              on_new_shape="error" if args.refuse else "replan")
         elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
             box = [hr.plan(model, (), local[0], budget=args.budget, offload=args.offload,
                            block_options=args.block_options).to_json() if rank == 0 else None]
@@ -217,7 +221,9 @@ def main() -> None:
             p.grad = torch.zeros_like(p)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     peaks, first_grads = [], None
-    for batch in local if args.parallel else batches:
+    for step, batch in enumerate(local if args.parallel else batches):
+        if args.refuse and rank == 1 and step == 1:
+            runner._drop_plans()
         optimizer.zero_grad(set_to_none=args.set_to_none)
         with meter(device) as m:
             with forward_context(device, args.autocast):

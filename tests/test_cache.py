@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hierremat.store.cache import FORMAT_VERSION, CacheKey, OptionsCache
+from hierremat.store import cache as cache_module
+from hierremat.store.cache import FORMAT_VERSION, CacheKey, OptionsCache, canonical_json
 
 REPO = Path(__file__).resolve().parents[1]
 LOGGER = "hierremat.cache"
@@ -288,6 +289,24 @@ def test_least_recently_used_entries_are_evicted_beyond_the_cap(tmp_path):
     tiny.put(_key("e"), PAYLOAD)  # the entry just written stays, whatever the cap
     assert [p.name for _, _, p in tiny.usage()] == [tiny.path_for(_key("e")).name]
     assert tiny.get(_key("e")) == PAYLOAD
+
+
+def test_writes_list_the_directory_only_where_the_cap_may_be_crossed(tmp_path, monkeypatch):
+    size = len(canonical_json(cache_module._document(_key("a"), PAYLOAD))) + 1
+    capped = OptionsCache(tmp_path, max_bytes=3 * size)
+    listings = []
+    listed = capped._files
+    monkeypatch.setattr(capped, "_files", lambda: listings.append(1) or listed())
+    for name in "abc":
+        capped.put(_key(name), PAYLOAD)
+    assert len(listings) == 1  # the first write; the next two keep within the cap by this process's count
+    for name in "de":  # each would cross it: listed, and the least recently used entry goes
+        capped.put(_key(name), PAYLOAD)
+    assert len(listings) == 3 and len(capped.usage()) == 3
+    OptionsCache(tmp_path).put(_key("f"), PAYLOAD)  # another process's write: seen at the next listing
+    monkeypatch.setattr(cache_module, "RESCAN_SECONDS", 0.0)
+    capped.put(_key("g"), PAYLOAD)
+    assert len(capped.usage()) == 3 and capped.path_for(_key("g")).exists()
 
 
 def test_cap_from_the_environment(tmp_path, monkeypatch):

@@ -221,18 +221,33 @@ def test_two_fsdp2_ranks_plan_new_lengths_after_fully_shard(tmp_path, autocast):
     assert all(max(gathered, default=0) > 0 for gathered in reports[0]["gathered"]), "each length planned for the shards"
 
 
+def _failing_fsdp_run(tmp_path, flag: str) -> str:
+    """The output of a 2-rank FSDP2 run of 2 steps with ``flag`` (distributed_train.py), which must fail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+           "--model", "llama", "--parallel", "fsdp", "--budget", "3.6MiB", "--device", "cpu", "--steps", "2",
+           flag, "--out", str(tmp_path / "fsdp")]
+    done = subprocess.run(cmd, cwd=HERE, env=_env("cpu"), capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    return output
+
+
 def test_fsdp2_ranks_called_with_different_lengths_raise_on_every_rank(tmp_path):
     """Under FSDP2 every rank runs one schedule, so every rank must be called with inputs of one shape: where rank 1's
     second batch is shorter than rank 0's, both ranks raise UnsupportedModelError at that call (no rank is left
     waiting in a collective the other never reaches)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           "--model", "llama", "--parallel", "fsdp", "--budget", "3.6MiB", "--device", "cpu", "--steps", "2",
-           "--uneven", "--out", str(tmp_path / "fsdp")]
-    done = subprocess.run(cmd, cwd=HERE, env=_env("cpu"), capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, output[-4000:]
+    output = _failing_fsdp_run(tmp_path, "--uneven")
     assert output.count("every rank must be called with inputs of the same shapes") >= 2, output[-6000:]
     assert "rank 0 and rank 1 differ" in output
+
+
+def test_fsdp2_ranks_raise_together_where_one_has_no_plan_and_on_new_shape_is_error(tmp_path):
+    """With on_new_shape="error", a rank without a plan for the call's shape (rank 1's forgotten, as if evicted: the
+    ranks' plans differ where their padding states do) makes every rank raise at that call, not that rank alone
+    while the other waits in FSDP2's all-gathers."""
+    output = _failing_fsdp_run(tmp_path, "--refuse")
+    assert output.count("from the planned ones on another rank") >= 1, output[-6000:]
+    assert output.count("from the planned ones; call hierremat.remat") >= 1, output[-6000:]
 
 
 @pytest.mark.cuda

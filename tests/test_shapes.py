@@ -10,8 +10,10 @@ CPU allocator meter) within the budget.
 
 import contextlib
 import copy
+import logging
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,8 +28,10 @@ from hierremat.ilp.options import recost_options, simulate_option, solve_menu
 from hierremat.plans.block_graph import BlockGraph
 from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.plans.memory_trace import MemoryTrace, with_memory
+from hierremat.planning.menus import StageMenu
 from hierremat.planning.shape_fit import DATA_TOLERANCE, MAX_SAMPLES, ShapeFit, ShapeSample, add_sample, sizes_to_sample
 from hierremat.runtime.profile import ChainProfile
+from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
 from models import tiny_gpt2
 
@@ -172,6 +176,30 @@ def test_fitted_times_recover_linear_plus_quadratic_costs_exactly():
         add_sample(kept, _sample(times, length))
     lengths = sorted(dict(s.bindings)["s"] for s in kept)
     assert len(kept) == MAX_SAMPLES and lengths[0] == 10 and lengths[-1] == 9 + 3 * MAX_SAMPLES
+
+
+def test_least_block_time_is_the_fastest_option_priced_as_the_menus_price_it():
+    """The oracle: a menu solved at one length and re-costed at another (hierremat.ilp.options.recost_options,
+    what build_menus runs at a new shape) has no option faster than ShapeFit.least_block_time, which finds the
+    fastest one from the node times fitted over measured lengths and the speed scale, no stage traced there."""
+    lengths, target = (8, 24, 48, 96), 64
+    graphs = {n: _joint_graph(n) for n in (*lengths, target)}  # (node times linear in the length: fitted exactly)
+    options = solve_menu(graphs[8]).options
+    profile = ChainProfile(ChainCosts((0, 0), (StageCosts(1.0, 0, (OptionCosts(1.0, 1.0, 0, 0, 0),), name="b"),)),
+                           ((),), (True,))
+
+    def sample(n: int) -> ShapeSample:
+        menu = StageMenu(graphs[n], tuple(recost_options(graphs[n], options)), 0.0, recosted=True)
+        menus = SimpleNamespace(signatures=("sig",), menus={"sig": menu}, speeds={"sig": ExecutorSpeeds(1.25, 0.0)})
+        return ShapeSample.of(profile, menus, ["sig"]).bound({"s": n})
+
+    fit = ShapeFit.of([sample(n) for n in lengths], {"s": target}, (0,))
+    assert fit.had_menu(0)
+    fastest = min(o.fwd_time + o.bwd_time for o in recost_options(graphs[target], options))
+    assert fit.least_block_time(0) == pytest.approx(1.25 * fastest, rel=1e-9)
+    without = [replace(sample(n), node_times=(None,), option_nodes=(None,)) for n in lengths]
+    fit = ShapeFit.of(without, {"s": target}, (0,))
+    assert not fit.had_menu(0) and fit.least_block_time(0) is None
 
 
 def _traced_sample(length: int, candidates: dict) -> ShapeSample:
@@ -326,9 +354,12 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     assert first.capture_kind == "exported" and first.times == "measured"
     assert all(p.capture_kind == "specialized" for p in plans)
     assert all(p.options_solves == 0 for p in plans)  # menus re-costed, never solved again
-    assert all(any(m.get("recosted") for m in p.menus.values()) for p in plans)
+    # the second shape's menus re-costed; from the third on (times fitted), only where block options could pay
+    # (hierremat.api.whole_model _ProfiledChain.block_options_cannot_pay: the next test)
+    assert any(m.get("recosted") for m in plans[0].menus.values()) and "re-costed" in plans[0].summary()
+    assert all(any(m.get("recosted") for m in p.menus.values()) != ("block options not re-costed" in p.times)
+               for p in plans[1:])
     assert "the symbolic capture specialized to this shape" in plans[-1].summary()
-    assert "re-costed" in plans[-1].summary()
     # two shapes measured in full (the first; its sizes known once the symbolic capture can say them), and the
     # second (64) with a quarter of it (16: no plan made): the third's times are fitted from those three and its
     # memory measured (nothing would check a fit from three), a sample for memory; from the fourth on, times
@@ -339,6 +370,63 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     samples = next(iter(module._samples.values()))
     assert {v for s in samples for _, v in s.bindings} - {2} == {40, 64, 16, 23}  # (2: the batch)
     assert "times and memory fitted over" in plans[-1].summary() and "(memory only)" in plans[-1].summary()
+
+
+def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(monkeypatch, caplog):
+    """From the third length on (times fitted), a length whose plan without block options keeps every
+    activation within the budget is planned without tracing any stage (block options could save at most
+    the timing noise there); a length near the budget re-costs them on its traced graphs and its plan
+    runs them. Gradients equal plain autograd's at every length."""
+    from hierremat.api import whole_model
+    from hierremat.planning import menus
+
+    traced = []
+    trace_joint = menus.trace_joint
+    monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
+    # a margin above what generated code saves on this tiny model where everything is kept (about 3%, a share
+    # of NOISE_MARGIN's own size: that decision then rests on timing noise), below a recomputation's cost (27% at
+    # 60 tokens)
+    monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.15)
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    budget = int(0.45 * hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes)
+    module = hr.remat(model, (), _batch(40), budget=budget, cache=False)
+    for step, length in enumerate((40, 64, 23, 30, 60)):
+        before = len(traced)
+        for m in (model, reference):
+            for p in m.parameters():
+                p.grad = None
+        for m in (module, reference):
+            torch.manual_seed(step)
+            m(**_batch(length)).loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), length
+        plan = module.plans[-1]
+        if length in (23, 30):
+            assert len(traced) == before and "block options not re-costed at this shape" in plan.times, length
+            assert not plan.menus and plan.predicted_step_time == pytest.approx(plan.chain.no_remat_step_time)
+        if length == 60:  # (keeping everything would exceed the budget)
+            assert len(traced) > before and any(m.get("recosted") for m in plan.menus.values())
+            assert plan.chain.no_remat_step_time > 0 and "block options not re-costed" not in plan.times
+            assert any(op.startswith("F_all") and not op.endswith(", 0)") for op in str(plan.chain.schedule).split(" "))
+
+
+def test_a_new_shape_is_planned_for_how_the_caller_used_the_output_at_the_others(caplog):
+    """A caller that released the output at one shape (``.loss`` alone used) has each new shape planned so
+    from the start, not at its second call after a first step planned for the output held."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
+    module = hr.remat(model, (), _batch(32), budget="64GiB", cache=False)
+    with caplog.at_level(logging.INFO, logger="hierremat"):
+        for _ in range(2):  # planned with the output held: the second call re-plans
+            module(**_batch(32)).loss.backward()
+        assert caplog.text.count("re-planning for how the caller used") == 1
+        caplog.clear()
+        for length in (20, 20, 26, 26):
+            module(**_batch(length)).loss.backward()
+            costs = module.plans[-1].chain.costs
+            assert costs.held_output <= 8 < costs.activation_bytes[-1], length  # the loss alone held
+    assert "re-planning" not in caplog.text
 
 
 def test_plans_kept_per_shape_are_bounded():

@@ -45,10 +45,12 @@ from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
 from ..runtime.stage_cost_cache import StageCostCache
 from ..runtime.step_grads import StepGrads
 from ..store.cache import OptionsCache, default_cache
-from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_options, plan_from_profile, resolve_compile
+from ..planning.chain_plan import (
+    PLAN_TIME_LIMIT, PlannedChain, check_block_options, least_held_bytes, plan_from_profile, resolve_compile,
+)
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
-from ..planning.menus import StageMenu, build_menus
+from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus
 from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern, sizes_to_sample
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,16 @@ class _Compiled:
         self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.graphs.sources)
         self.lent = False  # planned on meta with lent weights: bound to the model's own when it has them
         self.unsharded: ModelPlan | None = None  # the plan before shard() re-made it (what each re-shard starts from)
+        self.least_held: int | None = None  # bytes of the output a caller that releases it still holds (its losses)
+
+    def released_output(self) -> tuple[bool, ...] | None:
+        """Where the caller released the chain output before the backward at this shape's last step (held no
+        more of it than its losses: hierremat.planning.chain_plan.least_held_bytes), the outputs that got a
+        gradient then; else None (not seen yet, or held)."""
+        seen = self.chain_module.planned.runner.observed_output_use
+        if seen is None or self.least_held is None or seen.held_bytes > self.least_held:
+            return None
+        return seen.grad_mask
 
     def graphs(self) -> list[nn.Module]:
         """Every graph that reads the model's tensors: the orchestrator, the stages and their other forms."""
@@ -222,28 +234,29 @@ def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | 
 UNBOUNDED_BYTES = 1 << 62
 
 
-def _ranks_plan(shape_key, plans: bool) -> bool:
+def _ranks_plan(shape_key, plans: bool, refuses: bool = False) -> tuple[bool, bool]:
     """Under FSDP2 every rank runs one schedule (its all-gathers happen in the schedule's order): whether any rank
     of the default process group plans in this call (``plans``: this one does), where every rank then re-plans for
     the shards together with it (_Compiled.shard: rank 0's plan on every rank). One small all-gather of the ranks'
     input keys per call where the group has several ranks. Ranks called with inputs of other shapes, dtypes or
     autocast (``shape_key``: the call's input key without its padding state) raise UnsupportedModelError, every
     one of them, before any plans or runs a step; a padding state differing between ranks is one schedule's
-    (rank 0's), as at the first call after fully_shard."""
+    (rank 0's), as at the first call after fully_shard. Returns (whether any rank plans, whether any refuses to:
+    ``refuses``, a new shape with ``on_new_shape="error"``)."""
     import torch.distributed as dist
 
     if _ranks() == 1:
-        return plans
+        return plans, refuses
 
     def without_index(part):  # (each rank's inputs are on its own device: cuda:0, cuda:1, ...)
         if isinstance(part, tuple):
             return tuple(without_index(p) for p in part)
         return part.type if isinstance(part, torch.device) else part
 
-    mine = (repr(without_index(shape_key)), plans)
+    mine = (repr(without_index(shape_key)), plans, refuses)
     every = [None] * _ranks()
     dist.all_gather_object(every, mine)
-    keys = [k for k, _ in every]
+    keys = [k for k, _, _ in every]
     if len(set(keys)) > 1:
         other = next(r for r, k in enumerate(keys) if k != keys[0])
         raise UnsupportedModelError(
@@ -252,7 +265,7 @@ def _ranks_plan(shape_key, plans: bool) -> bool:
             f"against {keys[other]}. Pad every rank's batch to one length (the global batch's longest, or a fixed "
             "multiple)"
         )
-    return any(p for _, p in every)
+    return any(p for _, p, _ in every), any(r for _, _, r in every)
 
 
 @dataclass(frozen=True)
@@ -381,15 +394,19 @@ class _ProfiledChain:
     #: a model planned on meta: the gradients its step allocates are its own parameters' (the lent copies
     #: are shared by identical stages), read from it by name
     weights_of: nn.Module | None = None
+    #: planned without block options at a fitted shape, where they could not pay (block_options_cannot_pay)
+    blocks_not_recosted: bool = False
 
     @classmethod
     def of(
         cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
-        fitted: ShapeFit | None = None, weights_of: nn.Module | None = None,
+        fitted: ShapeFit | None = None, weights_of: nn.Module | None = None, blocks: bool = True,
     ) -> "_ProfiledChain":
         """deadline: when building the block menus must be done (``time.perf_counter()``).
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
-        its times, and its memory where the fit is exact (else measured). weights_of: see the field."""
+        its times, and its memory where the fit is exact (else measured). weights_of: see the field.
+        blocks: False leaves the stages without block menus (the output's fused head only: with_block_menus
+        adds them)."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
         known, measure = (fitted.profile() if fitted is not None else None) or (None, frozenset())
@@ -404,14 +421,41 @@ class _ProfiledChain:
         if fitted is not None:
             profile = replace(profile, costs=fitted.stage_costs(profile.costs))
         profile_seconds = time.perf_counter() - started
-        menus = None
-        if settings.block_options == "ilp" and settings.strategy == "optimal":
-            menus = build_menus(
-                chain.stages, x0, shared, signatures, cache=settings.options_cache(), variants=settings.variants,
-                deadline=deadline, residents=chain.residents,
-                recompute_across_dropouts=settings.segmentation != "none", fitted=fitted,
-            )
-        return cls(chain, x0, shared, settings, profile, profile_seconds, menus, fitted, weights_of)
+        profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of)
+        return profiled.with_block_menus(deadline, blocks)
+
+    def with_block_menus(self, deadline: float | None, blocks: bool = True) -> "_ProfiledChain":
+        """This chain with its menus built (where the settings ask for block options; ``blocks`` False: the
+        output's fused head alone)."""
+        if self.settings.block_options != "ilp" or self.settings.strategy != "optimal":
+            return self
+        menus = build_menus(
+            self.chain.stages, self.x0, self.shared, [info.signature for info in self.chain.infos],
+            cache=self.settings.options_cache(), variants=self.settings.variants, deadline=deadline,
+            residents=self.chain.residents, recompute_across_dropouts=self.settings.segmentation != "none",
+            fitted=self.fitted, blocks=blocks,
+        )
+        return replace(self, menus=menus)
+
+    def block_options_cannot_pay(self, plan: SequentialPlan) -> bool:
+        """Whether block options could make ``plan``, solved without them at a shape whose times are fitted, no
+        faster than within NOISE_MARGIN (the timing noise: hierremat.planning.menus): its predicted step is
+        within that of a bound on any plan's, each stage's fastest forward and backward once (a block option's
+        bounded without tracing the stage: ShapeFit.least_block_time). A plan that keeps every activation at a
+        length well within the budget is such a plan: the stage is then not traced at this shape."""
+        profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
+        bound = 0.0
+        for i, st in enumerate(profile.costs.stages):
+            least = min(o.fwd_time + o.bwd_time for o in st.options)
+            if self.fitted.had_menu(i):
+                block = self.fitted.least_block_time(i)
+                if block is None:
+                    return False
+                least = min(least, block)
+            bound += least
+        log.debug("without block options: predicted step %.2f ms, any plan's at least %.2f ms",
+                  plan.predicted_step_time * 1e3, bound * 1e3)
+        return plan.predicted_step_time <= bound * (1 + NOISE_MARGIN)
 
     def sample(self, times_measured: bool = True) -> ShapeSample:
         """This shape's measured costs (bindings unset), to fit later shapes' from (``times_measured`` False:
@@ -428,18 +472,24 @@ class _ProfiledChain:
         return self.shared_bytes
 
     def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None,
-              offload: bool = True) -> SequentialPlan:
+              offload: bool = True, output_released: tuple[bool, ...] | None = None) -> SequentialPlan:
         """The chain's plan within ``budget_bytes`` for the whole model (the shared values set aside), from
         ``profile`` (default: the measured one, with the block menus' options), offloading where the settings
-        say so (``offload`` False: never). Raises InfeasibleBudgetError with the model's smallest feasible
+        say so (``offload`` False: never). output_released: the outputs that got a gradient where the caller
+        released the output at another shape (_Compiled.released_output): with the same outputs here and no
+        ``output_held`` setting, planned with it released from the start (else the first backward would find
+        it released, and the next call re-plan). Raises InfeasibleBudgetError with the model's smallest feasible
         budget."""
         if profile is None:
             profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
+        output_held = self.settings.output_held
+        if output_held is None and output_released is not None and output_released == profile.output_grad_mask:
+            output_held = least_held_bytes(profile)
         try:
             return plan_from_profile(
                 self.chain.stages, profile, budget_bytes - self.beside_chain_bytes, self.x0.device,
                 slots=self.settings.slots, profile_seconds=self.profile_seconds,
-                strategy=strategy or self.settings.strategy, output_held=self.settings.output_held,
+                strategy=strategy or self.settings.strategy, output_held=output_held,
                 step_grads=StepGrads(self.chain.stages, self.weights_of).bytes() if self.weights_of is not None else None,
                 offloading=self.settings.offloading(self.x0.device) if offload else None,
             )
@@ -457,38 +507,61 @@ class _ProfiledChain:
             outputs=self.settings.outputs,
             compile_seconds=menus.compile_seconds if menus else 0.0,
             capture_kind="specialized" if specialized else "exported",
-            times=self.fitted.describe() if self.fitted is not None else "measured",
+            times=self.fitted.describe() + (
+                f"; block options not re-costed at this shape (they could save at most {NOISE_MARGIN:.0%} of its step)"
+                if self.blocks_not_recosted else ""
+            ) if self.fitted is not None else "measured",
         )
 
 
 def _profile_and_solve(
     chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
     fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
+    output_released: tuple[bool, ...] | None = None,
 ) -> tuple[_ProfiledChain, SequentialPlan, bool]:
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
-    weights_of: the model, where it is planned on meta (_ProfiledChain.weights_of)."""
-    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of)
+    weights_of: the model, where it is planned on meta (_ProfiledChain.weights_of). output_released: as
+    _ProfiledChain.solve takes it."""
+    compiling = resolve_compile(settings.compile, x0.device)
+    # at a shape whose times are fitted, first without block options: where they cannot pay, no stage is traced
+    lazy = fitted is not None and settings.block_options == "ilp" and settings.strategy == "optimal" \
+        and not compiling
+    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
+                                 blocks=not lazy)
+    if lazy:
+        try:
+            chain_plan = profiled.solve(budget_bytes, output_released=output_released)
+        except InfeasibleBudgetError:
+            chain_plan = None
+        if chain_plan is not None and profiled.block_options_cannot_pay(chain_plan):
+            log.info("block options not re-costed at this shape: they could save at most %.0f%% of the plan's "
+                     "predicted %.1f ms", 100 * NOISE_MARGIN, chain_plan.predicted_step_time * 1e3)
+            return replace(profiled, blocks_not_recosted=True), chain_plan, False
+        profiled = profiled.with_block_menus(settings.deadline(started))
     menus = profiled.menus
-    compiled = menus is not None and resolve_compile(settings.compile, x0.device)
+    compiled = menus is not None and compiling
     if compiled:
         chain_plan = plan_compiled(
-            menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p), chain.stages, x0, shared,
+            menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p, output_released=output_released),
+            chain.stages, x0, shared,
             settings.inductor_cache(), settings.deadline(started),
         )
     else:
-        chain_plan = profiled.solve(budget_bytes)
+        chain_plan = profiled.solve(budget_bytes, output_released=output_released)
     return profiled, chain_plan, compiled
 
 
 def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
+    output_released: tuple[bool, ...] | None = None,
 ) -> _Compiled:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
     span this shape, its times are fitted from them and only its memory is measured. shards: the model is
-    sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded)."""
+    sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
+    output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve)."""
     started = time.perf_counter()
     model = uncompiled(model)
     if is_sharded(model) and not shards:
@@ -517,10 +590,12 @@ def _compile(
     if plan is None and bindings and specialized:
         fitted = ShapeFit.of(samples, bindings, chain_pattern(signatures))
     sample = None
+    profiled = None
     if plan is None:
         with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
             profiled, chain_plan, compiled = _profile_and_solve(
-                chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None
+                chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
+                output_released,
             )
         if fitted is None:
             sample = profiled.sample()
@@ -574,6 +649,8 @@ def _compile(
         compiled.lent = True
     compiled.sample = sample
     compiled.bindings = bindings
+    if profiled is not None:
+        compiled.least_held = least_held_bytes(profiled.profile)
     compiled.skeleton = pytree.tree_map(
         lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
@@ -698,7 +775,8 @@ class RematModule(nn.Module):
         sources: list[str] = []
         try:
             with recorded_sources() as sources:
-                compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards)
+                compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards,
+                                    self._released_output(_family_key(args, kwargs)))
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -716,6 +794,14 @@ class RematModule(nn.Module):
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
         return compiled
+
+    def _released_output(self, family: tuple) -> tuple[bool, ...] | None:
+        """_Compiled.released_output of the last shape of these inputs (``family``: _family_key) run with a
+        backward since it was planned: a new shape is planned for the output's use seen there."""
+        for compiled in reversed(self._compiled.values()):
+            if compiled.family == family and compiled.chain_module.planned.runner.observed_output_use is not None:
+                return compiled.released_output()
+        return None
 
     def _add_sharded(self, args: tuple, kwargs: dict) -> _Compiled:
         """A new input shape after ``fully_shard`` (every rank called with it: _ranks_plan): planned
@@ -826,9 +912,20 @@ class RematModule(nn.Module):
         if compiled is not None:
             self._compiled.move_to_end(key)
         sharded = is_sharded(self.model)
-        # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule); the key
-        # compared across ranks is this one without its padding state (_input_key's third part)
-        others_plan = sharded and _ranks_plan(key[:2] + key[3:], compiled is None)
+        variant = compiled is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled)
+        refuses = compiled is None and not variant and self.on_new_shape == "error"
+        # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule) and whether any
+        # refuses to (every rank then raises: ranks whose plans differ, as their padding states may, would otherwise
+        # leave one raising while the others wait in a collective); the key compared across ranks is this one without
+        # its padding state (_input_key's third part)
+        others_plan, others_refuse = _ranks_plan(key[:2] + key[3:], compiled is None, refuses) if sharded else \
+            (False, refuses)
+        if others_refuse:
+            raise ValueError(
+                "inputs differ (shape, dtype, device or non-tensor values) from the planned ones"
+                + ("" if refuses else " on another rank")
+                + "; call hierremat.remat(..., on_new_shape='replan') to plan per shape"
+            )
         if compiled is None or not compiled.sharded or others_plan:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
                 raise UnsupportedModelError(
@@ -838,16 +935,11 @@ class RematModule(nn.Module):
             if compiled is not None and sharded:
                 compiled.shard(self.model, self.budget_bytes)
         if compiled is None:
-            if any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled):  # all but autocast and padding
+            if variant:  # all but autocast and padding
                 log.info(
                     "%s called under autocast %r%s for the first time: planning for it",
                     type(self.model).__name__, AutocastState.capture(_device_types(args, kwargs)).describe(),
                     f" with padding masks all ones {dict(key[2])}" if self._per_padding else "",
-                )
-            elif self.on_new_shape == "error":
-                raise ValueError(
-                    "inputs differ (shape, dtype, device or non-tensor values) from the planned ones; "
-                    "call hierremat.remat(..., on_new_shape='replan') to plan per shape"
                 )
             compiled = self._add_sharded(args, kwargs) if sharded else self._add(args, kwargs)
         if compiled.lent:  # planned on meta: the model's own weights from now on

@@ -503,6 +503,7 @@ def build_menus(
     residents=None,
     recompute_across_dropouts: bool = True,
     fitted: "ShapeFit | None" = None,
+    blocks: bool = True,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
@@ -523,6 +524,8 @@ def build_menus(
     fitted: at an input shape whose times are fitted from shapes measured before
     (hierremat.planning.shape_fit): node times and executor speeds come from it, not measured
     (on CPU, where node workspace is not seen anyway), where it has them for a stage.
+    blocks: False builds the output stage's fused head alone (no stage traced: where block options
+    cannot pay, hierremat.api.whole_model).
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
@@ -550,7 +553,7 @@ def build_menus(
             output_option, executors[-1] = fused[:2], [None, fused[2]]
     # the last stage gets a menu too where it returns one tensor and has no fused head (a
     # chain of identical blocks: the last block's menu is the others')
-    menu_stages = stages if output_option is None else stages[:-1]
+    menu_stages = (stages if output_option is None else stages[:-1]) if blocks else []
     for i, (stage, signature) in enumerate(zip(menu_stages, signatures)):
         if residents is not None and residents.produced_by(i):
             log.info("stage %d (%s): no block options: it makes values carried beside the chain", i, signature)

@@ -79,6 +79,9 @@ class ShapeSample:
     speeds: per stage, (scale, no-grad forward seconds) of its generated code (None without).
     times_measured: False for a shape whose memory was measured and times fitted: a sample for memory
     fits only.
+    option_nodes: per stage, the nodes each block option computes (its op lists' computes, in order, a node
+    recomputed counted again; None without a menu): an option's time at any shape is theirs summed
+    (hierremat.ilp.options.simulate_option), as ShapeFit.least_block_time bounds it.
     """
 
     bindings: tuple[tuple[str, int], ...]
@@ -88,6 +91,7 @@ class ShapeSample:
     speeds: tuple[tuple[float, float] | None, ...]
     profile: ChainProfile | None = None
     times_measured: bool = True
+    option_nodes: tuple[tuple[tuple[str, ...], ...] | None, ...] = ()
 
     @classmethod
     def of(cls, profile: ChainProfile, menus, signatures: Sequence[str], times_measured: bool = True) -> "ShapeSample":
@@ -97,14 +101,21 @@ class ShapeSample:
         stage_times = tuple(
             (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time) for st in costs.stages
         )
-        node_times, speeds = [], []
+        node_times, speeds, option_nodes = [], [], []
+        computes: dict[str, tuple] = {}  # by signature: stages of one signature share their options' lists
         for i in range(len(costs.stages)):
             signature = menus.signatures[i] if menus is not None else None
             menu = menus.menus.get(signature) if menus is not None else None
             node_times.append({n.name: n.time for n in menu.graph.nodes} if menu is not None else None)
             speed = menus.speeds.get(signature) if menus is not None else None
             speeds.append((speed.scale, speed.forward_seconds) if speed is not None else None)
-        return cls((), pattern, stage_times, tuple(node_times), tuple(speeds), profile, times_measured)
+            if menu is not None and signature not in computes:
+                computes[signature] = tuple(
+                    tuple(name for kind, name in (*o.fwd_ops, *o.bwd_ops) if kind == "compute") for o in menu.options
+                )
+            option_nodes.append(computes.get(signature) if menu is not None else None)
+        return cls((), pattern, stage_times, tuple(node_times), tuple(speeds), profile, times_measured,
+                   tuple(option_nodes))
 
     def bound(self, bindings: dict) -> "ShapeSample":
         return replace(self, bindings=tuple(sorted((str(k), int(v)) for k, v in bindings.items())))
@@ -182,6 +193,7 @@ class ShapeFit:
         #: whether memory may be fitted here (ShapeFit.of: one shape more than the monomials, to check a fit
         #: is exact, and the target near the shapes measured); else profile() leaves it measured
         self.memory_fits = True
+        self._least_block: dict[int, float | None] = {}  # least_block_time by the first stage of each structure
 
     @classmethod
     def of(cls, samples: Sequence[ShapeSample], bindings: dict, pattern: tuple[int, ...]) -> "ShapeFit | None":
@@ -319,16 +331,43 @@ class ShapeFit:
 
     def node_costs(self, stage: int, joint) -> dict | None:
         """Fitted (seconds, workspace 0) of every node of stage ``stage``'s block graph, by name; None
-        where a sample has no menu there or other node names than ``joint`` (then they are measured)."""
+        where a sample has no menu there or other node names than ``joint`` (then they are measured; ``joint``
+        None: the samples' names taken as they are)."""
         per_sample = [s.node_times[stage] for s in self.timed]
-        names = [n.name for n in joint.compute_nodes()]
-        if any(t is None or not set(t) <= set(names) for t in per_sample):
+        if any(t is None for t in per_sample):
+            return None
+        names = {n.name for n in joint.compute_nodes()} if joint is not None else set(per_sample[0])
+        if any(not set(t) <= names for t in per_sample):
             return None
         keys = sorted(per_sample[0])
         if any(sorted(t) != keys for t in per_sample):
             return None
         fitted = self._predict([[t[k] for k in keys] for t in per_sample])
         return {k: (seconds, 0) for k, seconds in zip(keys, fitted)}
+
+    def had_menu(self, stage: int) -> bool:
+        """Whether stage ``stage`` had block options at a shape whose times were measured."""
+        return any(s.node_times[stage] is not None for s in self.timed)
+
+    def least_block_time(self, stage: int) -> float | None:
+        """A lower bound (seconds) on one forward and backward of stage ``stage`` under any of its block options
+        at this shape, without tracing it here: the fastest option of the last measured shape's menu (the options
+        re-costed at a new shape are those, hierremat.ilp.options.recost_options), each priced as the menus price
+        it (hierremat.planning.menus: its nodes' times summed, times its generated code's speed scale), with
+        every node's time and the scale fitted. None where a measured shape had no menu or speeds there."""
+        first = self.timed[-1].pattern[stage]  # (stages of one structure: one bound)
+        if first not in self._least_block:
+            self._least_block[first] = self._least_block_time(first)
+        return self._least_block[first]
+
+    def _least_block_time(self, stage: int) -> float | None:
+        options = self.timed[-1].option_nodes[stage] if self.timed[-1].option_nodes else None
+        speeds = self.speeds(stage)
+        node_times = self.node_costs(stage, None)
+        if options is None or speeds is None or node_times is None or any(
+                name not in node_times for names in options for name in names):
+            return None
+        return speeds.scale * min(sum(node_times[name][0] for name in names) for names in options)
 
     def speeds(self, stage: int) -> ExecutorSpeeds | None:
         """The fitted speeds of stage ``stage``'s generated code (None where a sample has none)."""
