@@ -13,6 +13,7 @@ smallest feasible budget) is the autocast one.
 """
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -101,6 +102,43 @@ def test_llama_bf16_autocast_bitwise_within_budget(recipe):
 @pytest.mark.parametrize("recipe", ["fresh", "one-context"])
 def test_gpt2_bf16_autocast_bitwise_within_budget(recipe):
     _check(lambda: tiny_gpt2(n_layer=2), recipe, torch.bfloat16)
+
+
+@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+def test_gpt2_bf16_block_options_follow_the_recipe_seen_at_the_first_backward(recipe, caplog):
+    """GPT-2's attention with dropout has a backward that autocast changes (SDPA's math path on CPU), so its blocks
+    get no block options until the caller's recipe is known. The first backward shows it; the next call plans the
+    shape again with the blocks' graphs traced for that recipe: block options, gradients bitwise equal to plain's
+    with the same recipe, the peak within the budget."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 48))
+    kwargs = {"labels": ids, "use_cache": False}
+    _, grads_ref, plain_peak = _step(reference, ids, recipe, torch.bfloat16)
+    budget = plain_peak // 2
+    for p in model.parameters():  # (as _step has them: allocated before the step)
+        p.grad = torch.zeros_like(p)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=False)
+    blocks = module.plans[0].stages[1].signature
+    assert blocks not in module.plans[0].menus  # the recipe not known yet
+    with caplog.at_level(logging.INFO, logger="hierremat"):
+        for step in range(3):
+            _, grads, peak = _step(module, ids, recipe, torch.bfloat16)
+            assert all(same_bits(a, b) for a, b in zip(grads, grads_ref)), step
+            assert step == 1 or peak <= budget, (step, peak, budget)  # (the second step plans again: measured too)
+    word = "under" if recipe == "one-context" else "outside"
+    assert caplog.text.count(f"the backward runs {word} autocast") == 1
+    (plan,) = module.plans
+    assert blocks in plan.menus and "all[" in plan.summary()  # a block option in the schedule
+    # told the recipe, a plan has the blocks' options from the start (a plan rank 0 makes for DDP, say)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        told = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", cache=False,
+                       backward_autocast=recipe == "one-context")
+        assert blocks in told.menus
+        with pytest.raises(ValueError, match="backward_autocast must be"):
+            hr.plan(model, (ids,), kwargs, budget=f"{budget}B", backward_autocast="outside")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -291,7 +291,9 @@ def run(args, ddp: Distributed) -> dict:
         example = ((probe,), {"labels": probe, "use_cache": False})
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
             if ddp.main:
-                module = hr.remat(model, *example, budget=budget, variants=not args.no_variants)
+                # (train_step closes the autocast context before backward: planned for that from the start)
+                module = hr.remat(model, *example, budget=budget, variants=not args.no_variants,
+                                  backward_autocast=False)
                 plan = module.plans[0]
             plan_json = ddp.broadcast(plan.to_json() if ddp.main else None)
             if not ddp.main:

@@ -122,6 +122,7 @@ class _Compiled:
         self.lent = False  # planned on meta with lent weights: bound to the model's own when it has them
         self.unsharded: ModelPlan | None = None  # the plan before shard() re-made it (what each re-shard starts from)
         self.least_held: int | None = None  # bytes of the output a caller that releases it still holds (its losses)
+        self.saved = False  # run from a saved plan (remat(..., plan=)): never planned again here
 
     def released_output(self) -> tuple[bool, ...] | None:
         """Where the caller released the chain output before the backward at this shape's last step (held no
@@ -285,8 +286,14 @@ class PlanSettings:
     device: str | None = None
     offload: bool | str = False
     offload_limit: int | str | None = None
+    #: under autocast, whether the caller's backward runs under it too (one context around forward and backward);
+    #: None: not known (RematModule learns it at the first backward: hierremat.planning.menus.exact_under_autocast)
+    backward_autocast: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.backward_autocast not in (None, True, False):
+            raise ValueError("backward_autocast must be True (the backward runs inside the autocast context), False "
+                             f"(after it closed) or None (not known), got {self.backward_autocast!r}")
         check_offload(self.offload, self.offload_limit)
         if not isinstance(self.offload, bool):
             object.__setattr__(self, "offload", os.fspath(self.offload))
@@ -433,7 +440,7 @@ class _ProfiledChain:
             self.chain.stages, self.x0, self.shared, [info.signature for info in self.chain.infos],
             cache=self.settings.options_cache(), variants=self.settings.variants, deadline=deadline,
             residents=self.chain.residents, recompute_across_dropouts=self.settings.segmentation != "none",
-            fitted=self.fitted, blocks=blocks,
+            fitted=self.fitted, blocks=blocks, backward_autocast=self.settings.backward_autocast,
         )
         return replace(self, menus=menus)
 
@@ -648,6 +655,7 @@ def _compile(
         bind_to_model(compiled.graphs(), model)
         compiled.lent = True
     compiled.sample = sample
+    compiled.saved = profiled is None
     compiled.bindings = bindings
     if profiled is not None:
         compiled.least_held = least_held_bytes(profiled.profile)
@@ -795,6 +803,23 @@ class RematModule(nn.Module):
             forget_sources(dropped.sources)
         return compiled
 
+    def _learned_backward_recipe(self, compiled: _Compiled) -> bool:
+        """Whether ``compiled`` is to be planned again for the caller's autocast recipe (PlanSettings.backward_autocast):
+        it was planned before the recipe was known, with stages left without block options for it, and a backward
+        has shown it since (this plan's or another's). The first backward's recipe becomes this module's."""
+        menus = compiled.chain_module.planned.menus
+        if compiled.saved or menus is None or not menus.recipe_dependent:
+            return False
+        if self.settings.backward_autocast is None:
+            seen = compiled.chain_module.planned.runner.observed_backward_autocast
+            if seen is None:
+                return False
+            self.settings = replace(self.settings, backward_autocast=seen)
+            log.info("the backward runs %s autocast: %s is planned again, with block options for stages %s whose "
+                     "backward autocast changes", "under" if seen else "outside", type(self.model).__name__,
+                     ", ".join(menus.recipe_dependent))
+        return True
+
     def _released_output(self, family: tuple) -> tuple[bool, ...] | None:
         """_Compiled.released_output of the last shape of these inputs (``family``: _family_key) run with a
         backward since it was planned: a new shape is planned for the output's use seen there."""
@@ -912,6 +937,10 @@ class RematModule(nn.Module):
         if compiled is not None:
             self._compiled.move_to_end(key)
         sharded = is_sharded(self.model)
+        if compiled is not None and not sharded and self._learned_backward_recipe(compiled):
+            del self._compiled[key]
+            forget_sources(compiled.sources)
+            compiled = self._add(args, kwargs)  # (the same shape: planned again whatever on_new_shape says)
         variant = compiled is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled)
         refuses = compiled is None and not variant and self.on_new_shape == "error"
         # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule) and whether any
@@ -1011,6 +1040,7 @@ def plan(
     device: str | torch.device | None = None,
     offload: bool | str = False,
     offload_limit: int | str | None = None,
+    backward_autocast: bool | None = None,
 ) -> ModelPlan:
     """Capture, segment, profile and solve ``model`` on example inputs under ``budget``.
 
@@ -1067,11 +1097,15 @@ def plan(
     the bytes moved per step and the predicted stall. offload_limit: the most the second tier holds at once
     (bytes or "8GiB"); default half of the available host memory, or of the directory's free space. A
     directory that cannot be written, or has less free space than the limit, raises OffloadError here.
+    backward_autocast: under autocast, whether the training step runs its backward inside the autocast context
+    (True: one context around forward and backward) or after it closed (False: torch's AMP recipe, Hugging
+    Face's Trainer, accelerate). None (default): not known; a block whose backward autocast changes (on CPU,
+    attention with dropout) then gets no block options (remat learns it at the first backward).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(
         slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
-        None if device is None else str(device), offload, offload_limit,
+        None if device is None else str(device), offload, offload_limit, backward_autocast,
     )
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
     return _compile(model, args, kwargs, parse_budget(budget), None, settings).plan
@@ -1154,19 +1188,20 @@ def explore(
     time_limit: float | None = PLAN_TIME_LIMIT,
     offload: bool | str = False,
     offload_limit: int | str | None = None,
+    backward_autocast: bool | None = None,
 ) -> BudgetExplorer:
     """Capture, profile and build the block menus of ``model`` once, to see what budgets cost.
 
     ``explore(model, args).menu()`` gives plans from the smallest feasible budget to keeping
     everything (``python -m hierremat`` prints them); ``.plan(budget)`` one plan, which
     ``remat(model, ..., plan=...)`` runs. Options as for hierremat.plan (block options run
-    eagerly here: compiled forms are priced only when compiled, see ``compile=``; offload and offload_limit
-    as for hierremat.plan).
+    eagerly here: compiled forms are priced only when compiled, see ``compile=``; offload, offload_limit and
+    backward_autocast as for hierremat.plan).
     """
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     settings = PlanSettings(
         slots, "optimal", output_held, block_options, cache, segmentation, variants, False, outputs, time_limit,
-        offload=offload, offload_limit=offload_limit,
+        offload=offload, offload_limit=offload_limit, backward_autocast=backward_autocast,
     )
     model = uncompiled(model)
     kwargs = call_kwargs(model, example_kwargs or {})
@@ -1199,6 +1234,7 @@ def remat(
     device: str | torch.device | None = None,
     offload: bool | str | None = None,
     offload_limit: int | str | None = None,
+    backward_autocast: bool | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
@@ -1214,6 +1250,8 @@ def remat(
     device: as for hierremat.plan. A module planned on meta computes with the model's own weights from
     its first call after ``to_empty`` and initialization (a call before raises).
     offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.
+    backward_autocast: as for hierremat.plan; None (default): seen at the first backward, a shape planned before
+    then is planned again at its next call where that gives blocks options.
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -1231,7 +1269,7 @@ def remat(
         offload = plan is not None and plan.chain.offloads
     settings = PlanSettings(
         slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
-        None if device is None else str(device), offload, offload_limit,
+        None if device is None else str(device), offload, offload_limit, backward_autocast,
     )
     module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes)
     module._add(args, example_kwargs or {}, plan)

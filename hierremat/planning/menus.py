@@ -30,7 +30,8 @@ run with autocast off (hierremat.device.autocast).
 Stages whose joint graph cannot be traced, that return several tensors (a model's output
 stage), whose output is one result of a multi-output operator (a lone dropout), in
 which autocast casts one parameter more than once, or whose backward autocast would
-change (check_autocast_exact) keep option 0 only; the reason is logged. The last stage
+change while the caller's recipe is not known (exact_under_autocast) keep option 0 only; the reason
+is logged. The last stage
 gets a menu like any other where it has no fused LM head (hierremat.planning.output_stage) and the
 chain's output, and the gradient that arrives for it, are the one tensor its graph
 returns (ChainMenus._output_fits_menu): in a chain of identical blocks, the last block's
@@ -138,6 +139,8 @@ class ChainMenus:
     compile: whether each stage also offers every menu option compiled (hierremat.planning.compiled):
     then options 1..n of a stage with an n-option menu run as generated eager code, and
     options n+1..2n are the same options compiled.
+    recipe_dependent: signatures left without a menu because autocast changes their backward and the
+    caller's recipe was not known (exact_under_autocast): a plan made once it is known can give them one.
     """
 
     menus: dict[str, StageMenu]
@@ -158,6 +161,7 @@ class ChainMenus:
     compile: bool = False
     #: the chain's ResidentLayout (hierremat.plans.stage_info), or None
     residents: object = None
+    recipe_dependent: tuple[str, ...] = ()
 
     def menu_size(self, stage: int) -> int:
         """n: the number of options of stage ``stage``'s menu (0 without one)."""
@@ -353,28 +357,40 @@ def rebind(joint: JointGraph, stage: torch.nn.Module) -> JointGraph:
     )
 
 
-def check_autocast_exact(
+class BackwardRecipeUnknown(ValueError):
+    """A stage whose backward autocast changes, planned before the caller's recipe is known."""
+
+
+def exact_under_autocast(
     joint: JointGraph, stage, x: torch.Tensor, shared: tuple, input_grad: bool, autocast: AutocastState,
-    resident_grads: tuple[int, ...] = (),
+    resident_grads: tuple[int, ...] = (), backward_autocast: bool | None = None,
 ) -> None:
-    """Raise ValueError where a joint graph traced under autocast cannot reproduce eager autocast bitwise.
+    """Raise ValueError where ``joint``, traced under autocast for the caller's recipe ``backward_autocast``,
+    cannot reproduce eager autocast bitwise.
 
     * A parameter cast more than once: eager autocast casts it once per context and sums its
       low-precision gradients before casting them back; the traced graph casts per use.
     * A backward that autocast changes: eager runs the backward under autocast when one
       context spans forward and backward, and without it when the context closed after the
-      forward (the recipe of torch's AMP docs). The joint graph is traced the second way; if
-      tracing it the first way gives another graph (on CPU, attention with dropout runs
-      SDPA's math path, whose fp32 matmuls autocast would cast in the backward), the stage's
-      gradients would depend on the caller's recipe, which is not known when planning.
+      forward (the recipe of torch's AMP docs). Tracing it the first way can give another graph
+      (on CPU, attention with dropout runs SDPA's math path, whose fp32 matmuls autocast casts in
+      the backward): then the stage's gradients depend on the recipe. ``backward_autocast`` True
+      or False: the caller's backward runs under autocast or outside it, and ``joint`` was traced
+      so; None: not known yet (``joint`` traced the second way), BackwardRecipeUnknown where the
+      two graphs differ (the runtime sees the recipe at the first backward: hierremat.runtime.executor).
     """
     recast = params_cast_more_than_once(joint)
     if recast:
         raise ValueError(f"autocast casts parameter(s) {', '.join(recast)} more than once")
+    if backward_autocast is not None:
+        return
     under = trace_joint(stage, x, shared, input_requires_grad=input_grad, autocast=autocast,
                         backward_under_autocast=True, resident_grads=resident_grads)
     if under.module.code != joint.module.code:
-        raise ValueError("autocast would change its backward when one context spans forward and backward")
+        raise BackwardRecipeUnknown(
+            "autocast would change its backward when one context spans forward and backward, and the caller's recipe "
+            "is not known yet (seen at the first backward)"
+        )
 
 
 def params_cast_more_than_once(joint: JointGraph) -> list[str]:
@@ -504,6 +520,7 @@ def build_menus(
     recompute_across_dropouts: bool = True,
     fitted: "ShapeFit | None" = None,
     blocks: bool = True,
+    backward_autocast: bool | None = None,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
@@ -526,6 +543,8 @@ def build_menus(
     (on CPU, where node workspace is not seen anyway), where it has them for a stage.
     blocks: False builds the output stage's fused head alone (no stage traced: where block options
     cannot pay, hierremat.api.whole_model).
+    backward_autocast: under autocast, whether the caller runs the backward under it too (None: not known;
+    stages whose backward it changes then get no menu, ChainMenus.recipe_dependent: exact_under_autocast).
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
@@ -545,6 +564,7 @@ def build_menus(
     forward_executors: list = [None] * L
     speeds: dict[str, ExecutorSpeeds] = {}
     solves_before = solve_count()
+    recipe_dependent: list[str] = []
     autocast = AutocastState.capture((x0.device.type,))
     output_option = None
     if variants and not (residents is not None and residents.touches(L - 1)):
@@ -572,10 +592,11 @@ def build_menus(
                     raise TypeError("it is a plain callable, not an nn.Module")
                 input_grad = i > 0 or x0.requires_grad
                 joint = trace_joint(
-                    stage, xs[i], shareds[i], input_requires_grad=input_grad, autocast=autocast, resident_grads=reads
+                    stage, xs[i], shareds[i], input_requires_grad=input_grad, autocast=autocast, resident_grads=reads,
+                    backward_under_autocast=bool(backward_autocast),
                 )
                 if autocast.enabled:
-                    check_autocast_exact(joint, stage, xs[i], shareds[i], input_grad, autocast, reads)
+                    exact_under_autocast(joint, stage, xs[i], shareds[i], input_grad, autocast, reads, backward_autocast)
                 if variants:
                     joint = run_in_place(pack_relu_masks(pack_dropout_masks(joint)))
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
@@ -587,6 +608,8 @@ def build_menus(
                     # mask): the chain's model of a stage output as a value of its own breaks
                     raise ValueError("the stage's output is one result of a multi-output operator")
             except Exception as err:  # tracing failures leave the stage with option 0
+                if isinstance(err, BackwardRecipeUnknown):
+                    recipe_dependent.append(signature)
                 log.info("stage %d (%s): no block options: %s", i, signature, err)
                 joints[signature] = None
                 continue
@@ -629,7 +652,7 @@ def build_menus(
     return ChainMenus(
         menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,
         forwards={sig: f.forward for sig, f in forwards.items()}, forward_executors=forward_executors,
-        output_option=output_option, residents=residents,
+        output_option=output_option, residents=residents, recipe_dependent=tuple(recipe_dependent),
     )
 
 

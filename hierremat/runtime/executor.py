@@ -106,6 +106,13 @@ class OutputWatch:
         return OutputUse(held_bytes=self.output_bytes - sum(self.freed), grad_mask=tuple(g is not None for g in grads))
 
 
+def backward_autocast(grads: tuple) -> bool | None:
+    """Whether autocast is on, for the gradients' device, in the backward now running (the autograd engine runs it
+    under the autocast state of the ``backward()`` call); None without a gradient."""
+    device = next((g.device for g in grads if isinstance(g, torch.Tensor)), None)
+    return None if device is None else torch.is_autocast_enabled(device.type)
+
+
 def default_grad_mask(out) -> tuple[bool, ...]:
     """Which outputs to expect gradients for: the scalar losses among several outputs, else all that require grad."""
     outputs = as_tuple(out)
@@ -194,6 +201,9 @@ class ChainRunner:
         self.tied = TiedParameters(forms if sharded is None else ())
         #: How the caller used the output in the latest backward this runner executed (None before).
         self.observed_output_use: OutputUse | None = None
+        #: Whether autocast was on in the latest backward this runner executed (the caller's recipe: one autocast
+        #: context around forward and backward, or the forward's alone), None before.
+        self.observed_backward_autocast: bool | None = None
         self.loss_index = schedule.loss_index
         self.forward_counts = schedule.forward_counts()
         self.buffers = [
@@ -299,6 +309,7 @@ class _Step:
                     self.resident_grads[r] = g
             grad_outputs = grad_outputs[:count]
         self.runner.observed_output_use = self.output_watch.use(grad_outputs)
+        self.runner.observed_backward_autocast = backward_autocast(grad_outputs)
         self.grad[len(self.runner.stages)] = grad_outputs
         # the caller's RNG state, restored after the replays (held only where some stage is
         # replayed: the plan reserves its bytes then, sequential._replay_reserve)
@@ -488,6 +499,7 @@ class _ObserveOutputUse(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         ctx.runner.observed_output_use = ctx.output_watch.use(grads)
+        ctx.runner.observed_backward_autocast = backward_autocast(grads)
         return (None, *grads)
 
 
