@@ -376,7 +376,8 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     """From the third length on (times fitted), a length whose plan without block options keeps every
     activation within the budget is planned without tracing any stage (block options could save at most
     the timing noise there); a length near the budget re-costs them on its traced graphs and its plan
-    runs them. Gradients equal plain autograd's at every length."""
+    runs them, at once where that costs less than the time they save in a step, else once the steps
+    without them have lost what re-costing takes. Gradients equal plain autograd's at every step."""
     from hierremat.api import whole_model
     from hierremat.planning import menus
 
@@ -387,14 +388,19 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     # of NOISE_MARGIN's own size: that decision then rests on timing noise); none at 60 tokens, where the plan
     # without block options recomputes (its step longer than keeping everything, which bounds any plan's)
     monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.15)
+    caplog.set_level(logging.INFO, logger="hierremat")
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     budget = int(0.45 * hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes)
     module = hr.remat(model, (), _batch(40), budget=budget, cache=False)
-    for step, length in enumerate((40, 64, 23, 30, 60)):
+    for step, length in enumerate((40, 64, 23, 30, 60, 56, 56, 56, 56)):
         if length == 60:
             monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.0)
+        if length == 56 and step == 5:  # re-costing as dear as a million steps' gain: not at the first call
+            module._recost_seconds = 1e6
+        if length == 56 and step == 6:  # then as dear as 2.5 steps' gain: at the third call
+            module._recost_seconds = 2.5 * next(reversed(module._compiled.values())).block_gain
         before = len(traced)
         for m in (model, reference):
             for p in m.parameters():
@@ -407,10 +413,15 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
         if length in (23, 30):
             assert len(traced) == before and "block options not re-costed at this shape" in plan.times, length
             assert not plan.menus and plan.predicted_step_time == pytest.approx(plan.chain.no_remat_step_time)
-        if length == 60:  # (keeping everything would exceed the budget)
+        if length == 60 or step == 7:  # (keeping everything would exceed the budget)
             assert len(traced) > before and any(m.get("recosted") for m in plan.menus.values())
             assert plan.chain.no_remat_step_time > 0 and "block options not re-costed" not in plan.times
             assert any(op.startswith("F_all") and not op.endswith(", 0)") for op in str(plan.chain.schedule).split(" "))
+        if step in (5, 6):  # (rent or buy: each step without them loses at most their gain)
+            assert len(traced) == before and "block options not re-costed at this shape yet" in plan.times
+        if step == 8:
+            assert len(traced) == before
+    assert "block options re-costed at this shape after 2 steps without them" in caplog.text
 
 
 def test_a_new_shape_is_planned_for_how_the_caller_used_the_output_at_the_others(caplog):

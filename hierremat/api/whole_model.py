@@ -123,6 +123,8 @@ class _Compiled:
         self.unsharded: ModelPlan | None = None  # the plan before shard() re-made it (what each re-shard starts from)
         self.least_held: int | None = None  # bytes of the output a caller that releases it still holds (its losses)
         self.saved = False  # run from a saved plan (remat(..., plan=)): never planned again here
+        self.block_gain = 0.0  # _ProfiledChain.block_gain: seconds a step block options not re-costed could save
+        self.calls = 1  # calls run with this plan, the one that made it included
 
     def released_output(self) -> tuple[bool, ...] | None:
         """Where the caller released the chain output before the backward at this shape's last step (held no
@@ -401,8 +403,11 @@ class _ProfiledChain:
     #: a model planned on meta: the gradients its step allocates are its own parameters' (the lent copies
     #: are shared by identical stages), read from it by name
     weights_of: nn.Module | None = None
-    #: planned without block options at a fitted shape, where they could not pay (block_options_cannot_pay)
+    #: planned without block options at a fitted shape, where they could not pay (_profile_and_solve)
     blocks_not_recosted: bool = False
+    #: there, the seconds per step they could still save (0: within the timing noise): RematModule re-costs them
+    #: once the steps run without them have lost what re-costing takes
+    block_gain: float = 0.0
 
     @classmethod
     def of(
@@ -444,12 +449,12 @@ class _ProfiledChain:
         )
         return replace(self, menus=menus)
 
-    def block_options_cannot_pay(self, plan: SequentialPlan) -> bool:
-        """Whether block options could make ``plan``, solved without them at a shape whose times are fitted, no
-        faster than within NOISE_MARGIN (the timing noise: hierremat.planning.menus): its predicted step is
-        within that of a bound on any plan's, each stage's fastest forward and backward once (a block option's
-        bounded without tracing the stage: ShapeFit.least_block_time). A plan that keeps every activation at a
-        length well within the budget is such a plan: the stage is then not traced at this shape."""
+    def block_options_gain(self, plan: SequentialPlan) -> float | None:
+        """The most block options could save per step (seconds) on ``plan``, solved without them at a shape whose
+        times are fitted: its predicted step less a bound on any plan's, each stage's fastest forward and backward
+        once (a block option's bounded without tracing the stage: ShapeFit.least_block_time); None where a stage
+        has no such bound. A plan that keeps every activation at a length well within the budget saves nothing
+        more than what generated code may run faster."""
         profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
         bound = 0.0
         for i, st in enumerate(profile.costs.stages):
@@ -457,12 +462,20 @@ class _ProfiledChain:
             if self.fitted.had_menu(i):
                 block = self.fitted.least_block_time(i)
                 if block is None:
-                    return False
+                    return None
                 least = min(least, block)
             bound += least
         log.debug("without block options: predicted step %.2f ms, any plan's at least %.2f ms",
                   plan.predicted_step_time * 1e3, bound * 1e3)
-        return plan.predicted_step_time <= bound * (1 + NOISE_MARGIN)
+        return max(0.0, plan.predicted_step_time - bound)
+
+    def _blocks_line(self) -> str:
+        if not self.blocks_not_recosted:
+            return ""
+        if not self.block_gain:
+            return f"; block options not re-costed at this shape (they could save at most {NOISE_MARGIN:.0%} of its step)"
+        return (f"; block options not re-costed at this shape yet (they could save at most {self.block_gain * 1e3:.1f} "
+                "ms a step: re-costed once its steps have lost what re-costing takes)")
 
     def sample(self, times_measured: bool = True) -> ShapeSample:
         """This shape's measured costs (bindings unset), to fit later shapes' from (``times_measured`` False:
@@ -514,24 +527,26 @@ class _ProfiledChain:
             outputs=self.settings.outputs,
             compile_seconds=menus.compile_seconds if menus else 0.0,
             capture_kind="specialized" if specialized else "exported",
-            times=self.fitted.describe() + (
-                f"; block options not re-costed at this shape (they could save at most {NOISE_MARGIN:.0%} of its step)"
-                if self.blocks_not_recosted else ""
-            ) if self.fitted is not None else "measured",
+            times=self.fitted.describe() + self._blocks_line() if self.fitted is not None else "measured",
         )
 
 
 def _profile_and_solve(
     chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
     fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
-    output_released: tuple[bool, ...] | None = None,
+    output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None,
 ) -> tuple[_ProfiledChain, SequentialPlan, bool]:
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
     weights_of: the model, where it is planned on meta (_ProfiledChain.weights_of). output_released: as
-    _ProfiledChain.solve takes it."""
+    _ProfiledChain.solve takes it.
+
+    At a shape whose times are fitted, the plan is first solved without block options (no stage traced). It
+    stands where they could save no more than NOISE_MARGIN of its step (the timing noise), or less per step
+    than re-costing them takes (``recost_seconds``, as measured at another shape; None: re-cost them): the
+    rent-or-buy choice of a shape that may never come back (RematModule re-costs them once its steps have lost
+    that much: _ProfiledChain.block_gain)."""
     compiling = resolve_compile(settings.compile, x0.device)
-    # at a shape whose times are fitted, first without block options: where they cannot pay, no stage is traced
     lazy = fitted is not None and settings.block_options == "ilp" and settings.strategy == "optimal" \
         and not compiling
     profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
@@ -541,10 +556,14 @@ def _profile_and_solve(
             chain_plan = profiled.solve(budget_bytes, output_released=output_released)
         except InfeasibleBudgetError:
             chain_plan = None
-        if chain_plan is not None and profiled.block_options_cannot_pay(chain_plan):
-            log.info("block options not re-costed at this shape: they could save at most %.0f%% of the plan's "
-                     "predicted %.1f ms", 100 * NOISE_MARGIN, chain_plan.predicted_step_time * 1e3)
-            return replace(profiled, blocks_not_recosted=True), chain_plan, False
+        gain = profiled.block_options_gain(chain_plan) if chain_plan is not None else None
+        if gain is not None:
+            noise = gain <= NOISE_MARGIN * (chain_plan.predicted_step_time - gain)
+            if noise or (recost_seconds is not None and gain < recost_seconds):
+                log.info("block options not re-costed at this shape: they could save at most %.1f ms of the plan's "
+                         "predicted %.1f ms a step%s", gain * 1e3, chain_plan.predicted_step_time * 1e3,
+                         "" if noise else f" (re-costing them takes about {recost_seconds:.2f} s)")
+                return replace(profiled, blocks_not_recosted=True, block_gain=0.0 if noise else gain), chain_plan, False
         profiled = profiled.with_block_menus(settings.deadline(started))
     menus = profiled.menus
     compiled = menus is not None and compiling
@@ -562,13 +581,14 @@ def _profile_and_solve(
 def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
-    output_released: tuple[bool, ...] | None = None,
+    output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None,
 ) -> _Compiled:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
     span this shape, its times are fitted from them and only its memory is measured. shards: the model is
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
-    output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve)."""
+    output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve).
+    recost_seconds: what re-costing block options at a fitted shape takes (_profile_and_solve)."""
     started = time.perf_counter()
     model = uncompiled(model)
     if is_sharded(model) and not shards:
@@ -602,7 +622,7 @@ def _compile(
         with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
             profiled, chain_plan, compiled = _profile_and_solve(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
-                output_released,
+                output_released, recost_seconds,
             )
         if fitted is None:
             sample = profiled.sample()
@@ -659,6 +679,7 @@ def _compile(
     compiled.bindings = bindings
     if profiled is not None:
         compiled.least_held = least_held_bytes(profiled.profile)
+        compiled.block_gain = profiled.block_gain
     compiled.skeleton = pytree.tree_map(
         lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
@@ -739,6 +760,7 @@ class RematModule(nn.Module):
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
         self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
+        self._recost_seconds: float | None = None  # what re-costing block options at a fitted shape took, last time
         self._present_signature()
         self.register_state_dict_post_hook(_without_model_prefix)
         self.register_load_state_dict_pre_hook(_with_model_prefix)
@@ -765,9 +787,10 @@ class RematModule(nn.Module):
         return [c.plan for c in self._compiled.values()]
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None, settings: PlanSettings | None = None,
-             budget_bytes: int | None = None, shards: bool = False) -> _Compiled:
+             budget_bytes: int | None = None, shards: bool = False, defer_blocks: bool = True) -> _Compiled:
         """Plan the model for these inputs (``settings`` and ``budget_bytes``: this module's, unless given; ``shards``:
-        as _compile takes it) and keep the plan."""
+        as _compile takes it; ``defer_blocks`` False: block options re-costed at a fitted shape wherever they could
+        pay) and keep the plan."""
         settings = settings or self.settings
         budget_bytes = budget_bytes if budget_bytes is not None else self.budget_bytes
         kwargs = call_kwargs(self.model, kwargs)
@@ -784,11 +807,14 @@ class RematModule(nn.Module):
         try:
             with recorded_sources() as sources:
                 compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards,
-                                    self._released_output(_family_key(args, kwargs)))
+                                    self._released_output(_family_key(args, kwargs)),
+                                    self._recost_seconds if defer_blocks else None)
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
         compiled.sources = sources
+        if compiled.plan.times != "measured" and any(m.get("recosted") for m in compiled.plan.menus.values()):
+            self._recost_seconds = compiled.plan.options_seconds  # (block options re-costed at a fitted shape)
         if self._compiled:  # a new shape: what torch cached for this one's traces is not needed again
             clear_fake_tensor_cache()
         if compiled.sample is not None and compiled.bindings:
@@ -941,6 +967,14 @@ class RematModule(nn.Module):
             del self._compiled[key]
             forget_sources(compiled.sources)
             compiled = self._add(args, kwargs)  # (the same shape: planned again whatever on_new_shape says)
+        elif compiled is not None and compiled.block_gain and not sharded:
+            compiled.calls += 1
+            if compiled.calls * compiled.block_gain >= (self._recost_seconds or 0.0):  # (rent or buy)
+                log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms "
+                         "slower)", compiled.calls - 1, compiled.block_gain * 1e3)
+                del self._compiled[key]
+                forget_sources(compiled.sources)
+                compiled = self._add(args, kwargs, defer_blocks=False)
         variant = compiled is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled)
         refuses = compiled is None and not variant and self.on_new_shape == "error"
         # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule) and whether any
