@@ -829,6 +829,11 @@ class RematModule(nn.Module):
             forget_sources(dropped.sources)
         return compiled
 
+    def _plan_again(self, key: tuple, args: tuple, kwargs: dict, defer_blocks: bool = True) -> _Compiled:
+        """The plan of ``key`` (these inputs') dropped and made again (the same shape: whatever on_new_shape says)."""
+        forget_sources(self._compiled.pop(key).sources)
+        return self._add(args, kwargs, defer_blocks=defer_blocks)
+
     def _learned_backward_recipe(self, compiled: _Compiled) -> bool:
         """Whether ``compiled`` is to be planned again for the caller's autocast recipe (PlanSettings.backward_autocast):
         it was planned before the recipe was known, with stages left without block options for it, and a backward
@@ -964,17 +969,13 @@ class RematModule(nn.Module):
             self._compiled.move_to_end(key)
         sharded = is_sharded(self.model)
         if compiled is not None and not sharded and self._learned_backward_recipe(compiled):
-            del self._compiled[key]
-            forget_sources(compiled.sources)
-            compiled = self._add(args, kwargs)  # (the same shape: planned again whatever on_new_shape says)
+            compiled = self._plan_again(key, args, kwargs)
         elif compiled is not None and compiled.block_gain and not sharded:
             compiled.calls += 1
-            if compiled.calls * compiled.block_gain >= (self._recost_seconds or 0.0):  # (rent or buy)
+            if compiled.calls * compiled.block_gain >= self._recost_seconds:  # (rent or buy)
                 log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms "
                          "slower)", compiled.calls - 1, compiled.block_gain * 1e3)
-                del self._compiled[key]
-                forget_sources(compiled.sources)
-                compiled = self._add(args, kwargs, defer_blocks=False)
+                compiled = self._plan_again(key, args, kwargs, defer_blocks=False)
         variant = compiled is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled)
         refuses = compiled is None and not variant and self.on_new_shape == "error"
         # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule) and whether any
