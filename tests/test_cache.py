@@ -303,10 +303,15 @@ def test_writes_list_the_directory_only_where_the_cap_may_be_crossed(tmp_path, m
     for name in "de":  # each would cross it: listed, and the least recently used entry goes
         capped.put(_key(name), PAYLOAD)
     assert len(listings) == 3 and len(capped.usage()) == 3
-    OptionsCache(tmp_path).put(_key("f"), PAYLOAD)  # another process's write: seen at the next listing
+    roomy = OptionsCache(tmp_path, max_bytes=6 * size)
+    roomy.put(_key("f"), PAYLOAD)  # its first write, listed: 4 entries
+    for name in "gh":  # another process's writes: 6 entries, which roomy's own count does not see
+        OptionsCache(tmp_path).put(_key(name), PAYLOAD)
+    roomy.put(_key("i"), PAYLOAD)  # 5 by its own count, listed less than RESCAN_SECONDS ago: 7, over the cap
+    assert len(roomy.usage()) == 7
     monkeypatch.setattr(cache_module, "RESCAN_SECONDS", 0.0)
-    capped.put(_key("g"), PAYLOAD)
-    assert len(capped.usage()) == 3 and capped.path_for(_key("g")).exists()
+    roomy.put(_key("j"), PAYLOAD)  # 6 by its own count, within the cap: listed again for the time alone
+    assert len(roomy.usage()) == 6 and roomy.path_for(_key("j")).exists()
 
 
 def test_cap_from_the_environment(tmp_path, monkeypatch):

@@ -136,9 +136,23 @@ def test_gpt2_bf16_block_options_follow_the_recipe_seen_at_the_first_backward(re
     with torch.autocast("cpu", dtype=torch.bfloat16):
         told = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", cache=False,
                        backward_autocast=recipe == "one-context")
-        assert blocks in told.menus
+        assert blocks in told.menus and told.backward_autocast == (recipe == "one-context")
         with pytest.raises(ValueError, match="backward_autocast must be"):
             hr.plan(model, (ids,), kwargs, budget=f"{budget}B", backward_autocast="outside")
+        # the plan saved and run (as DDP's other ranks run rank 0's): its blocks traced for the recipe again
+        saved = hr.remat(model, (ids,), kwargs, plan=hr.ModelPlan.from_json(told.to_json()))
+        other = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", cache=False,
+                        backward_autocast=recipe != "one-context")
+        wrong = hr.remat(model, (ids,), kwargs, plan=other)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hierremat"):
+        for _ in range(2):
+            _, grads, _ = _step(saved, ids, recipe, torch.bfloat16)
+            assert all(same_bits(a, b) for a, b in zip(grads, grads_ref))
+        assert "saved plan" not in caplog.text
+        for _ in range(2):  # a saved plan for the other recipe: warned about at its second call
+            _step(wrong, ids, recipe, torch.bfloat16)
+        assert caplog.text.count("the saved plan's block options were traced for the backward") == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -355,7 +355,7 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     assert all(p.capture_kind == "specialized" for p in plans)
     assert all(p.options_solves == 0 for p in plans)  # menus re-costed, never solved again
     # the second shape's menus re-costed; from the third on (times fitted), only where block options could pay
-    # (hierremat.api.whole_model _ProfiledChain.block_options_cannot_pay: the next test)
+    # (hierremat.api.whole_model._profile_and_solve: the next test)
     assert any(m.get("recosted") for m in plans[0].menus.values()) and "re-costed" in plans[0].summary()
     assert all(any(m.get("recosted") for m in p.menus.values()) != ("block options not re-costed" in p.times)
                for p in plans[1:])
@@ -384,10 +384,11 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     traced = []
     trace_joint = menus.trace_joint
     monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
-    # a margin above what generated code saves on this tiny model where everything is kept (about 3%, a share
-    # of NOISE_MARGIN's own size: that decision then rests on timing noise); none at 60 tokens, where the plan
-    # without block options recomputes (its step longer than keeping everything, which bounds any plan's)
-    monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.15)
+    # the decisions, not the fitted times (test_least_block_time_is_...), under test: a margin far above what
+    # generated code may save where everything is kept (about 3% on this tiny model, measured alone; more on a
+    # loaded machine), then none at 60 tokens, where the plan without block options recomputes (its step longer
+    # than keeping everything, which bounds any plan's)
+    monkeypatch.setattr(whole_model, "NOISE_MARGIN", 10.0)
     caplog.set_level(logging.INFO, logger="hierremat")
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
@@ -399,8 +400,8 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
             monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.0)
         if length == 56 and step == 5:  # re-costing as dear as a million steps' gain: not at the first call
             module._recost_seconds = 1e6
-        if length == 56 and step == 6:  # then as dear as 2.5 steps' gain: at the third call
-            module._recost_seconds = 2.5 * next(reversed(module._compiled.values())).block_gain
+        if length == 56 and step == 6:  # then as dear as 1.5 steps' gain: at the third call, after two without
+            module._recost_seconds = 1.5 * next(reversed(module._compiled.values())).block_gain
         before = len(traced)
         for m in (model, reference):
             for p in m.parameters():

@@ -124,7 +124,8 @@ class _Compiled:
         self.least_held: int | None = None  # bytes of the output a caller that releases it still holds (its losses)
         self.saved = False  # run from a saved plan (remat(..., plan=)): never planned again here
         self.block_gain = 0.0  # _ProfiledChain.block_gain: seconds a step block options not re-costed could save
-        self.calls = 1  # calls run with this plan, the one that made it included
+        self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
+        self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
 
     def released_output(self) -> tuple[bool, ...] | None:
         """Where the caller released the chain output before the backward at this shape's last step (held no
@@ -528,6 +529,7 @@ class _ProfiledChain:
             compile_seconds=menus.compile_seconds if menus else 0.0,
             capture_kind="specialized" if specialized else "exported",
             times=self.fitted.describe() + self._blocks_line() if self.fitted is not None else "measured",
+            backward_autocast=menus.backward_autocast if menus else None,
         )
 
 
@@ -650,7 +652,8 @@ def _compile(
         if plan.menus or options_used(plan.chain.schedule):  # (a fused head alone is an option with no menu stored)
             stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
             menus = build_menus(
-                chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents
+                chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents,
+                backward_autocast=plan.backward_autocast,
             )
             if plan.compiled:  # its costs are those of compiled options and forwards: run them so
                 offer_compiled(menus)
@@ -830,26 +833,54 @@ class RematModule(nn.Module):
         return compiled
 
     def _plan_again(self, key: tuple, args: tuple, kwargs: dict, defer_blocks: bool = True) -> _Compiled:
-        """The plan of ``key`` (these inputs') dropped and made again (the same shape: whatever on_new_shape says)."""
-        forget_sources(self._compiled.pop(key).sources)
-        return self._add(args, kwargs, defer_blocks=defer_blocks)
+        """The plan of ``key`` (these inputs') made again (the same shape: whatever on_new_shape says), in its place;
+        the old one kept until then (what the caller did with the output is read from it; on error it stays)."""
+        old = self._compiled[key]
+        compiled = self._add(args, kwargs, defer_blocks=defer_blocks)
+        if self._compiled.get(key) is not old:  # (replaced, or dropped with the others: a padding state now keyed)
+            forget_sources(old.sources)
+        return compiled
 
-    def _learned_backward_recipe(self, compiled: _Compiled) -> bool:
-        """Whether ``compiled`` is to be planned again for the caller's autocast recipe (PlanSettings.backward_autocast):
-        it was planned before the recipe was known, with stages left without block options for it, and a backward
-        has shown it since (this plan's or another's). The first backward's recipe becomes this module's."""
+    def _learn_backward_recipe(self) -> None:
+        """Take the caller's autocast recipe (PlanSettings.backward_autocast) from the last backward under autocast of
+        any of this module's plans: every shape planned from now on is traced for it (warned where it contradicts
+        the one given)."""
+        seen = self._observed_backward_autocast()
+        given = self.settings.backward_autocast
+        if seen is None or given == seen:
+            return
+        self.settings = replace(self.settings, backward_autocast=seen)
+        (log.info if given is None else log.warning)(
+            "the backward runs %s autocast%s: %s's shapes are planned for it", "under" if seen else "outside",
+            "" if given is None else f", not as backward_autocast={given} said", type(self.model).__name__,
+        )
+
+    def _planned_for_another_recipe(self, compiled: _Compiled) -> bool:
+        """Whether ``compiled`` is to be planned again for the caller's autocast recipe, now known
+        (_learn_backward_recipe): planned before, with stages left without block options for it, or for the other
+        recipe. A saved plan for the other recipe is warned about once, not planned again."""
         menus = compiled.chain_module.planned.menus
-        if compiled.saved or menus is None or not menus.recipe_dependent:
+        recipe = self.settings.backward_autocast
+        if menus is None or recipe is None:
             return False
-        if self.settings.backward_autocast is None:
+        other = menus.backward_autocast is not None and menus.backward_autocast != recipe
+        if compiled.saved:
+            if other and not compiled.recipe_warned:
+                compiled.recipe_warned = True
+                log.warning("the saved plan's block options were traced for the backward %s autocast, and it runs %s "
+                            "it: their gradients may differ from plain autocast's in the last bits; plan again with "
+                            "backward_autocast=%s", "under" if menus.backward_autocast else "outside",
+                            "under" if recipe else "outside", recipe)
+            return False
+        return bool(menus.recipe_dependent) or other
+
+    def _observed_backward_autocast(self) -> bool | None:
+        """Whether the last backward under autocast of this module's plans (most recently used first) ran under it."""
+        for compiled in reversed(self._compiled.values()):
             seen = compiled.chain_module.planned.runner.observed_backward_autocast
-            if seen is None:
-                return False
-            self.settings = replace(self.settings, backward_autocast=seen)
-            log.info("the backward runs %s autocast: %s is planned again, with block options for stages %s whose "
-                     "backward autocast changes", "under" if seen else "outside", type(self.model).__name__,
-                     ", ".join(menus.recipe_dependent))
-        return True
+            if seen is not None and compiled.plan.chain.autocast != "off":
+                return seen
+        return None
 
     def _released_output(self, family: tuple) -> tuple[bool, ...] | None:
         """_Compiled.released_output of the last shape of these inputs (``family``: _family_key) run with a
@@ -968,14 +999,17 @@ class RematModule(nn.Module):
         if compiled is not None:
             self._compiled.move_to_end(key)
         sharded = is_sharded(self.model)
-        if compiled is not None and not sharded and self._learned_backward_recipe(compiled):
+        if not sharded:
+            self._learn_backward_recipe()
+        if compiled is not None and not sharded and self._planned_for_another_recipe(compiled):
             compiled = self._plan_again(key, args, kwargs)
-        elif compiled is not None and compiled.block_gain and not sharded:
-            compiled.calls += 1
-            if compiled.calls * compiled.block_gain >= self._recost_seconds:  # (rent or buy)
+        elif compiled is not None and compiled.block_gain and not sharded and torch.is_grad_enabled():
+            if compiled.steps_without * compiled.block_gain >= self._recost_seconds:  # (rent or buy)
                 log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms "
-                         "slower)", compiled.calls - 1, compiled.block_gain * 1e3)
+                         "slower)", compiled.steps_without, compiled.block_gain * 1e3)
                 compiled = self._plan_again(key, args, kwargs, defer_blocks=False)
+            else:
+                compiled.steps_without += 1
         variant = compiled is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled)
         refuses = compiled is None and not variant and self.on_new_shape == "error"
         # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule) and whether any

@@ -162,6 +162,8 @@ class ChainMenus:
     #: the chain's ResidentLayout (hierremat.plans.stage_info), or None
     residents: object = None
     recipe_dependent: tuple[str, ...] = ()
+    #: under autocast, the caller's recipe the stages were traced for (None: not known, or no autocast)
+    backward_autocast: bool | None = None
 
     def menu_size(self, stage: int) -> int:
         """n: the number of options of stage ``stage``'s menu (0 without one)."""
@@ -653,6 +655,7 @@ def build_menus(
         menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,
         forwards={sig: f.forward for sig, f in forwards.items()}, forward_executors=forward_executors,
         output_option=output_option, residents=residents, recipe_dependent=tuple(recipe_dependent),
+        backward_autocast=backward_autocast if autocast.enabled else None,
     )
 
 

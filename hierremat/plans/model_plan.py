@@ -41,6 +41,9 @@ class ModelPlan:
     lent_weight_bytes: for a model planned without its weights (on meta), the bytes of the real
         weights lent to it while planning, one copy per distinct stage (hierremat.runtime.lent_weights);
         0 for a model planned with its own.
+    backward_autocast: under autocast, the caller's recipe its block options were traced for (True: the backward
+        inside the autocast context, False: after it closed; hierremat.planning.menus.exact_under_autocast), None
+        where not known or without autocast.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
     (hierremat.plans.costs.ResidentCosts), counted while they are live.
@@ -63,6 +66,7 @@ class ModelPlan:
     capture_kind: str = "exported"
     times: str = "measured"
     lent_weight_bytes: int = 0
+    backward_autocast: bool | None = None
 
     @property
     def beside_chain_bytes(self) -> int:
@@ -175,6 +179,7 @@ class ModelPlan:
                 "capture_kind": self.capture_kind,
                 "times": self.times,
                 "lent_weight_bytes": self.lent_weight_bytes,
+                "backward_autocast": self.backward_autocast,
             }
         )
 
@@ -204,4 +209,5 @@ class ModelPlan:
             capture_kind=str(d.get("capture_kind", "exported")),
             times=str(d.get("times", "measured")),
             lent_weight_bytes=int(d.get("lent_weight_bytes", 0)),
+            backward_autocast=None if d.get("backward_autocast") is None else bool(d["backward_autocast"]),
         )
