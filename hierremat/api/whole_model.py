@@ -50,7 +50,7 @@ from ..planning.chain_plan import (
 )
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
-from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus
+from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus, stage_arguments
 from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern, sizes_to_sample
 
 log = logging.getLogger(__name__)
@@ -409,6 +409,9 @@ class _ProfiledChain:
     #: there, the seconds per step they could still save (0: within the timing noise): RematModule re-costs them
     #: once the steps run without them have lost what re-costing takes
     block_gain: float = 0.0
+    #: the stages' arguments (hierremat.planning.menus.stage_arguments) the fused-head-only menus were built from,
+    #: kept for with_block_menus to build the blocks' from (None once they are built)
+    arguments: tuple | None = None
 
     @classmethod
     def of(
@@ -442,13 +445,21 @@ class _ProfiledChain:
         output's fused head alone)."""
         if self.settings.block_options != "ilp" or self.settings.strategy != "optimal":
             return self
+        signatures = [info.signature for info in self.chain.infos]
+        arguments = self.arguments or stage_arguments(self.chain.stages, self.x0, self.shared, self.chain.residents,
+                                                      signatures)
         menus = build_menus(
-            self.chain.stages, self.x0, self.shared, [info.signature for info in self.chain.infos],
-            cache=self.settings.options_cache(), variants=self.settings.variants, deadline=deadline,
-            residents=self.chain.residents, recompute_across_dropouts=self.settings.segmentation != "none",
-            fitted=self.fitted, blocks=blocks, backward_autocast=self.settings.backward_autocast,
+            self.chain.stages, self.x0, self.shared, signatures, cache=self.settings.options_cache(),
+            variants=self.settings.variants, deadline=deadline, residents=self.chain.residents,
+            recompute_across_dropouts=self.settings.segmentation != "none", fitted=self.fitted, blocks=blocks,
+            backward_autocast=self.settings.backward_autocast, arguments=arguments,
         )
-        return replace(self, menus=menus)
+        return replace(self, menus=menus, arguments=None if blocks else arguments)
+
+    @property
+    def options_profile(self) -> ChainProfile:
+        """The measured profile with the block menus' options (the profile alone without menus)."""
+        return self.menus.extend(self.profile) if self.menus is not None else self.profile
 
     def block_options_gain(self, plan: SequentialPlan) -> float | None:
         """The most block options could save per step (seconds) on ``plan``, solved without them at a shape whose
@@ -456,7 +467,7 @@ class _ProfiledChain:
         once (a block option's bounded without tracing the stage: ShapeFit.least_block_time); None where a stage
         has no such bound. A plan that keeps every activation at a length well within the budget saves nothing
         more than what generated code may run faster."""
-        profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
+        profile = self.options_profile
         bound = 0.0
         for i, st in enumerate(profile.costs.stages):
             least = min(o.fwd_time + o.bwd_time for o in st.options)
@@ -502,7 +513,7 @@ class _ProfiledChain:
         it released, and the next call re-plan). Raises InfeasibleBudgetError with the model's smallest feasible
         budget."""
         if profile is None:
-            profile = self.menus.extend(self.profile) if self.menus is not None else self.profile
+            profile = self.options_profile
         output_held = self.settings.output_held
         if output_held is None and output_released is not None and output_released == profile.output_grad_mask:
             output_held = least_held_bytes(profile)
@@ -841,6 +852,21 @@ class RematModule(nn.Module):
             forget_sources(old.sources)
         return compiled
 
+    def _refreshed(self, key: tuple, compiled: _Compiled, args: tuple, kwargs: dict) -> _Compiled:
+        """``compiled``, the plan of ``key``, or the plan made again in its place: for the caller's autocast recipe,
+        now known (_planned_for_another_recipe), or with its block options re-costed once a grad step without them
+        has lost what re-costing takes (rent or buy: _profile_and_solve)."""
+        if self._planned_for_another_recipe(compiled):
+            return self._plan_again(key, args, kwargs)
+        if not compiled.block_gain or not torch.is_grad_enabled():
+            return compiled
+        if compiled.steps_without * compiled.block_gain < self._recost_seconds:
+            compiled.steps_without += 1
+            return compiled
+        log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms slower)",
+                 compiled.steps_without, compiled.block_gain * 1e3)
+        return self._plan_again(key, args, kwargs, defer_blocks=False)
+
     def _learn_backward_recipe(self) -> None:
         """Take the caller's autocast recipe (PlanSettings.backward_autocast) from the last backward under autocast of
         any of this module's plans: every shape planned from now on is traced for it (warned where it contradicts
@@ -999,17 +1025,10 @@ class RematModule(nn.Module):
         if compiled is not None:
             self._compiled.move_to_end(key)
         sharded = is_sharded(self.model)
-        if not sharded:
+        if not sharded:  # (FSDP2 runs option 0 of every stage: nothing to re-cost)
             self._learn_backward_recipe()
-        if compiled is not None and not sharded and self._planned_for_another_recipe(compiled):
-            compiled = self._plan_again(key, args, kwargs)
-        elif compiled is not None and compiled.block_gain and not sharded and torch.is_grad_enabled():
-            if compiled.steps_without * compiled.block_gain >= self._recost_seconds:  # (rent or buy)
-                log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms "
-                         "slower)", compiled.steps_without, compiled.block_gain * 1e3)
-                compiled = self._plan_again(key, args, kwargs, defer_blocks=False)
-            else:
-                compiled.steps_without += 1
+            if compiled is not None:
+                compiled = self._refreshed(key, compiled, args, kwargs)
         variant = compiled is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled)
         refuses = compiled is None and not variant and self.on_new_shape == "error"
         # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule) and whether any

@@ -523,6 +523,7 @@ def build_menus(
     fitted: "ShapeFit | None" = None,
     blocks: bool = True,
     backward_autocast: bool | None = None,
+    arguments: tuple | None = None,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
@@ -547,12 +548,13 @@ def build_menus(
     cannot pay, hierremat.api.whole_model).
     backward_autocast: under autocast, whether the caller runs the backward under it too (None: not known;
     stages whose backward it changes then get no menu, ChainMenus.recipe_dependent: exact_under_autocast).
+    arguments: the stages' arguments as stage_arguments gives them for ``signatures``, where computed already.
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
     cost_cache = StageCostCache(cache)
     L = len(stages)
-    xs, shareds = stage_arguments(stages, x0, shared, residents, signatures)
+    xs, shareds = arguments or stage_arguments(stages, x0, shared, residents, signatures)
     if signatures is None:
         signatures = [module_signature(stage, x) for stage, x in zip(stages, xs)]
     if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own

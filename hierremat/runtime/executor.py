@@ -251,6 +251,12 @@ class ChainRunner:
             return self.sharded.call(i, x, *shared)
         return self.stages[i](x, *shared)
 
+    def observe(self, watch: OutputWatch, grads: tuple) -> None:
+        """Record, as the chain's backward starts (its output's gradients ``grads``), how the caller used the
+        output (``watch``) and whether that backward runs under autocast."""
+        self.observed_output_use = watch.use(grads)
+        self.observed_backward_autocast = backward_autocast(grads)
+
     def _observed(self, out):
         """``out`` through an identity autograd node whose backward records the OutputUse."""
         outputs = as_tuple(out)
@@ -308,8 +314,7 @@ class _Step:
                 if g is not None:
                     self.resident_grads[r] = g
             grad_outputs = grad_outputs[:count]
-        self.runner.observed_output_use = self.output_watch.use(grad_outputs)
-        self.runner.observed_backward_autocast = backward_autocast(grad_outputs)
+        self.runner.observe(self.output_watch, grad_outputs)
         self.grad[len(self.runner.stages)] = grad_outputs
         # the caller's RNG state, restored after the replays (held only where some stage is
         # replayed: the plan reserves its bytes then, sequential._replay_reserve)
@@ -498,8 +503,7 @@ class _ObserveOutputUse(torch.autograd.Function):
     @eager_only
     @once_differentiable
     def backward(ctx, *grads):
-        ctx.runner.observed_output_use = ctx.output_watch.use(grads)
-        ctx.runner.observed_backward_autocast = backward_autocast(grads)
+        ctx.runner.observe(ctx.output_watch, grads)
         return (None, *grads)
 
 
