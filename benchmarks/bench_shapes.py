@@ -27,10 +27,15 @@ new length at that size).
 
     python benchmarks/bench_shapes.py [--steps 36] [--lengths 12]
     python benchmarks/bench_shapes.py --model gpt2-12 --steps 8 --lengths 6
+    python benchmarks/bench_shapes.py --warm        # the same loop, its cache filled by an earlier process
     python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2)
 
-Writes benchmarks/results/bench_shapes.md (``--model gpt2-12``: bench_shapes_gpt2-12.md; the ``--rss`` table to
-bench_shapes_rss.md).
+``--warm``: a training script run a second time on the machine. The loop first runs in a child process that fills a
+fresh cache (block menus, stage costs: hierremat.store.cache), then in this one with it; nothing else carries over
+(the plans, the samples to fit from and the symbolic capture are per process).
+
+Writes benchmarks/results/bench_shapes.md (``--model gpt2-12``: bench_shapes_gpt2-12.md; ``--warm``: with a ``_warm``
+suffix; the ``--rss`` table to bench_shapes_rss.md).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import argparse
 import copy
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -49,7 +56,6 @@ import common as C
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
 
-RESULTS = C.RESULTS_DIR / "bench_shapes.md"
 RSS_RESULTS = C.RESULTS_DIR / "bench_shapes_rss.md"
 SEED = 1234
 BATCH = 4
@@ -124,7 +130,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4") -> str:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         started = time.perf_counter()
-        if name == "hierremat":  # a fresh cache: every block menu solved in this run
+        if name == "hierremat":  # a fresh cache (every block menu solved in this run), or one an earlier run filled
             module = hr.remat(model, (), longest, budget=budget, cache=cache)
         method = Method(name, model, module, torch.optim.AdamW(model.parameters(), lr=1e-4))
         method.seconds = time.perf_counter() - started  # hierremat's first plan
@@ -256,18 +262,31 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-4",
                         help="gpt2-12: 12-layer GPT-2 (768 wide, vocabulary 50257) over lengths 160..256 (issue 35's "
                         "2 s per new length); try --steps 8 --lengths 6")
+    parser.add_argument("--warm", action="store_true",
+                        help="the loop with a cache an earlier process filled running it (a script run again)")
+    parser.add_argument("--fill-cache", metavar="DIR", help=argparse.SUPPRESS)  # (--warm's child: the loop, no table)
     parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
     args = parser.parse_args()
+    if args.fill_cache:
+        run_loop(args.steps, args.lengths, args.fill_cache, args.model)
+        return
     started = time.perf_counter()
     info = ", ".join(f"{k} {v}" for k, v in C.device_info(torch.device("cpu"), torch.get_num_threads()).items())
     if args.rss:
         text = run_rss(args.rss)
         command, path = f"--rss {args.rss}", RSS_RESULTS
     else:
+        loop = ["--steps", str(args.steps), "--lengths", str(args.lengths), "--model", args.model]
         with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
+            if args.warm:
+                subprocess.run([sys.executable, __file__, *loop, "--fill-cache", cache], check=True)
             text = run_loop(args.steps, args.lengths, cache, args.model)
-        command = f"--steps {args.steps} --lengths {args.lengths}" + (f" --model {args.model}" if args.model != "gpt2-4" else "")
-        path = RESULTS if args.model == "gpt2-4" else C.RESULTS_DIR / f"bench_shapes_{args.model}.md"
+        if args.warm:
+            text = f"The cache filled by the same loop in an earlier process (a script run again).\n\n{text}"
+        command = f"--steps {args.steps} --lengths {args.lengths}" + (f" --model {args.model}" if args.model != "gpt2-4" else "") \
+            + (" --warm" if args.warm else "")
+        name = "bench_shapes" + ("" if args.model == "gpt2-4" else f"_{args.model}") + ("_warm" if args.warm else "")
+        path = C.RESULTS_DIR / f"{name}.md"
     header = (f"# bench_shapes\n\n{info}\n\n"
               f"`python benchmarks/bench_shapes.py {command}` ({time.perf_counter() - started:.0f} s)\n\n")
     C.write_results(path, header + text + "\n")

@@ -19,15 +19,18 @@ class InfeasibleBudgetError(ValueError):
         min_budget_bytes_grads_kept: where the step allocates parameter gradients (``.grad`` None
             at its start, PyTorch's default ``zero_grad(set_to_none=True)``) and that differs, the
             smallest budget with ``.grad`` kept allocated between steps; else None.
+        note: more on what the minimums count (appended to the message).
     """
 
     def __init__(
         self, budget_bytes: int, min_budget_bytes: int, what: str = "budget",
         min_budget_bytes_output_held: int | None = None, min_budget_bytes_grads_kept: int | None = None,
+        note: str = "",
     ):
         self.budget_bytes = int(budget_bytes)
         self.min_budget_bytes = int(min_budget_bytes)
         self.what = what
+        self.note = note
         held = None if min_budget_bytes_output_held is None else int(min_budget_bytes_output_held)
         self.min_budget_bytes_output_held = held if held != self.min_budget_bytes else None
         kept = None if min_budget_bytes_grads_kept is None else int(min_budget_bytes_grads_kept)
@@ -49,15 +52,16 @@ class InfeasibleBudgetError(ValueError):
                 f"({self.min_budget_bytes_grads_kept} bytes) with .grad kept allocated between steps "
                 "(`zero_grad(set_to_none=False)` after a first step)"
             )
-        super().__init__(text + ". Raise the budget to at least that.")
+        super().__init__(text + note + ". Raise the budget to at least that.")
 
-    def plus(self, budget_bytes: int, extra_bytes: int) -> "InfeasibleBudgetError":
+    def plus(self, budget_bytes: int, extra_bytes: int, note: str = "") -> "InfeasibleBudgetError":
         """This error for a larger whole: ``budget_bytes`` asked, every minimum ``extra_bytes`` more
-        (the values held beside the chain)."""
+        (the values held beside the chain; ``note``: what they count, appended)."""
         held, kept = self.min_budget_bytes_output_held, self.min_budget_bytes_grads_kept
         return InfeasibleBudgetError(
             budget_bytes, self.min_budget_bytes + extra_bytes, self.what,
             None if held is None else held + extra_bytes, None if kept is None else kept + extra_bytes,
+            self.note + note,
         )
 
 

@@ -7,6 +7,7 @@ Trainer keeps the dataset columns the model's forward names (``remove_unused_col
 
 import copy
 import inspect
+import logging
 
 import pytest
 import torch
@@ -50,6 +51,19 @@ def pad_to_longest(features):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+@pytest.fixture
+def mixed_precision_undone(monkeypatch):
+    """A test that trains in mixed precision starts from no accelerate state and leaves none behind:
+    TrainingArguments(bf16=True) sets ACCELERATE_MIXED_PRECISION in the environment, and accelerate keeps its state
+    per process (a later ``Accelerator(cpu=True)`` would run in bf16; an ``Accelerator(mixed_precision=...)`` after
+    another refuses to change it)."""
+    accelerate = pytest.importorskip("accelerate")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # (put back as it was after the test)
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # (one an earlier test left)
+    yield
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 class MeasuredTrainer(transformers.Trainer):
     """Trainer recording the live-tensor peak of each training step (forward and backward)."""
 
@@ -62,10 +76,11 @@ class MeasuredTrainer(transformers.Trainer):
         return loss
 
 
-def _train(model, tmp_path, name, steps: int = 4, resume: bool = False):
-    """Train to ``steps`` (from the checkpoint Trainer saved at the end of the last run, ``resume``)."""
+def _train(model, tmp_path, name, steps: int = 4, resume: bool = False, **arguments):
+    """Train to ``steps`` (from the checkpoint Trainer saved at the end of the last run, ``resume``); ``arguments``:
+    more TrainingArguments."""
     args = transformers.TrainingArguments(output_dir=str(tmp_path / name), max_steps=steps, per_device_train_batch_size=2,
-                                          logging_steps=1, report_to=[], seed=0)
+                                          logging_steps=1, report_to=[], seed=0, **arguments)
     trainer = MeasuredTrainer(model=model, args=args, train_dataset=Rows(), data_collator=pad_to_longest)
     trainer.peaks = []
     trainer.train(resume_from_checkpoint=resume or None)
@@ -104,6 +119,40 @@ def test_trainer_with_default_arguments_trains_exactly_within_the_budget(tmp_pat
     assert max(peaks) <= budget
 
 
+def test_trainer_bf16_plans_for_its_fp32_outputs_and_autocast_recipe_exactly_within_the_budget(
+        tmp_path, caplog, mixed_precision_undone):
+    """``bf16=True``: accelerate runs the forward under autocast, copies the bf16 logits to fp32 after it
+    (``convert_outputs_to_fp32``), and Trainer runs the backward outside autocast. remat, planned under autocast
+    before Trainer wrapped it (and moved it: planned again), plans the first call with the copies held beside the chain (a budget without
+    room for them raises, saying so), then again once the first backward shows the recipe: block options for GPT-2's
+    blocks (attention with dropout: a backward autocast changes). The weights stay bitwise plain Trainer's, the steps
+    after planning within the budget."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=64)
+    reference = copy.deepcopy(model)
+    example = pad_to_longest([Rows()[1], Rows()[2]])  # (every batch of Rows pads to this length)
+    ids = example.pop("input_ids")
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (ids,), example, budget="1KiB", backward_autocast=False)
+    copies = 4 * ids.numel() * model.config.vocab_size  # the logits in fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (planned under the autocast it trains with, as usage.md says)
+        short = hr.remat(copy.deepcopy(model), (ids,), example, budget=f"{err.value.min_budget_bytes}B", cache=False)
+        module = hr.remat(model, (ids,), example, budget=f"{err.value.min_budget_bytes + copies}B", cache=False)
+    assert module.plans[0].stages[1].signature not in module.plans[0].menus  # the recipe not known yet
+    with pytest.raises(hr.InfeasibleBudgetError, match="fp32 copies the caller makes"):
+        _train(short, tmp_path, "short", bf16=True, use_cpu=True)
+    _train(reference, tmp_path, "plain", bf16=True, use_cpu=True)
+    with caplog.at_level(logging.INFO, logger="hierremat"):
+        _, peaks = _train(module, tmp_path, "remat", bf16=True, use_cpu=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert caplog.text.count("the backward runs outside autocast") == 1
+    plan = module.plans[-1]
+    assert plan.output_copies_bytes == copies and plan.chain.autocast == "bf16 on cpu" and plan.backward_autocast is False
+    assert plan.stages[1].signature in plan.menus and "all[" in plan.summary()  # a block option runs
+    budget = module.budget_bytes
+    assert max(peaks[2:]) <= budget, (peaks, budget)  # (the first two steps plan: for the copies, for the recipe)
+
+
 def test_accelerate_prepare_and_loop_train_exactly_within_the_budget():
     accelerate = pytest.importorskip("accelerate")
     torch.manual_seed(0)
@@ -134,3 +183,29 @@ def test_accelerate_prepare_and_loop_train_exactly_within_the_budget():
     (plain_losses, _), (losses, peaks) = runs
     assert losses == plain_losses and max(peaks) <= budget, (peaks, budget)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+
+
+def test_a_plan_made_before_accelerate_copies_the_outputs_to_fp32_is_made_again(caplog, mixed_precision_undone):
+    """accelerate's mixed precision wraps the forward of a model remat planned already (here without moving it, as
+    ``device_placement=False`` prepares it): the next call plans again with the fp32 copies counted; gradients stay
+    plain's under the same wrapper."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=64)
+    reference = copy.deepcopy(model)
+    batch = pad_to_longest([Rows()[1], Rows()[2]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module = hr.remat(model, (), batch, budget="64MiB", cache=False, backward_autocast=False)
+    assert module.plans[0].output_copies_bytes == 0
+    runs = []
+    for net in (reference, module):
+        net = accelerate.Accelerator(cpu=True, mixed_precision="bf16", device_placement=False).prepare(net)
+        with caplog.at_level(logging.INFO, logger="hierremat"):
+            torch.manual_seed(1)
+            out = net(**batch)
+        assert out.logits.dtype == torch.float32  # (accelerate's copy)
+        out.loss.backward()
+        runs.append([p.grad for p in (reference if net is not module else model).parameters()])
+    assert caplog.text.count("now copied to fp32 by the caller") == 1
+    assert module.plans[-1].output_copies_bytes == 4 * batch["input_ids"].numel() * model.config.vocab_size
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from ..graphs.capture import capture, check_outputs, uncompiled
 from ..graphs.fake_weights import weights_faked_on
 from ..graphs.eager_masks import has_value_branch, padding_key
-from ..graphs.hf import call_kwargs
+from ..graphs.hf import call_kwargs, upcasts_outputs
 from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
 from ..graphs.symbolic import SymbolicCapture, capture_symbolic
 from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
@@ -126,6 +126,7 @@ class _Compiled:
         self.block_gain = 0.0  # _ProfiledChain.block_gain: seconds a step block options not re-costed could save
         self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
+        self.upcasts = False  # planned for a caller that copies the fp16/bf16 outputs to fp32 (upcasts_outputs)
 
     def released_output(self) -> tuple[bool, ...] | None:
         """Where the caller released the chain output before the backward at this shape's last step (held no
@@ -186,7 +187,7 @@ class _Compiled:
         device = next(iter(model.parameters())).device
         try:
             outcome = plan_from_profile(
-                planned.stages, profile, budget_bytes - plan.shared_bytes - reserve, device,
+                planned.stages, profile, budget_bytes - plan.shared_bytes - plan.output_copies_bytes - reserve, device,
                 slots=planned.slots, strategy=planned.strategy, output_held=costs.output_held_bytes,
                 step_grads=StepGrads(planned.stages, model).bytes(), offloading=planned.offloading,
             )
@@ -194,7 +195,8 @@ class _Compiled:
             outcome = err
         outcome = rank0s(outcome)
         if isinstance(outcome, InfeasibleBudgetError):
-            raise outcome.plus(budget_bytes, plan.shared_bytes + reserve) from None
+            raise outcome.plus(budget_bytes, plan.shared_bytes + plan.output_copies_bytes + reserve,
+                               copies_note(plan.output_copies_bytes)) from None
         chain_plan = outcome
         log.info(
             "%s is sharded with FSDP2: re-planned with up to %d B gathered per stage and %d B held beside the chain",
@@ -204,6 +206,14 @@ class _Compiled:
         self._plan = replace(
             plan, chain=chain_plan, menus={}, gathered_stage_bytes=gathered.per_stage, sharded_reserve_bytes=reserve,
         )
+
+
+def copies_note(output_copies_bytes: int) -> str:
+    """What an InfeasibleBudgetError's minimums count of the caller's fp32 copies of the outputs (ModelPlan.output_copies_bytes)."""
+    if not output_copies_bytes:
+        return ""
+    return (f"; each counts {format_bytes(output_copies_bytes)} of fp32 copies the caller makes of the model's fp16/bf16 "
+            "outputs (accelerate's mixed precision, as the Trainer's bf16=True and fp16=True run it)")
 
 
 def _ranks() -> int:
@@ -412,6 +422,8 @@ class _ProfiledChain:
     #: the stages' arguments (hierremat.planning.menus.stage_arguments) the fused-head-only menus were built from,
     #: kept for with_block_menus to build the blocks' from (None once they are built)
     arguments: tuple | None = None
+    #: the caller's fp32 copies of the outputs (ModelPlan.output_copies_bytes), held beside the chain
+    output_copies_bytes: int = 0
 
     @classmethod
     def of(
@@ -500,8 +512,9 @@ class _ProfiledChain:
 
     @property
     def beside_chain_bytes(self) -> int:
-        """Held beside the chain's schedule: the shared values (residents are in the chain's costs)."""
-        return self.shared_bytes
+        """Held beside the chain's schedule: the shared values and the caller's fp32 copies of the outputs (residents
+        are in the chain's costs)."""
+        return self.shared_bytes + self.output_copies_bytes
 
     def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None,
               offload: bool = True, output_released: tuple[bool, ...] | None = None) -> SequentialPlan:
@@ -526,7 +539,7 @@ class _ProfiledChain:
                 offloading=self.settings.offloading(self.x0.device) if offload else None,
             )
         except InfeasibleBudgetError as err:
-            raise err.plus(budget_bytes, self.beside_chain_bytes) from None
+            raise err.plus(budget_bytes, self.beside_chain_bytes, copies_note(self.output_copies_bytes)) from None
 
     def model_plan(self, chain_plan: SequentialPlan, capture_seconds: float, compiled: bool = False,
                    specialized: bool = False) -> ModelPlan:
@@ -541,18 +554,19 @@ class _ProfiledChain:
             capture_kind="specialized" if specialized else "exported",
             times=self.fitted.describe() + self._blocks_line() if self.fitted is not None else "measured",
             backward_autocast=menus.backward_autocast if menus else None,
+            output_copies_bytes=self.output_copies_bytes,
         )
 
 
 def _profile_and_solve(
     chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
     fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
-    output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None,
+    output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, output_copies_bytes: int = 0,
 ) -> tuple[_ProfiledChain, SequentialPlan, bool]:
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
     weights_of: the model, where it is planned on meta (_ProfiledChain.weights_of). output_released: as
-    _ProfiledChain.solve takes it.
+    _ProfiledChain.solve takes it. output_copies_bytes: the caller's fp32 copies of the outputs, held beside the chain.
 
     At a shape whose times are fitted, the plan is first solved without block options (no stage traced). It
     stands where they could save no more than NOISE_MARGIN of its step (the timing noise), or less per step
@@ -562,8 +576,8 @@ def _profile_and_solve(
     compiling = resolve_compile(settings.compile, x0.device)
     lazy = fitted is not None and settings.block_options == "ilp" and settings.strategy == "optimal" \
         and not compiling
-    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
-                                 blocks=not lazy)
+    profiled = replace(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
+                                         blocks=not lazy), output_copies_bytes=output_copies_bytes)
     if lazy:
         try:
             chain_plan = profiled.solve(budget_bytes, output_released=output_released)
@@ -594,14 +608,15 @@ def _profile_and_solve(
 def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
-    output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None,
+    output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, upcasts: bool = False,
 ) -> _Compiled:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
     span this shape, its times are fitted from them and only its memory is measured. shards: the model is
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve).
-    recost_seconds: what re-costing block options at a fitted shape takes (_profile_and_solve)."""
+    recost_seconds: what re-costing block options at a fitted shape takes (_profile_and_solve). upcasts: the caller
+    copies the fp16/bf16 outputs to fp32 (hierremat.graphs.hf.upcasts_outputs): the copies are planned for."""
     started = time.perf_counter()
     model = uncompiled(model)
     if is_sharded(model) and not shards:
@@ -635,7 +650,7 @@ def _compile(
         with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
             profiled, chain_plan, compiled = _profile_and_solve(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
-                output_released, recost_seconds,
+                output_released, recost_seconds, chain.half_outputs_in_fp32_bytes() if upcasts else 0,
             )
         if fitted is None:
             sample = profiled.sample()
@@ -650,6 +665,10 @@ def _compile(
         if log.isEnabledFor(logging.DEBUG):  # (a summary replays the plan: not on every new shape unasked)
             log.debug("%s", plan.summary())
     else:
+        if upcasts and not plan.output_copies_bytes and chain.half_outputs_in_fp32_bytes():
+            log.warning("the caller copies the model's fp16/bf16 outputs to fp32 (accelerate's mixed precision), and the "
+                        "saved plan does not count the copies (%d B): its peak may exceed its budget by that much; plan "
+                        "with hierremat.remat under the same wrapper instead", chain.half_outputs_in_fp32_bytes())
         if plan.chain.autocast != autocast.describe():
             raise ValueError(
                 f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "
@@ -690,6 +709,7 @@ def _compile(
         compiled.lent = True
     compiled.sample = sample
     compiled.saved = profiled is None
+    compiled.upcasts = upcasts
     compiled.bindings = bindings
     if profiled is not None:
         compiled.least_held = least_held_bytes(profiled.profile)
@@ -822,7 +842,7 @@ class RematModule(nn.Module):
             with recorded_sources() as sources:
                 compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards,
                                     self._released_output(_family_key(args, kwargs)),
-                                    self._recost_seconds if defer_blocks else None)
+                                    self._recost_seconds if defer_blocks else None, upcasts_outputs(self))
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -855,8 +875,13 @@ class RematModule(nn.Module):
     def _refreshed(self, key: tuple, compiled: _Compiled, args: tuple, kwargs: dict) -> _Compiled:
         """``compiled``, the plan of ``key``, or the plan made again in its place: for the caller's autocast recipe,
         now known (_planned_for_another_recipe), or with its block options re-costed once a grad step without them
-        has lost what re-costing takes (rent or buy: _profile_and_solve)."""
+        has lost what re-costing takes (rent or buy: _profile_and_solve), or for fp32 copies of the outputs the
+        caller now makes or no longer makes (accelerate's mixed precision wraps the forward after remat planned it)."""
         if self._planned_for_another_recipe(compiled):
+            return self._plan_again(key, args, kwargs)
+        if not compiled.saved and compiled.upcasts != upcasts_outputs(self):
+            log.info("%s's outputs are %s copied to fp32 by the caller (accelerate's mixed precision): planned again",
+                     type(self.model).__name__, "now" if not compiled.upcasts else "no longer")
             return self._plan_again(key, args, kwargs)
         if not compiled.block_gain or not torch.is_grad_enabled():
             return compiled

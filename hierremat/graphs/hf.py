@@ -19,6 +19,10 @@
 * **Cache objects in outputs** (a model in eval mode, or one called with a cache) are
   flattened with the pytree support ``transformers`` ships for ``torch.export``
   (``register_dynamic_cache_export_support``), so capture does not refuse them.
+* **Outputs copied to fp32.** accelerate's mixed precision (``Accelerator.prepare`` with fp16 or
+  bf16, as the Trainer's ``bf16=True`` and ``fp16=True`` run it) wraps the model's ``forward`` so that
+  every fp16/bf16 tensor it returns is copied to fp32 after it (``convert_outputs_to_fp32``): the
+  logits' copy is twice their bytes, beside the model's (:func:`upcasts_outputs`).
 
 Nothing here imports ``transformers`` unless the model is one of its models.
 """
@@ -33,6 +37,20 @@ from typing import Iterator
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def upcasts_outputs(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` is wrapped by accelerate's mixed precision (module docstring): its
+    ``ConvertOutputsToFp32`` found along the wrappers (``__func__`` of a bound method, ``__wrapped__``)."""
+    forward = module.__dict__.get("forward")
+    for _ in range(8):  # (a few wrappers deep: autocast's, the conversion's, a bound method)
+        if forward is None:
+            return False
+        kind = type(forward)
+        if kind.__name__ == "ConvertOutputsToFp32" and kind.__module__.startswith("accelerate"):
+            return True
+        forward = getattr(forward, "__func__", None) or getattr(forward, "__wrapped__", None)
+    return False
 
 
 def is_transformers_model(model: torch.nn.Module) -> bool:

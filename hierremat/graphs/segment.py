@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from ..plans.stage_info import ResidentLayout, StageInfo
 from .capture import CapturedModel
@@ -61,6 +62,14 @@ class ChainGraph:
     infos: list[StageInfo]
     orchestrator: fx.GraphModule
     residents: ResidentLayout | None = None
+
+    def half_outputs_in_fp32_bytes(self) -> int:
+        """Bytes of fp32 copies of the fp16 and bf16 tensors the model returns (the orchestrator's outputs, from
+        their metadata): what a caller that converts its outputs to fp32 adds (hierremat.graphs.hf.upcasts_outputs)."""
+        output = next(n for n in self.orchestrator.graph.nodes if n.op == "output")
+        values = [a.meta.get("val") for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)]
+        return sum(4 * v.numel() for v in values
+                   if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16))
 
 
 class GraphStage(nn.Module):

@@ -44,6 +44,10 @@ class ModelPlan:
     backward_autocast: under autocast, the caller's recipe its block options were traced for (True: the backward
         inside the autocast context, False: after it closed; hierremat.planning.menus.exact_under_autocast), None
         where not known or without autocast.
+    output_copies_bytes: bytes of the fp32 copies the caller makes of the model's fp16 and bf16 outputs
+        (accelerate's mixed precision, as the Trainer's ``bf16=True`` runs it: hierremat.graphs.hf.upcasts_outputs),
+        held beside the chain for the whole step (made at the forward's end, they may be held through the
+        backward); predicted_peak_bytes includes them. 0 where the caller makes none.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
     (hierremat.plans.costs.ResidentCosts), counted while they are live.
@@ -67,11 +71,13 @@ class ModelPlan:
     times: str = "measured"
     lent_weight_bytes: int = 0
     backward_autocast: bool | None = None
+    output_copies_bytes: int = 0
 
     @property
     def beside_chain_bytes(self) -> int:
-        """What is held beside the chain's schedule: shared values, FSDP2's root group."""
-        return self.shared_bytes + self.sharded_reserve_bytes
+        """What is held beside the chain's schedule: shared values, FSDP2's root group, the caller's fp32 copies of
+        the outputs."""
+        return self.shared_bytes + self.sharded_reserve_bytes + self.output_copies_bytes
 
     @property
     def resident_peak_bytes(self) -> int:
@@ -107,7 +113,9 @@ class ModelPlan:
             + (", block options compiled" if self.compiled else "")
             + (f", returns {' and '.join(self.outputs)} only (outputs=)" if self.outputs is not None else ""),
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (chain {format_bytes(c.predicted_peak_bytes)}"
-            f" + shared inputs {format_bytes(self.shared_bytes)})"
+            f" + shared inputs {format_bytes(self.shared_bytes)}"
+            + (f" + the caller's fp32 copies of the outputs {format_bytes(self.output_copies_bytes)}"
+               if self.output_copies_bytes else "") + ")"
             + (f"; residents: {len(self.chain.costs.residents)} values beside the activation, up to "
                f"{format_bytes(self.resident_peak_bytes)} with their gradients, in the chain while live"
                if self.chain.costs.residents else ""),
@@ -180,6 +188,7 @@ class ModelPlan:
                 "times": self.times,
                 "lent_weight_bytes": self.lent_weight_bytes,
                 "backward_autocast": self.backward_autocast,
+                "output_copies_bytes": self.output_copies_bytes,
             }
         )
 
@@ -210,4 +219,5 @@ class ModelPlan:
             times=str(d.get("times", "measured")),
             lent_weight_bytes=int(d.get("lent_weight_bytes", 0)),
             backward_autocast=None if d.get("backward_autocast") is None else bool(d["backward_autocast"]),
+            output_copies_bytes=int(d.get("output_copies_bytes", 0)),
         )
