@@ -188,7 +188,7 @@ def test_accelerate_prepare_and_loop_train_exactly_within_the_budget():
 def test_a_plan_made_before_accelerate_copies_the_outputs_to_fp32_is_made_again(caplog, mixed_precision_undone):
     """accelerate's mixed precision wraps the forward of a model remat planned already (here without moving it, as
     ``device_placement=False`` prepares it): the next call plans again with the fp32 copies counted; gradients stay
-    plain's under the same wrapper."""
+    plain's under the same wrapper. A saved plan (``plan=``) is run as it is, warned about."""
     accelerate = pytest.importorskip("accelerate")
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64)
@@ -209,3 +209,13 @@ def test_a_plan_made_before_accelerate_copies_the_outputs_to_fp32_is_made_again(
     assert caplog.text.count("now copied to fp32 by the caller") == 1
     assert module.plans[-1].output_copies_bytes == 4 * batch["input_ids"].numel() * model.config.vocab_size
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+    # a saved plan is never made again: warned about once
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved = hr.remat(model, (), batch, plan=hr.plan(model, (), batch, budget="64MiB", cache=False,
+                                                         backward_autocast=False))
+    saved = accelerate.Accelerator(cpu=True, mixed_precision="bf16", device_placement=False).prepare(saved)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hierremat"):
+        for _ in range(2):
+            saved(**batch).loss.backward()
+    assert caplog.text.count("the saved plan does not count the copies") == 1

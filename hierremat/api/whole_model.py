@@ -126,7 +126,7 @@ class _Compiled:
         self.block_gain = 0.0  # _ProfiledChain.block_gain: seconds a step block options not re-costed could save
         self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
-        self.upcasts = False  # planned for a caller that copies the fp16/bf16 outputs to fp32 (upcasts_outputs)
+        self.copies_warned = False  # a saved plan run by a caller that copies the outputs to fp32: warned once
 
     def released_output(self) -> tuple[bool, ...] | None:
         """Where the caller released the chain output before the backward at this shape's last step (held no
@@ -665,10 +665,6 @@ def _compile(
         if log.isEnabledFor(logging.DEBUG):  # (a summary replays the plan: not on every new shape unasked)
             log.debug("%s", plan.summary())
     else:
-        if upcasts and not plan.output_copies_bytes and chain.half_outputs_in_fp32_bytes():
-            log.warning("the caller copies the model's fp16/bf16 outputs to fp32 (accelerate's mixed precision), and the "
-                        "saved plan does not count the copies (%d B): its peak may exceed its budget by that much; plan "
-                        "with hierremat.remat under the same wrapper instead", chain.half_outputs_in_fp32_bytes())
         if plan.chain.autocast != autocast.describe():
             raise ValueError(
                 f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "
@@ -709,7 +705,6 @@ def _compile(
         compiled.lent = True
     compiled.sample = sample
     compiled.saved = profiled is None
-    compiled.upcasts = upcasts
     compiled.bindings = bindings
     if profiled is not None:
         compiled.least_held = least_held_bytes(profiled.profile)
@@ -879,10 +874,17 @@ class RematModule(nn.Module):
         caller now makes or no longer makes (accelerate's mixed precision wraps the forward after remat planned it)."""
         if self._planned_for_another_recipe(compiled):
             return self._plan_again(key, args, kwargs)
-        if not compiled.saved and compiled.upcasts != upcasts_outputs(self):
-            log.info("%s's outputs are %s copied to fp32 by the caller (accelerate's mixed precision): planned again",
-                     type(self.model).__name__, "now" if not compiled.upcasts else "no longer")
-            return self._plan_again(key, args, kwargs)
+        copies = compiled.chain.half_outputs_in_fp32_bytes() if upcasts_outputs(self) else 0
+        if copies != compiled.plan.output_copies_bytes:
+            if not compiled.saved:
+                log.info("%s's outputs are %s copied to fp32 by the caller (accelerate's mixed precision): planned again",
+                         type(self.model).__name__, "now" if copies else "no longer")
+                return self._plan_again(key, args, kwargs)
+            if copies and not compiled.copies_warned:
+                compiled.copies_warned = True
+                log.warning("the caller copies the model's fp16/bf16 outputs to fp32 (accelerate's mixed precision), "
+                            "and the saved plan does not count the copies (%d B): its peak may exceed its budget by "
+                            "that much; plan with hierremat.remat under the same wrapper instead", copies)
         if not compiled.block_gain or not torch.is_grad_enabled():
             return compiled
         if compiled.steps_without * compiled.block_gain < self._recost_seconds:
@@ -959,35 +961,36 @@ class RematModule(nn.Module):
     def _sample_shorter_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                                samples: list[ShapeSample]) -> None:
         """At a family's second shape (while its measured shapes cannot fit a new one's times), measure the
-        model also at a shorter length cut from these inputs (hierremat.planning.shape_fit.sizes_to_sample),
-        so that the shapes after it are fitted rather than each measured; a length the model cannot take is
-        skipped (logged)."""
+        model also at shorter lengths cut from these inputs (hierremat.planning.shape_fit.sizes_to_sample),
+        so that this shape or the shapes after it are fitted rather than each measured; a length the model
+        cannot take is skipped (logged)."""
         bindings = symbolic.bindings(args, kwargs)
         wanted = sizes_to_sample(samples, bindings) if bindings else None
         if wanted is None:
             return
-        names, value = wanted
+        names, values = wanted
         name = "=".join(names)
-        started = time.perf_counter()
-        narrowed = self._narrowed(symbolic, args, kwargs, names, value)
-        sources: list[str] = []
-        try:
-            with recorded_sources() as sources:
-                sample = _sample_at(self.model, *narrowed, self.settings, symbolic) if narrowed else None
-        except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
-            log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
-                     type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
-            return
-        finally:
-            forget_sources(sources)
-            clear_fake_tensor_cache()
-        if sample is None:
-            log.info("%s not measured at %s=%d (its symbolic capture does not take it)", type(self.model).__name__,
-                     name, value)
-            return
-        add_sample(samples, sample)
-        log.info("%s measured at %s=%d in %.2f s, to fit later shapes from", type(self.model).__name__, name, value,
-                 time.perf_counter() - started)
+        for value in values:
+            started = time.perf_counter()
+            narrowed = self._narrowed(symbolic, args, kwargs, names, value)
+            sources: list[str] = []
+            try:
+                with recorded_sources() as sources:
+                    sample = _sample_at(self.model, *narrowed, self.settings, symbolic) if narrowed else None
+            except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
+                log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
+                         type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+                continue
+            finally:
+                forget_sources(sources)
+                clear_fake_tensor_cache()
+            if sample is None:
+                log.info("%s not measured at %s=%d (its symbolic capture does not take it)", type(self.model).__name__,
+                         name, value)
+                continue
+            add_sample(samples, sample)
+            log.info("%s measured at %s=%d in %.2f s, to fit shapes from", type(self.model).__name__, name, value,
+                     time.perf_counter() - started)
 
     def _narrowed(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, names: tuple[str, ...],
                   value: int) -> tuple[tuple, dict] | None:

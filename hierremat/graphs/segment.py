@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -65,11 +66,26 @@ class ChainGraph:
 
     def half_outputs_in_fp32_bytes(self) -> int:
         """Bytes of fp32 copies of the fp16 and bf16 tensors the model returns (the orchestrator's outputs, from
-        their metadata): what a caller that converts its outputs to fp32 adds (hierremat.graphs.hf.upcasts_outputs)."""
+        their metadata), those inside tuples, lists and mappings (a ModelOutput), where accelerate's
+        ``convert_to_fp32`` reaches (not a key/value cache object's): what a caller that converts its outputs
+        to fp32 adds (hierremat.graphs.hf.upcasts_outputs)."""
         output = next(n for n in self.orchestrator.graph.nodes if n.op == "output")
-        values = [a.meta.get("val") for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)]
+        leaves = pytree.tree_leaves(output.args)
+        info = getattr(self.orchestrator.graph._codegen, "pytree_info", None)
+        spec = info.out_spec if info is not None else None
+        reached = _converted_leaves(spec) if spec is not None and spec.num_leaves == len(leaves) else [True] * len(leaves)
+        values = [a.meta.get("val") for a, ok in zip(leaves, reached) if ok and isinstance(a, fx.Node)]
         return sum(4 * v.numel() for v in values
                    if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16))
+
+
+def _converted_leaves(spec: pytree.TreeSpec, inside: bool = True) -> list[bool]:
+    """Per leaf of ``spec``, whether it is reached through tuples, lists and mappings only (as accelerate's
+    ``recursively_apply`` walks an output)."""
+    if spec.is_leaf():
+        return [inside]
+    walked = inside and isinstance(spec.type, type) and issubclass(spec.type, (tuple, list, dict, Mapping))
+    return [ok for child in spec.children() for ok in _converted_leaves(child, walked)]
 
 
 class GraphStage(nn.Module):

@@ -57,6 +57,8 @@ EXTRAPOLATION = 2.0
 MEMORY_EXTRAPOLATION = 1.25
 #: Timed shapes a fit over one varying size needs (its three monomials: ShapeFit.of), the first measured.
 SAMPLED_SHAPES = 3
+#: The ratio of sizes below which a new shape is too near a timed one to be the next timed shape (sizes_to_sample).
+SPACING = 1.5
 #: The smallest size sizes_to_sample measures at: below it allocations whose sizes depend on the data (an
 #: embedding backward's buffers over the distinct tokens) outgrow the ones linear in the size at GPT-2 64
 #: wide, and a memory fit over such a shape is not exact (then shapes' memory is measured).
@@ -143,32 +145,53 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
         samples.pop(min(memory_only or older, key=crowding))
 
 
-def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], int] | None:
+def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     """Where a new shape of a family comes (``bindings``: its sizes; the second, typically) and the shapes
-    measured cannot fit its times yet, the size to measure at now, cut from this call's inputs
+    measured cannot fit its times yet, the sizes to measure at now, cut from this call's inputs
     (hierremat.graphs.symbolic SymbolicCapture.narrowed): (the sizes that differ from the samples', all
     equal: export may give one length several symbols; the sequence length, typically, or a batch size that
-    differs alone; the value). A quarter of this call's value: with the first shape and this one, measured
-    in full, that is the three timed shapes a fit needs, spread over the lengths seen and below, so that
-    every later shape within EXTRAPOLATION of them has its times fitted (and from the fourth shape on its
-    memory, a shape more than the monomials) instead of the next shapes each measured in full (issue 35:
-    "profile each distinct block at a few sizes"). Half and a quarter instead, with this shape fitted, left
-    no sample between half of it and the first: an LM head's time per row, which grows where its logits
-    outgrow the cache, came out 20% low there. None where sizes of different values differ, the quarter is
-    below MIN_SAMPLED_SIZE or measured already, or the samples already suffice."""
+    differs alone; the values), so that with the shapes measured they make the SAMPLED_SHAPES timed shapes a fit
+    needs, spread over the sizes seen and below (issue 35: "profile each distinct block at a few sizes"):
+
+    * a shape at least SPACING from every timed one is measured in full itself, and a quarter of it too;
+    * a shape nearer one (a length near the first, as when a loop is planned at its longest batch) is not:
+      it is fitted from the half and the quarter of the longest size seen, measured now (of the shortest, where
+      those are near a timed size; where too few sizes remain, it is measured in full after all). Three shapes
+      that close (the shape and the first, and a quarter) fit the quadratic's curvature from two sizes a few
+      percent apart, whose timing noise came out as a 12-19% error of the steps predicted between them.
+
+    Every later shape within EXTRAPOLATION of them has its times fitted (and, once four shapes have memory, its
+    memory). None where sizes of different values differ, no size to cut is in [MIN_SAMPLED_SIZE, this shape's]
+    and not measured already, or the samples already suffice."""
     target = {str(k): int(v) for k, v in bindings.items()}
     known = [dict(s.bindings) for s in samples if s.bindings]
     if not known or any(set(k) != set(target) for k in known):
         return None
-    if sum(s.times_measured for s in samples) >= SAMPLED_SHAPES:
+    timed = [dict(s.bindings) for s in samples if s.bindings and s.times_measured]
+    needed = SAMPLED_SHAPES - len(timed)
+    if needed <= 0:
         return None
     differing = sorted({name for k in known for name in target if k[name] != target[name]})
     if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
         return None
-    quarter = target[differing[0]] // 4
-    if quarter < MIN_SAMPLED_SIZE or quarter in {k[differing[0]] for k in known}:
-        return None
-    return tuple(differing), quarter
+    name = differing[0]
+    size, sizes = target[name], [k[name] for k in timed]
+
+    def spaced(candidates: list[int]) -> tuple[int, ...]:
+        values: list[int] = []
+        for v in candidates:
+            if len(values) < needed and MIN_SAMPLED_SIZE <= v <= size and all(
+                    max(v, w) >= SPACING * min(v, w) for w in (*sizes, *values)):
+                values.append(v)
+        return tuple(values)
+
+    if any(max(size, v) < SPACING * min(size, v) for v in sizes):  # near a timed shape: fitted, not measured
+        longest, shortest = max([size, *sizes]), min([size, *sizes])
+        values = max(spaced([longest // 2, longest // 4]), spaced([shortest // 2, shortest // 4]), key=len)
+    else:  # measured in full (a timed shape itself), and a quarter of it
+        needed -= 1
+        values = spaced([size // 4])
+    return (tuple(differing), values) if values else None
 
 
 def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
