@@ -17,8 +17,8 @@ time is the sum of its steps (hierremat's includes its planning). Per length: pl
 capture + profile + block options + DP), the new length's whole cost to hierremat ("new-length s": its first
 step's wall time, 512's with the plan remat made, less a later step's: the symbolic capture, shapes measured to
 fit from, the plan, the first run of generated code), the allocator-meter and live-tensor-tracker peaks of one extra
-step (not timed) against the budget, the predicted and measured (median of 3 steps after the loop) step time of
-the plan the length then runs, whether its block options were re-costed (at its first call: "yes", at a later
+step (not timed) against the budget, the predicted and measured (median of STEADY_STEPS = 5 steps after the loop)
+step time of the plan the length then runs, whether its block options were re-costed (at its first call: "yes", at a later
 one, once its steps without them had lost what re-costing takes: "later", never: "no"), and whether every
 gradient equals plain's bitwise at every step.
 
@@ -59,6 +59,8 @@ from hierremat.device import LiveTensorTracker
 RSS_RESULTS = C.RESULTS_DIR / "bench_shapes_rss.md"
 SEED = 1234
 BATCH = 4
+#: Steps timed per length after the loop, their median the measured step (this CPU: one step in three can be 30% off)
+STEADY_STEPS = 5
 #: --model: (layers, width, vocabulary, shortest length, longest length)
 MODELS = {"gpt2-4": (4, 256, 8192, 64, 512), "gpt2-12": (12, 768, 50257, 160, 256)}
 
@@ -178,7 +180,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4") -> str:
         row["tracker"] = tracker.peak_bytes
         row["final"] = remat.module.plans[-1]  # (the plan this length runs now: block options re-costed since?)
         timed = []
-        for _ in range(3):
+        for _ in range(STEADY_STEPS):
             started = time.perf_counter()
             step()
             timed.append(time.perf_counter() - started)
