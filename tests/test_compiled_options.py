@@ -164,17 +164,20 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan(model, (ids,), kwargs, budget="1KiB", cache=cache, output_held=False, compile=False)
     assert lo <= err.value.min_budget_bytes  # the eager forms stay on offer
-    # at the minimum stages are recomputed (compiled forwards without grad run); a third of the way
-    # to plain's peak, compiled block options fit
+    # at the minimum compiled forms run: forwards without grad where stages are recomputed, or block options whose
+    # compiled form holds less (which forms are offered follows their measured speed: under load remat's profile
+    # may offer one hr.plan's did not, and keep everything at lo); a third of the way to plain's peak, compiled
+    # block options fit
     for budget in (lo, lo + (plain_peak - lo) // 3):
         module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=cache, output_held=False, compile=True)
         (plan,) = module.plans
         assert plan.compiled and "compiling block options" in plan.summary()
+        used = options_used(plan.chain.schedule)
+        compiled_options = any(plan.chain.costs.stages[i].options[k].name.endswith("+compiled") for i, k in used)
         if budget == lo:
-            assert any("+" in action for action in plan.chain.stage_actions()), plan.summary()
+            assert compiled_options or any("+" in action for action in plan.chain.stage_actions()), plan.summary()
         else:
-            used = options_used(plan.chain.schedule)
-            assert any(plan.chain.costs.stages[i].options[k].name.endswith("+compiled") for i, k in used), plan.summary()
+            assert compiled_options, plan.summary()
         grads, peak = _trained_exactly_within(module, reference, model, ids, meter, budget, plan)
         # the plan that ran: _step holds the loss, which the plan assumed released, so the first step
         # re-planned with it held (with the costs measured under this run's load: not always the schedule before)
