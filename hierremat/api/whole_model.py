@@ -650,7 +650,7 @@ def _compile(
         with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
             profiled, chain_plan, compiled = _profile_and_solve(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
-                output_released, recost_seconds, chain.half_outputs_in_fp32_bytes() if upcasts else 0,
+                output_released, recost_seconds, chain.half_outputs_in_fp32_bytes if upcasts else 0,
             )
         if fitted is None:
             sample = profiled.sample()
@@ -874,7 +874,7 @@ class RematModule(nn.Module):
         caller now makes or no longer makes (accelerate's mixed precision wraps the forward after remat planned it)."""
         if self._planned_for_another_recipe(compiled):
             return self._plan_again(key, args, kwargs)
-        copies = compiled.chain.half_outputs_in_fp32_bytes() if upcasts_outputs(self) else 0
+        copies = compiled.chain.half_outputs_in_fp32_bytes if upcasts_outputs(self) else 0
         if copies != compiled.plan.output_copies_bytes:
             if not compiled.saved:
                 log.info("%s's outputs are %s copied to fp32 by the caller (accelerate's mixed precision): planned again",

@@ -27,6 +27,7 @@ dtypes; not of parameter names), so identical blocks share one key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from collections.abc import Mapping
@@ -64,11 +65,12 @@ class ChainGraph:
     orchestrator: fx.GraphModule
     residents: ResidentLayout | None = None
 
+    @functools.cached_property
     def half_outputs_in_fp32_bytes(self) -> int:
         """Bytes of fp32 copies of the fp16 and bf16 tensors the model returns (the orchestrator's outputs, from
         their metadata), those inside tuples, lists and mappings (a ModelOutput), where accelerate's
         ``convert_to_fp32`` reaches (not a key/value cache object's): what a caller that converts its outputs
-        to fp32 adds (hierremat.graphs.hf.upcasts_outputs)."""
+        to fp32 adds (hierremat.graphs.hf.upcasts_outputs). Read once (RematModule checks it at every call)."""
         output = next(n for n in self.orchestrator.graph.nodes if n.op == "output")
         leaves = pytree.tree_leaves(output.args)
         info = getattr(self.orchestrator.graph._codegen, "pytree_info", None)
