@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 import logging
 
@@ -21,6 +22,7 @@ import torch
 import hierremat as hr
 from hierremat.graphs.joint import to_block_graph, trace_joint
 from hierremat.runtime.node_profile import profile_nodes
+from hierremat.planning.menus import cost_model_version
 from hierremat.store.cache import default_cache
 from hierremat.ilp.options import forward_only, simulate_option, solve_menu
 from hierremat.device import LiveTensorTracker
@@ -305,7 +307,7 @@ def test_second_plan_solves_nothing_and_a_corrupted_entry_is_solved_again(tmp_pa
     assert str(menu_files[0].name) in caplog.text
 
 
-def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path):
+def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path, caplog):
     torch.manual_seed(4)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
@@ -316,13 +318,25 @@ def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path):
     assert plan.budget_bytes == err.value.min_budget_bytes  # the model's budget, shared values included
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.menus == plan.menus and again.budget_bytes == plan.budget_bytes
+    assert again.cost_model == plan.cost_model == cost_model_version()
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (ids,), kwargs, plan=again, output_held=False)
+    with caplog.at_level(logging.WARNING, logger="hierremat"):
+        module = hr.remat(model, (ids,), kwargs, plan=again, output_held=False)
+    assert "cost model" not in caplog.text
     loss, grads, _ = _step(module, (ids,), kwargs)
     loss_ref, grads_ref, _ = _step(reference, (ids,), kwargs)
     torch.testing.assert_close(loss, loss_ref)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a plan whose costs another cost model measured (or one saved before plans said which) runs, warned about
+    for older in ("nodes-3/stage-8/staged-6/torch-2.12.0", ""):
+        saved = json.loads(plan.to_json())
+        saved["cost_model"] = older
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hierremat"):
+            hr.remat(copy.deepcopy(reference), (ids,), kwargs, plan=hr.ModelPlan.from_json(json.dumps(saved)),
+                     output_held=False)
+        assert (older or "before 2026-11-26") in caplog.text and cost_model_version() in caplog.text
 
 
 class _ResidualMLP(torch.nn.Module):

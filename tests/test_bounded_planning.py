@@ -2,8 +2,9 @@
 
 - A block of about 2,000 ATen nodes with single-value cut points inside is split there into
   stages of at most MAX_STAGE_NODES nodes; one without such points (every step reads the
-  block's input) keeps its size and gets the coarser, heuristic menu (its ILP would be too
-  large). Either plans within its time limit and trains exactly within the budget.
+  block's input; about 1,000 nodes, still over MAX_STAGE_NODES, where the heuristic options'
+  op lists, quadratic in the steps, took a minute at 2,000) keeps its size and gets the coarser,
+  heuristic menu (its ILP would be too large). Either plans within its time limit and trains exactly within the budget.
 - A planning deadline reached before a block's ILP sweep leaves it the heuristic menu, says so
   in the summary, and caches nothing of it; a later plan with time solves it.
 - ``time_limit=`` is checked.
@@ -23,6 +24,7 @@ from hierremat.graphs import segment
 from hierremat.device import LiveTensorTracker
 
 WIDTH, DEPTH = 8, 300  # ~2,000 ATen nodes per block (forward and backward)
+COARSE_DEPTH = 150  # (a block without cut points: ~1,000)
 
 
 class LongBlock(nn.Module):
@@ -30,12 +32,12 @@ class LongBlock(nn.Module):
 
     def __init__(self, reads_input: bool):
         super().__init__()
-        self.weight = nn.Parameter(0.3 * torch.randn(DEPTH, WIDTH, WIDTH))
+        self.weight = nn.Parameter(0.3 * torch.randn(COARSE_DEPTH if reads_input else DEPTH, WIDTH, WIDTH))
         self.reads_input = reads_input
 
     def forward(self, x):
         h = x
-        for i in range(DEPTH):
+        for i in range(len(self.weight)):
             step = torch.tanh(h @ self.weight[i])
             h = h + (step * x if self.reads_input else step)  # reading x in every step: no single-value cut
         return h

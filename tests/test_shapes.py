@@ -15,6 +15,7 @@ import math
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,7 +147,7 @@ def test_fitted_times_recover_linear_plus_quadratic_costs_exactly():
     unmeasured lengths, inside the measured range and a little beyond it."""
     times = {"a": lambda s: 1e-3 + 2e-5 * 4 * s + 3e-8 * 4 * s * s, "b": lambda s: 5e-4 + 1e-5 * 4 * s}
     samples = [_sample(times, s) for s in (64, 200, 350, 512)]
-    for length in (100, 300, 600):
+    for length in (40, 100, 300, 600, 1000):
         fit = ShapeFit.of(samples, {"b": 4, "s": length}, (0, 1))
         assert fit is not None and fit.varying == ("s",)
         stage_times = fit._predict([[t for st in s.stage_times for t in st] for s in samples])
@@ -176,6 +177,38 @@ def test_fitted_times_recover_linear_plus_quadratic_costs_exactly():
         add_sample(kept, _sample(times, length))
     lengths = sorted(dict(s.bindings)["s"] for s in kept)
     assert len(kept) == MAX_SAMPLES and lengths[0] == 10 and lengths[-1] == 9 + 3 * MAX_SAMPLES
+
+
+_FLAT = {"a": lambda s: 1.0, "b": lambda s: 1.0}  # (samples whose own times the test below does not read)
+
+
+def test_times_fitted_outside_the_measured_lengths_stay_within_what_a_growing_cost_allows():
+    """Outside the lengths measured a fitted time is bounded by the measured time t at the nearest length
+    (r = the ratio of tokens): below, between r * t (its fixed and linear parts; r^2 for the quadratic share
+    the fit gives it) and t; above, between t and r^2 * t. Times of that form are still recovered exactly;
+    a quadratic bent by noise in the samples is clamped."""
+    lengths = (128, 341, 512)
+    costs = {
+        "fixed": lambda s: 2e-3, "linear": lambda s: 1e-5 * s, "quadratic": lambda s: 1e-8 * s * s,
+        "mixed": lambda s: 1e-3 + 1e-5 * s + 3e-8 * s * s,
+    }
+    for length in (64, 100, 700, 1024):
+        fit = ShapeFit.of([_sample(_FLAT, n) for n in lengths], {"b": 4, "s": length}, (0, 1))
+        fitted = fit._predict([[f(n) for f in costs.values()] for n in lengths])
+        assert fitted == pytest.approx([f(length) for f in costs.values()], rel=1e-6), length
+    # noisy samples: a least-squares quadratic through them bends outside them, below half the shortest's
+    # time at half its length where the longest came fast (a negative quadratic term: its share counts 0),
+    # above the shortest's where the longest came slow; the bounds hold it
+    below = ShapeFit.of([_sample(_FLAT, n) for n in lengths], {"b": 4, "s": 64}, (0, 1))
+    for noisy, bounded in (([[1.0], [2.5], [2.6]], 0.5), ([[1.0], [1.2], [3.0]], 1.0)):
+        coefficients = np.linalg.lstsq(below._time_rows, np.array(noisy)[:, 0], rcond=None)[0]
+        alone = below._target @ coefficients  # what the fit alone gives
+        assert alone < 0.5 if bounded == 0.5 else alone > 1.0
+        assert below._predict(noisy)[0] == pytest.approx(bounded)
+    above = ShapeFit.of([_sample(_FLAT, n) for n in lengths], {"b": 4, "s": 1024}, (0, 1))
+    assert above._predict([[1.0], [5.0], [3.0]])[0] == pytest.approx(3.0)  # the fit falls: held at the longest's
+    assert above._predict([[1.0], [1.1], [5.0]])[0] == pytest.approx(20.0)  # at most 4x the longest's at 2x it
+    assert above._predict([[1.0], [1.1], [5.0]], times=False)[0] > 20.0  # (a ratio, such as a speed scale: not)
 
 
 def test_least_block_time_is_the_fastest_option_priced_as_the_menus_price_it():

@@ -50,7 +50,7 @@ from ..planning.chain_plan import (
 )
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
-from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus, stage_arguments
+from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus, cost_model_version, stage_arguments
 from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern, sizes_to_sample
 
 log = logging.getLogger(__name__)
@@ -555,6 +555,7 @@ class _ProfiledChain:
             times=self.fitted.describe() + self._blocks_line() if self.fitted is not None else "measured",
             backward_autocast=menus.backward_autocast if menus else None,
             output_copies_bytes=self.output_copies_bytes,
+            cost_model=cost_model_version(),
         )
 
 
@@ -665,6 +666,13 @@ def _compile(
         if log.isEnabledFor(logging.DEBUG):  # (a summary replays the plan: not on every new shape unasked)
             log.debug("%s", plan.summary())
     else:
+        if plan.cost_model != cost_model_version():
+            log.warning(
+                "the saved plan's costs were measured by %s and this hierremat measures as %s: its predicted peak and "
+                "times may differ from what it would plan now; plan again (hierremat.plan) and save the new plan",
+                f"the cost model {plan.cost_model}" if plan.cost_model else "a hierremat from before 2026-11-26",
+                cost_model_version(),
+            )
         if plan.chain.autocast != autocast.describe():
             raise ValueError(
                 f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "

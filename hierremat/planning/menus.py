@@ -67,7 +67,7 @@ from ..runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOpt
 from ..runtime.option_codegen import StageBinding
 from ..runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
 from ..runtime.residents import keep_made, split_output, stage_shared
-from ..runtime.stage_cost_cache import ExecutorSpeeds, StageCostCache, device_name
+from ..runtime.stage_cost_cache import STAGE_COST_VERSION, ExecutorSpeeds, StageCostCache, device_name
 from ..graphs.variants.dropout import pack_dropout_masks
 from ..graphs.variants.in_place import run_in_place
 from ..graphs.variants.relu_masks import pack_relu_masks
@@ -83,6 +83,13 @@ TIE_MARGIN = 1e-6
 NOISE_MARGIN = 0.03
 #: Bump when the ILP formulation changes (invalidates cached menus).
 FORMULATION_VERSION = "staged-6"
+
+
+def cost_model_version() -> str:
+    """The versions a plan's costs come from: block nodes' times and their calibration (COST_MODEL_VERSION), the
+    stage costs (hierremat.runtime.stage_cost_cache.STAGE_COST_VERSION), the block ILP (FORMULATION_VERSION) and
+    torch's (ModelPlan.cost_model: a saved plan made under others is warned about where it is run)."""
+    return f"{COST_MODEL_VERSION}/{STAGE_COST_VERSION}/{FORMULATION_VERSION}/torch-{torch.__version__}"
 
 
 @dataclass(frozen=True)

@@ -268,17 +268,46 @@ class ShapeFit:
         n = math.prod(sizes)
         return [1.0, n, *(n * size for size in sizes)]
 
-    def _predict(self, values: list[list[float]]) -> list[float]:
+    def _predict(self, values: list[list[float]], times: bool = True) -> list[float]:
         """Each column of ``values`` (one row per sample) fitted and evaluated at the target, >= 0. The
         residuals are weighed relative to the values (a 1 ms node and a 100 ms stage both fitted to a
-        share of themselves)."""
+        share of themselves). ``times``: the columns are times, bounded outside the sizes measured
+        (:meth:`_extrapolation_bounds`)."""
         values = np.array(values, dtype=float)
         out = []
         for column in values.T:
             weights = 1.0 / np.maximum(np.abs(column), max(float(np.abs(column).max()) * 1e-6, 1e-12))
             coefficients, *_ = np.linalg.lstsq(self._time_rows * weights[:, None], column * weights, rcond=None)
-            out.append(max(0.0, float(self._target @ coefficients)))
+            fitted = float(self._target @ coefficients)
+            if times:
+                low, high = self._extrapolation_bounds(column, coefficients)
+                fitted = min(max(fitted, low), high)
+            out.append(max(0.0, fitted))
         return out
+
+    def _extrapolation_bounds(self, column: np.ndarray, coefficients: np.ndarray) -> tuple[float, float]:
+        """(lowest, highest) seconds a time may be fitted to at the target, from the measured time ``column``:
+        unbounded inside the tokens measured (n, the product of the varying sizes); outside, a time that grows
+        with n and is a sum of a fixed cost, a linear and a quadratic term (module docstring), each at least 0,
+        measured t at the nearest sample's n_s, r = n / n_s:
+
+        * below the samples: r * t * (1 - q + q * r) <= fitted <= t, q the fitted quadratic term's share of t
+          at n_s (in [0, 1]): a fixed cost shrinks by less than r, a linear term by r, the quadratic by r^2;
+        * above them: t <= fitted <= r^2 * t.
+
+        A least-squares quadratic through noisy samples may otherwise bend a few tokens outside them, to a
+        step predicted at 5% of the measured at a length half the shortest measured (bench_shapes, 4-layer
+        GPT-2 at 64 tokens fitted from 128 up)."""
+        tokens, target = self._time_rows[:, 1], float(self._target[1])
+        if tokens.min() <= target <= tokens.max():
+            return -math.inf, math.inf
+        nearest = int(np.argmin(tokens)) if target < tokens.min() else int(np.argmax(tokens))
+        measured, ratio = float(column[nearest]), target / float(tokens[nearest])
+        if ratio > 1:
+            return measured, ratio * ratio * measured
+        quadratic = float(self._time_rows[nearest, 2:] @ coefficients[2:])
+        share = min(max(quadratic / measured, 0.0), 1.0) if measured > 0 else 0.0
+        return ratio * measured * (1 - share + share * ratio), measured
 
     def stage_costs(self, costs: ChainCosts) -> ChainCosts:
         """``costs`` (measured for memory) with each stage's autograd times fitted."""
@@ -399,7 +428,8 @@ class ShapeFit:
         per_sample = [s.speeds[stage] for s in self.timed]
         if any(p is None for p in per_sample):
             return None
-        scale, forward = self._predict([list(p) for p in per_sample])
+        (scale,) = self._predict([[p[0]] for p in per_sample], times=False)  # (a ratio of times)
+        (forward,) = self._predict([[p[1]] for p in per_sample])
         return ExecutorSpeeds(scale if scale > 0 else min(p[0] for p in per_sample), forward)
 
     def describe(self) -> str:

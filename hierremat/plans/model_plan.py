@@ -48,6 +48,9 @@ class ModelPlan:
         (accelerate's mixed precision, as the Trainer's ``bf16=True`` runs it: hierremat.graphs.hf.upcasts_outputs),
         held beside the chain for the whole step (made at the forward's end, they may be held through the
         backward); predicted_peak_bytes includes them. 0 where the caller makes none.
+    cost_model: the versions of the measurements and formulations the plan's costs come from (block nodes' times,
+        stage costs, the block ILP) and torch's, as hierremat.planning.menus.cost_model_version gives them: a saved
+        plan loaded where they differ is warned about. "" for a plan saved before 2026-11-26.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
     (hierremat.plans.costs.ResidentCosts), counted while they are live.
@@ -72,6 +75,7 @@ class ModelPlan:
     lent_weight_bytes: int = 0
     backward_autocast: bool | None = None
     output_copies_bytes: int = 0
+    cost_model: str = ""
 
     @property
     def beside_chain_bytes(self) -> int:
@@ -189,6 +193,7 @@ class ModelPlan:
                 "lent_weight_bytes": self.lent_weight_bytes,
                 "backward_autocast": self.backward_autocast,
                 "output_copies_bytes": self.output_copies_bytes,
+                "cost_model": self.cost_model,
             }
         )
 
@@ -220,4 +225,5 @@ class ModelPlan:
             lent_weight_bytes=int(d.get("lent_weight_bytes", 0)),
             backward_autocast=None if d.get("backward_autocast") is None else bool(d["backward_autocast"]),
             output_copies_bytes=int(d.get("output_copies_bytes", 0)),
+            cost_model=str(d.get("cost_model", "")),
         )
