@@ -590,9 +590,10 @@ def test_a_sweep_keeps_to_its_own_time_and_solves_every_rows_fastest_schedule_fi
     ilp = BlockIlp(graph)
     texts = []
     started = time.perf_counter()
-    menu = solve_menu(graph, backend="highs", ilp=ilp, sweep_limit=3.0, time_limit=1.0, progress=texts.append)
-    assert time.perf_counter() - started < 3.0 + 1.0 + 1.0  # the last solve runs to its share of the limit
-    assert "took its 3 s" in menu.coarse and not menu.cut_by_deadline
+    # (the least kept bytes' solve takes 0.7 s alone on a 2-core CPU: its limit leaves room for the suite's load)
+    menu = solve_menu(graph, backend="highs", ilp=ilp, sweep_limit=4.0, time_limit=2.0, progress=texts.append)
+    assert time.perf_counter() - started < 4.0 + 2.0 + 1.0  # the last solve runs to its share of the limit
+    assert "took its 4 s" in menu.coarse and not menu.cut_by_deadline
     first_peak = next((k for k, t in enumerate(texts) if "peak=" in t), len(texts))
     assert all("peak=" not in t for t in texts[:first_peak])
     assert all("peak=" in t for t in texts[first_peak:])
