@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/python examples/gpt2/finetune.py --steps 20 --out runs/gpt2
 
 # The import-linter contracts first (pyproject.toml: layers, the torch-free side, no cycles), then the
-# suite on two workers (pytest-xdist): it is mostly single-threaded planning, 23 -> 15 min on 2 cores.
+# suite on two workers (pytest-xdist; tests/conftest.py shares the cores among them): about 19 min on 2 cores.
 test: setup
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4

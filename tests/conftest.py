@@ -12,9 +12,11 @@ def pytest_configure(config):
     config._hierremat_cache_dir = tempfile.mkdtemp(prefix="hierremat-test-cache-")
     os.environ["HIERREMAT_CACHE_DIR"] = config._hierremat_cache_dir
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # One intra-op thread per xdist worker: two workers of torch's default (a thread per core) on two cores
-        # oversubscribe them (tests/test_shapes.py, test_mixed_precision.py and test_residents.py: 298 s -> 233 s).
-        torch.set_num_threads(1)
+        # The cores shared among xdist's workers: each with torch's default (a thread per core) oversubscribes
+        # them (two workers on two cores: tests/test_shapes.py, test_mixed_precision.py and test_residents.py
+        # 298 s -> 233 s with a thread each).
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_unconfigure(config):

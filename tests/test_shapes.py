@@ -185,8 +185,9 @@ _FLAT = {"a": lambda s: 1.0, "b": lambda s: 1.0}  # (samples whose own times the
 def test_times_fitted_outside_the_measured_lengths_stay_within_what_a_growing_cost_allows():
     """Outside the lengths measured a fitted time is bounded by the measured time t at the nearest length
     (r = the ratio of tokens): below, between r * t (its fixed and linear parts; r^2 for the quadratic share
-    the fit gives it) and t; above, between t and r^2 * t. Times of that form are still recovered exactly;
-    a quadratic bent by noise in the samples is clamped."""
+    the fit gives it) and t; above, between t (plus the quadratic share's growth) and r^2 * t. Times of that form
+    are still recovered exactly; a quadratic bent by noise in the samples is clamped; a speed scale (a ratio of
+    times) is not bounded."""
     lengths = (128, 341, 512)
     costs = {
         "fixed": lambda s: 2e-3, "linear": lambda s: 1e-5 * s, "quadratic": lambda s: 1e-8 * s * s,
@@ -209,6 +210,26 @@ def test_times_fitted_outside_the_measured_lengths_stay_within_what_a_growing_co
     assert above._predict([[1.0], [5.0], [3.0]])[0] == pytest.approx(3.0)  # the fit falls: held at the longest's
     assert above._predict([[1.0], [1.1], [5.0]])[0] == pytest.approx(20.0)  # at most 4x the longest's at 2x it
     assert above._predict([[1.0], [1.1], [5.0]], times=False)[0] > 20.0  # (a ratio, such as a speed scale: not)
+    bent = [replace(_sample(_FLAT, n), speeds=(None, (scale, 1.0))) for n, scale in zip(lengths, (1.0, 1.1, 5.0))]
+    assert ShapeFit.of(bent, {"b": 4, "s": 1024}, (0, 1)).speeds(1).scale > 20.0
+
+
+def test_times_fitted_at_batch_and_length_outside_the_measured_ones_are_bounded_per_term():
+    """With the batch size and the length both varying (monomials 1, n, n * b, n * s; n = b * s tokens), each term
+    is bounded by its own ratio: costs of that form are recovered exactly where the target's tokens exceed every
+    sample's while its quadratic term in s falls (a longer batch of shorter rows), and where one size alone leaves
+    the sizes measured; a fit bent by noise is held within the terms' ratios."""
+    shapes = ((1, 512), (2, 256), (4, 128), (1, 128), (4, 512))
+    costs = {"attention": lambda b, s: 1e-3 + 1e-6 * b * s + 1e-8 * b * s * s, "linear": lambda b, s: 2e-6 * b * s,
+             "per row": lambda b, s: 5e-4 + 3e-9 * b * s * b}
+    samples = [_sample(_FLAT, s, b) for b, s in shapes]
+    for b, s in ((8, 300), (8, 100), (2, 1000), (1, 64)):
+        fit = ShapeFit.of(samples, {"b": b, "s": s}, (0, 1))
+        assert fit is not None and set(fit.varying) == {"b", "s"}, (b, s)
+        fitted = fit._predict([[f(*shape) for f in costs.values()] for shape in shapes])
+        assert fitted == pytest.approx([f(b, s) for f in costs.values()], rel=1e-6), (b, s)
+    fit = ShapeFit.of(samples, {"b": 8, "s": 300}, (0, 1))  # nearest (4, 512): ratios n 1.17, n * b 2.34, n * s 0.69
+    assert fit._predict([[1.0], [1.0], [1.0], [1.0], [9.0]])[0] <= 9.0 * 2400 * 8 / (2048 * 4) + 1e-9
 
 
 def test_least_block_time_is_the_fastest_option_priced_as_the_menus_price_it():

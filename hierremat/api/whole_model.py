@@ -666,13 +666,6 @@ def _compile(
         if log.isEnabledFor(logging.DEBUG):  # (a summary replays the plan: not on every new shape unasked)
             log.debug("%s", plan.summary())
     else:
-        if plan.cost_model != cost_model_version():
-            log.warning(
-                "the saved plan's costs were measured by %s and this hierremat measures as %s: its predicted peak and "
-                "times may differ from what it would plan now; plan again (hierremat.plan) and save the new plan",
-                f"the cost model {plan.cost_model}" if plan.cost_model else "a hierremat from before 2026-11-26",
-                cost_model_version(),
-            )
         if plan.chain.autocast != autocast.describe():
             raise ValueError(
                 f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "
@@ -682,6 +675,13 @@ def _compile(
             raise ValueError(
                 "plan does not match this model and input: its stages have other signatures "
                 f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
+            )
+        if plan.cost_model != cost_model_version():
+            log.warning(
+                "the saved plan's costs were measured by %s and this hierremat measures as %s: its predicted peak and "
+                "times may differ from what it would plan now; plan again (hierremat.plan) and save the new plan",
+                f"the cost model {plan.cost_model}" if plan.cost_model else "a hierremat from before 2026-11-26",
+                cost_model_version(),
             )
         if plan.menus or options_used(plan.chain.schedule):  # (a fused head alone is an option with no menu stored)
             stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}

@@ -61,7 +61,7 @@ from ..ilp.options import MENU_TIME_LIMIT, forward_only, recost_options, solve_m
 from ..plans.block_options import BlockOption
 from ..ilp.solve import solve_count
 from .output_stage import fused_head_option
-from .shape_fit import ShapeFit
+from .shape_fit import FIT_VERSION, ShapeFit
 from ..device.autocast import AutocastState
 from ..runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOption, OptionExecutor
 from ..runtime.option_codegen import StageBinding
@@ -87,9 +87,10 @@ FORMULATION_VERSION = "staged-6"
 
 def cost_model_version() -> str:
     """The versions a plan's costs come from: block nodes' times and their calibration (COST_MODEL_VERSION), the
-    stage costs (hierremat.runtime.stage_cost_cache.STAGE_COST_VERSION), the block ILP (FORMULATION_VERSION) and
-    torch's (ModelPlan.cost_model: a saved plan made under others is warned about where it is run)."""
-    return f"{COST_MODEL_VERSION}/{STAGE_COST_VERSION}/{FORMULATION_VERSION}/torch-{torch.__version__}"
+    stage costs (hierremat.runtime.stage_cost_cache.STAGE_COST_VERSION), the block ILP (FORMULATION_VERSION), the
+    costs fitted at shapes not measured (hierremat.planning.shape_fit.FIT_VERSION) and torch's (ModelPlan.cost_model:
+    a saved plan made under others is warned about where it is run)."""
+    return f"{COST_MODEL_VERSION}/{STAGE_COST_VERSION}/{FORMULATION_VERSION}/{FIT_VERSION}/torch-{torch.__version__}"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ from ..runtime.stage_cost_cache import ExecutorSpeeds
 
 log = logging.getLogger(__name__)
 
+#: Bump when what is fitted, or how, changes (part of a saved plan's hierremat.planning.menus.cost_model_version).
+FIT_VERSION = "fit-2"  # 2: times bounded outside the sizes measured (ShapeFit._extrapolation_bounds)
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
 #: How far outside the measured sizes times are fitted (a factor on either side); a shape farther out is measured.
@@ -287,27 +289,31 @@ class ShapeFit:
 
     def _extrapolation_bounds(self, column: np.ndarray, coefficients: np.ndarray) -> tuple[float, float]:
         """(lowest, highest) seconds a time may be fitted to at the target, from the measured time ``column``:
-        unbounded inside the tokens measured (n, the product of the varying sizes); outside, a time that grows
-        with n and is a sum of a fixed cost, a linear and a quadratic term (module docstring), each at least 0,
-        measured t at the nearest sample's n_s, r = n / n_s:
+        unbounded where every varying size is inside the sizes measured; outside, a time that is a sum of a
+        fixed cost, a linear term in the tokens n and the quadratic terms n * v (module docstring), each at least
+        0, measured t at the sample nearest the target (in the logs of those monomials), r_n the tokens' ratio and
+        r_v each quadratic term's (target over sample):
 
-        * below the samples: r * t * (1 - q + q * r) <= fitted <= t, q the fitted quadratic term's share of t
-          at n_s (in [0, 1]): a fixed cost shrinks by less than r, a linear term by r, the quadratic by r^2;
-        * above them: t <= fitted <= r^2 * t.
+            t * ((1 - q) * min(1, r_n) + q * min_v r_v) <= fitted <= t * max(1, r_n, max_v r_v),
+
+        q the fitted quadratic terms' share of t at that sample (in [0, 1]): a fixed cost does not shrink and a
+        linear term shrinks by r_n, the quadratic terms by r_v; nothing grows by more than its own ratio. With the
+        sequence length alone varying (r_v = r_n^2 = r^2): below the samples r * t * (1 - q + q * r) to t, above
+        them t * (1 - q + q * r^2) to r^2 * t.
 
         A least-squares quadratic through noisy samples may otherwise bend a few tokens outside them, to a
         step predicted at 5% of the measured at a length half the shortest measured (bench_shapes, 4-layer
         GPT-2 at 64 tokens fitted from 128 up)."""
-        tokens, target = self._time_rows[:, 1], float(self._target[1])
-        if tokens.min() <= target <= tokens.max():
+        rows, target = self._time_rows, self._target
+        sizes, wanted = rows[:, 2:] / rows[:, 1:2], target[2:] / target[1]  # each varying size (n * v / n)
+        if ((sizes.min(axis=0) <= wanted) & (wanted <= sizes.max(axis=0))).all():
             return -math.inf, math.inf
-        nearest = int(np.argmin(tokens)) if target < tokens.min() else int(np.argmax(tokens))
-        measured, ratio = float(column[nearest]), target / float(tokens[nearest])
-        if ratio > 1:
-            return measured, ratio * ratio * measured
-        quadratic = float(self._time_rows[nearest, 2:] @ coefficients[2:])
+        nearest = int(np.argmin(np.abs(np.log(target[1:] / rows[:, 1:])).sum(axis=1)))
+        measured, ratios = float(column[nearest]), target[1:] / rows[nearest, 1:]
+        quadratic = float(rows[nearest, 2:] @ coefficients[2:])
         share = min(max(quadratic / measured, 0.0), 1.0) if measured > 0 else 0.0
-        return ratio * measured * (1 - share + share * ratio), measured
+        low = measured * ((1 - share) * min(1.0, float(ratios[0])) + share * float(ratios[1:].min()))
+        return low, measured * max(1.0, float(ratios.max()))
 
     def stage_costs(self, costs: ChainCosts) -> ChainCosts:
         """``costs`` (measured for memory) with each stage's autograd times fitted."""

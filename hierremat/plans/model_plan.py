@@ -225,5 +225,5 @@ class ModelPlan:
             lent_weight_bytes=int(d.get("lent_weight_bytes", 0)),
             backward_autocast=None if d.get("backward_autocast") is None else bool(d["backward_autocast"]),
             output_copies_bytes=int(d.get("output_copies_bytes", 0)),
-            cost_model=str(d.get("cost_model", "")),
+            cost_model=str(d.get("cost_model") or ""),
         )
