@@ -229,7 +229,12 @@ def test_times_fitted_at_batch_and_length_outside_the_measured_ones_are_bounded_
         fitted = fit._predict([[f(*shape) for f in costs.values()] for shape in shapes])
         assert fitted == pytest.approx([f(b, s) for f in costs.values()], rel=1e-6), (b, s)
     fit = ShapeFit.of(samples, {"b": 8, "s": 300}, (0, 1))  # nearest (4, 512): ratios n 1.17, n * b 2.34, n * s 0.69
-    assert fit._predict([[1.0], [1.0], [1.0], [1.0], [9.0]])[0] <= 9.0 * 2400 * 8 / (2048 * 4) + 1e-9
+    overshoot = [[1.0], [1.0], [3.0], [1.0], [2.0]]
+    assert fit._predict(overshoot, times=False)[0] > 5.0  # the fit alone
+    assert fit._predict(overshoot)[0] == pytest.approx(2.0 * 2400 * 8 / (2048 * 4))  # t times the largest ratio
+    undershoot = [[3.0], [1.0], [1.0], [1.0], [2.0]]
+    assert fit._predict(undershoot, times=False)[0] == 0.0  # the fit alone
+    assert fit._predict(undershoot)[0] >= 2.0 * (2400 * 300) / (2048 * 512)  # at least t times the least ratio
 
 
 def test_least_block_time_is_the_fastest_option_priced_as_the_menus_price_it():

@@ -33,6 +33,7 @@ count is the budget's promise). Block options are re-costed on the shape's own j
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import Counter
@@ -304,16 +305,26 @@ class ShapeFit:
         A least-squares quadratic through noisy samples may otherwise bend a few tokens outside them, to a
         step predicted at 5% of the measured at a length half the shortest measured (bench_shapes, 4-layer
         GPT-2 at 64 tokens fitted from 128 up)."""
-        rows, target = self._time_rows, self._target
-        sizes, wanted = rows[:, 2:] / rows[:, 1:2], target[2:] / target[1]  # each varying size (n * v / n)
-        if ((sizes.min(axis=0) <= wanted) & (wanted <= sizes.max(axis=0))).all():
+        if self._nearest_outside is None:
             return -math.inf, math.inf
-        nearest = int(np.argmin(np.abs(np.log(target[1:] / rows[:, 1:])).sum(axis=1)))
-        measured, ratios = float(column[nearest]), target[1:] / rows[nearest, 1:]
-        quadratic = float(rows[nearest, 2:] @ coefficients[2:])
+        nearest, ratios = self._nearest_outside
+        measured = float(column[nearest])
+        quadratic = float(self._time_rows[nearest, 2:] @ coefficients[2:])
         share = min(max(quadratic / measured, 0.0), 1.0) if measured > 0 else 0.0
         low = measured * ((1 - share) * min(1.0, float(ratios[0])) + share * float(ratios[1:].min()))
         return low, measured * max(1.0, float(ratios.max()))
+
+    @functools.cached_property
+    def _nearest_outside(self) -> tuple[int, np.ndarray] | None:
+        """For a target outside the sizes measured, (the timed sample nearest it, in the logs of the monomials
+        n and n * v; the target's monomials over that sample's): what :meth:`_extrapolation_bounds` bounds every
+        column from. None where every varying size is inside the sizes measured."""
+        rows, target = self._time_rows, self._target
+        sizes, wanted = rows[:, 2:] / rows[:, 1:2], target[2:] / target[1]  # each varying size (n * v / n)
+        if ((sizes.min(axis=0) <= wanted) & (wanted <= sizes.max(axis=0))).all():
+            return None
+        nearest = int(np.argmin(np.abs(np.log(target[1:] / rows[:, 1:])).sum(axis=1)))
+        return nearest, target[1:] / rows[nearest, 1:]
 
     def stage_costs(self, costs: ChainCosts) -> ChainCosts:
         """``costs`` (measured for memory) with each stage's autograd times fitted."""

@@ -49,7 +49,7 @@ class ModelPlan:
         held beside the chain for the whole step (made at the forward's end, they may be held through the
         backward); predicted_peak_bytes includes them. 0 where the caller makes none.
     cost_model: the versions of the measurements and formulations the plan's costs come from (block nodes' times,
-        stage costs, the block ILP) and torch's, as hierremat.planning.menus.cost_model_version gives them: a saved
+        stage costs, the block ILP, the costs fitted at shapes not measured) and torch's, as hierremat.planning.menus.cost_model_version gives them: a saved
         plan loaded where they differ is warned about. "" for a plan saved before 2026-11-26.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
