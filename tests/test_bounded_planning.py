@@ -4,7 +4,8 @@
   stages of at most MAX_STAGE_NODES nodes; one without such points (every step reads the
   block's input; about 1,000 nodes, still over MAX_STAGE_NODES, where the heuristic options'
   op lists, quadratic in the steps, took a minute at 2,000) keeps its size and gets the coarser,
-  heuristic menu (its ILP would be too large). Either plans within its time limit and trains exactly within the budget.
+  heuristic menu (its ILP would be too large). Either plans within its time limit and trains
+  exactly within the budget.
 - A planning deadline reached before a block's ILP sweep leaves it the heuristic menu, says so
   in the summary, and caches nothing of it; a later plan with time solves it.
 - ``time_limit=`` is checked.
