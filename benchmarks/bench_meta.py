@@ -111,7 +111,8 @@ def _twins(args) -> str:
     with torch.device("meta"):
         meta = make()
     ids = torch.randint(0, 32000, (1, args.seq))
-    module = hr.remat(meta, (ids,), {"labels": ids}, budget=args.small_budget, device="cpu", cache=False)
+    module = hr.remat(meta, (ids,), {"labels": ids}, budget=args.small_budget, device="cpu", cache=False,
+                      defer_block_options=False)  # (planned in full, as hr.plan plans the materialized twin)
     plans = {
         "materialized": hr.plan(real, (ids,), {"labels": ids}, budget=args.small_budget, cache=False),
         "meta": module.plans[0],

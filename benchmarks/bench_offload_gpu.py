@@ -179,7 +179,7 @@ def run(args) -> str:
             try:
                 with C.step_autocast(device, args.bf16):
                     module = hr.remat(model, (ids,), kwargs, budget=budget, offload=offload, outputs=args.outputs,
-                                      backward_autocast=False)  # (the steps' backward runs after autocast closed)
+                                      backward_autocast=False, defer_block_options=False)  # (the steps' backward runs after autocast closed)
             except hr.InfeasibleBudgetError as err:
                 infeasible.append(f"hierremat {label}, offload={offload}: {budget / C.MIB:.2f} MiB is below its "
                                   f"smallest feasible budget, {err.min_budget_bytes / C.MIB:.2f} MiB")

@@ -11,7 +11,8 @@ AdamW, PyTorch's default ``optimizer.zero_grad()``. Methods, each on the same we
   plain       eager autograd;
   hf          Hugging Face gradient checkpointing (``gradient_checkpointing_enable()``);
   hierremat   ``hierremat.remat`` at 0.5x plain's allocator peak at the longest length, planned at it
-              with a fresh cache (every block menu solved in the run).
+              with a fresh cache; block options built once they pay (``defer_block_options``, remat's default;
+              ``--eager``: built at once, at the first shape).
 Steps are interleaved: at every step each method runs once, in a seeded shuffled order; a method's wall
 time is the sum of its steps (hierremat's includes its planning). Per length: planning seconds (the plan's
 capture + profile + block options + DP), the new length's whole cost to hierremat ("new-length s": its first
@@ -28,6 +29,7 @@ new length at that size).
     python benchmarks/bench_shapes.py [--steps 36] [--lengths 12]
     python benchmarks/bench_shapes.py --model gpt2-12 --steps 8 --lengths 6
     python benchmarks/bench_shapes.py --warm        # the same loop, its cache filled by an earlier process
+    python benchmarks/bench_shapes.py --eager       # the same loop, block options built at the first shape
     python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2)
 
 ``--warm``: a training script run a second time on the machine. The loop first runs in a child process that fills a
@@ -35,7 +37,7 @@ fresh cache (block menus, stage costs: hierremat.store.cache), then in this one 
 (the plans, the samples to fit from and the symbolic capture are per process).
 
 Writes benchmarks/results/bench_shapes.md (``--model gpt2-12``: bench_shapes_gpt2-12.md; ``--warm``: with a ``_warm``
-suffix; the ``--rss`` table to bench_shapes_rss.md).
+suffix, ``--eager``: ``_eager``; the ``--rss`` table to bench_shapes_rss.md).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def _loop_lengths(steps: int, count: int, shortest: int = 64, longest: int = 512
     return schedule
 
 
-def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4") -> str:
+def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: bool = False) -> str:
     layers, width, vocab, low, high = MODELS[model]
     torch.manual_seed(SEED)
     base = _gpt2(layers, width, vocab, high)
@@ -133,7 +135,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4") -> str:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         started = time.perf_counter()
         if name == "hierremat":  # a fresh cache (every block menu solved in this run), or one an earlier run filled
-            module = hr.remat(model, (), longest, budget=budget, cache=cache)
+            module = hr.remat(model, (), longest, budget=budget, cache=cache, defer_block_options=not eager)
         method = Method(name, model, module, torch.optim.AdamW(model.parameters(), lr=1e-4))
         method.seconds = time.perf_counter() - started  # hierremat's first plan
         methods.append(method)
@@ -219,7 +221,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4") -> str:
 def _fitted(times: str) -> str:
     """What of a plan's costs was fitted (ModelPlan.times): "measured", "times fitted", "times+memory fitted"
     (every stage's memory too) or "times+memory fitted but s5" (stage 5's memory measured)."""
-    if times == "measured":
+    if times.startswith("measured"):
         return "measured"
     if not times.startswith("times and memory"):
         return "times fitted"
@@ -266,11 +268,13 @@ def main() -> None:
                         "2 s per new length); try --steps 8 --lengths 6")
     parser.add_argument("--warm", action="store_true",
                         help="the loop with a cache an earlier process filled running it (a script run again)")
+    parser.add_argument("--eager", action="store_true",
+                        help="block options built at once at the first shape (defer_block_options=False)")
     parser.add_argument("--fill-cache", metavar="DIR", help=argparse.SUPPRESS)  # (--warm's child: the loop, no table)
     parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
     args = parser.parse_args()
     if args.fill_cache:
-        run_loop(args.steps, args.lengths, args.fill_cache, args.model)
+        run_loop(args.steps, args.lengths, args.fill_cache, args.model, args.eager)
         return
     started = time.perf_counter()
     info = ", ".join(f"{k} {v}" for k, v in C.device_info(torch.device("cpu"), torch.get_num_threads()).items())
@@ -278,16 +282,18 @@ def main() -> None:
         text = run_rss(args.rss)
         command, path = f"--rss {args.rss}", RSS_RESULTS
     else:
-        loop = ["--steps", str(args.steps), "--lengths", str(args.lengths), "--model", args.model]
+        loop = ["--steps", str(args.steps), "--lengths", str(args.lengths), "--model", args.model] \
+            + (["--eager"] if args.eager else [])
         with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
             if args.warm:
                 subprocess.run([sys.executable, __file__, *loop, "--fill-cache", cache], check=True)
-            text = run_loop(args.steps, args.lengths, cache, args.model)
+            text = run_loop(args.steps, args.lengths, cache, args.model, args.eager)
         if args.warm:
             text = f"The cache filled by the same loop in an earlier process (a script run again).\n\n{text}"
         command = f"--steps {args.steps} --lengths {args.lengths}" + (f" --model {args.model}" if args.model != "gpt2-4" else "") \
-            + (" --warm" if args.warm else "")
-        name = "bench_shapes" + ("" if args.model == "gpt2-4" else f"_{args.model}") + ("_warm" if args.warm else "")
+            + (" --warm" if args.warm else "") + (" --eager" if args.eager else "")
+        name = "bench_shapes" + ("" if args.model == "gpt2-4" else f"_{args.model}") + ("_warm" if args.warm else "") \
+            + ("_eager" if args.eager else "")
         path = C.RESULTS_DIR / f"{name}.md"
     header = (f"# bench_shapes\n\n{info}\n\n"
               f"`python benchmarks/bench_shapes.py {command}` ({time.perf_counter() - started:.0f} s)\n\n")

@@ -119,7 +119,8 @@ def run(names: list[str], rounds: int) -> str:
                 for p in model.parameters():
                     p.grad = torch.zeros_like(p)
             budget, note = _plan_budget(model, ids, issue_budget)
-            module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget=budget)
+            module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget=budget,
+                              defer_block_options=False)  # (the plan with its block options)
             rows.append(Row(name, set_to_none, "hierremat", module, [p for p in model.parameters() if p.requires_grad],
                             budget, note))
         for row in rows:  # gradients after one step from the same weights (the first step plans)

@@ -535,7 +535,8 @@ class Bench:
         wl = self.wl
         if wl.kind == "gpt2":
             def make(b):
-                mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget=f"{b}B", **extra)
+                mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget=f"{b}B", defer_block_options=False,
+                                      **extra)  # (the plan with its block options, timed)
                 return functools.partial(wl.run, mod), (lambda: mod.plans[0])
 
             def plan_at(budget):

@@ -378,7 +378,8 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
         budget = int(0.6 * plain)
         # (told the recipe of the steps below, the backward after the autocast context: planned for it from the
         # first shape on, GPT-2's blocks with block options; test_mixed_precision learns it from the first backward)
-        module = hr.remat(model, (), _batch(40, pad=5), budget=budget, cache=str(tmp_path), backward_autocast=False)
+        module = hr.remat(model, (), _batch(40, pad=5), budget=budget, cache=str(tmp_path), backward_autocast=False,
+                          defer_block_options=False)  # (menus solved at the first shape, re-costed at the others)
     for step, length in enumerate((40, 64, 23, 51, 40, 30)):
         batch = _batch(length, pad=step % 3)
         for m in (model, reference):
@@ -455,7 +456,7 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     budget = int(0.45 * hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes)
-    module = hr.remat(model, (), _batch(40), budget=budget, cache=False)
+    module = hr.remat(model, (), _batch(40), budget=budget, cache=False, defer_block_options=False)  # (solved here)
     for step, length in enumerate((40, 64, 23, 30, 60, 56, 56, 56, 56)):
         if length == 60:
             monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.0)

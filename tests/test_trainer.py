@@ -136,9 +136,11 @@ def test_trainer_bf16_plans_for_its_fp32_outputs_and_autocast_recipe_exactly_wit
     with torch.autocast("cpu", dtype=torch.bfloat16):  # (planned under the autocast it trains with, as usage.md says)
         # the smallest budget while the recipe is not known (no block options for GPT-2's blocks): the first call's
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.remat(copy.deepcopy(model), (ids,), example, budget="1KiB", cache=False)
-        short = hr.remat(copy.deepcopy(model), (ids,), example, budget=f"{err.value.min_budget_bytes}B", cache=False)
-        module = hr.remat(model, (ids,), example, budget=f"{err.value.min_budget_bytes + copies}B", cache=False)
+            hr.remat(copy.deepcopy(model), (ids,), example, budget="1KiB", cache=False, defer_block_options=False)
+        short = hr.remat(copy.deepcopy(model), (ids,), example, budget=f"{err.value.min_budget_bytes}B", cache=False,
+                         defer_block_options=False)  # (block options solved when planned: the recipe's, under test)
+        module = hr.remat(model, (ids,), example, budget=f"{err.value.min_budget_bytes + copies}B", cache=False,
+                          defer_block_options=False)
     assert module.plans[0].stages[1].signature not in module.plans[0].menus  # the recipe not known yet
     with pytest.raises(hr.InfeasibleBudgetError, match="fp32 copies the caller makes"):
         _train(short, tmp_path, "short", bf16=True, use_cpu=True)

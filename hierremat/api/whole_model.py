@@ -124,6 +124,7 @@ class _Compiled:
         self.least_held: int | None = None  # bytes of the output a caller that releases it still holds (its losses)
         self.saved = False  # run from a saved plan (remat(..., plan=)): never planned again here
         self.block_gain = 0.0  # _ProfiledChain.block_gain: seconds a step block options not re-costed could save
+        self.build_estimate: float | None = None  # _ProfiledChain.build_estimate: planned before any were built
         self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
         self.copies_warned = False  # a saved plan run by a caller that copies the outputs to fp32: warned once
@@ -302,6 +303,9 @@ class PlanSettings:
     #: under autocast, whether the caller's backward runs under it too (one context around forward and backward);
     #: None: not known (RematModule learns it at the first backward: hierremat.planning.menus.exact_under_autocast)
     backward_autocast: bool | None = None
+    #: whether a shape may run without block options until building them pays (rent or buy: _profile_and_solve);
+    #: remat's default, not hierremat.plan's
+    defer_block_options: bool = False
 
     def __post_init__(self) -> None:
         if self.backward_autocast not in (None, True, False):
@@ -322,6 +326,9 @@ class PlanSettings:
         check_slots(self.slots)
         check_time_limit(self.time_limit)
         check_segmentation(self.segmentation)
+        if not isinstance(self.defer_block_options, bool):
+            raise ValueError("defer_block_options must be True (block options built once they pay) or False (at "
+                             f"once), got {self.defer_block_options!r}")
         resolve_compile(self.compile, torch.device("cpu"))  # checks the value
         object.__setattr__(self, "outputs", check_outputs(self.outputs))
 
@@ -424,6 +431,9 @@ class _ProfiledChain:
     arguments: tuple | None = None
     #: the caller's fp32 copies of the outputs (ModelPlan.output_copies_bytes), held beside the chain
     output_copies_bytes: int = 0
+    #: planned without block options at a measured shape (none built yet: _profile_and_solve), what building them
+    #: is taken to cost (seconds): what capturing and profiling the shape took
+    build_estimate: float | None = None
 
     @classmethod
     def of(
@@ -466,7 +476,25 @@ class _ProfiledChain:
             recompute_across_dropouts=self.settings.segmentation != "none", fitted=self.fitted, blocks=blocks,
             backward_autocast=self.settings.backward_autocast, arguments=arguments,
         )
+        if blocks:
+            cost_cache, xs = StageCostCache(self.settings.options_cache()), arguments[0]
+            for i, info in enumerate(self.chain.infos):
+                if menus.signatures[i] in menus.menus:
+                    cost_cache.put_menu_built(info.signature, xs[i], self._menu_settings())
         return replace(self, menus=menus, arguments=None if blocks else arguments)
+
+    def _menu_settings(self) -> str:
+        """What a stage's menu depends on besides its signature and input (StageCostCache.put_menu_built)."""
+        s = self.settings
+        return f"variants={s.variants}:segmentation={s.segmentation}:backward_autocast={s.backward_autocast}"
+
+    def menus_cached(self) -> bool:
+        """Whether a stage's block menu was built at this shape with this cache and these settings before
+        (StageCostCache.menu_built): then building them is a cache lookup (a menu the planning deadline cut short
+        is not cached: built again). Needs the stages' arguments (``of`` with ``blocks`` False keeps them)."""
+        cost_cache, xs = StageCostCache(self.settings.options_cache()), self.arguments[0]
+        return any(cost_cache.menu_built(info.signature, x, self._menu_settings())
+                   for info, x in zip(self.chain.infos, xs))
 
     @property
     def options_profile(self) -> ChainProfile:
@@ -483,7 +511,7 @@ class _ProfiledChain:
         bound = 0.0
         for i, st in enumerate(profile.costs.stages):
             least = min(o.fwd_time + o.bwd_time for o in st.options)
-            if self.fitted.had_menu(i):
+            if self.fitted is not None and self.fitted.had_menu(i):
                 block = self.fitted.least_block_time(i)
                 if block is None:
                     return None
@@ -496,10 +524,17 @@ class _ProfiledChain:
     def _blocks_line(self) -> str:
         if not self.blocks_not_recosted:
             return ""
+        if self.fitted is None:
+            if not self.block_gain:
+                return (f"; block options not built (they could save at most {NOISE_MARGIN:.0%} of its step, "
+                        "the timing noise)")
+            return (f"; block options not built yet (they could save at most {self.block_gain * 1e3:.1f} ms a step: "
+                    f"built once the steps have lost what building them is taken to cost, {self.build_estimate:.2f} s)")
         if not self.block_gain:
             return f"; block options not re-costed at this shape (they could save at most {NOISE_MARGIN:.0%} of its step)"
         return (f"; block options not re-costed at this shape yet (they could save at most {self.block_gain * 1e3:.1f} "
-                "ms a step: re-costed once its steps have lost what re-costing takes)")
+                "ms a step: re-costed once its steps have lost what re-costing takes, or built once the steps of every "
+                "shape have lost what building them takes where none is built yet)")
 
     def sample(self, times_measured: bool = True) -> ShapeSample:
         """This shape's measured costs (bindings unset), to fit later shapes' from (``times_measured`` False:
@@ -552,7 +587,7 @@ class _ProfiledChain:
             outputs=self.settings.outputs,
             compile_seconds=menus.compile_seconds if menus else 0.0,
             capture_kind="specialized" if specialized else "exported",
-            times=self.fitted.describe() + self._blocks_line() if self.fitted is not None else "measured",
+            times=(self.fitted.describe() if self.fitted is not None else "measured") + self._blocks_line(),
             backward_autocast=menus.backward_autocast if menus else None,
             output_copies_bytes=self.output_copies_bytes,
             cost_model=cost_model_version(),
@@ -563,6 +598,7 @@ def _profile_and_solve(
     chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
     fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, output_copies_bytes: int = 0,
+    defer: bool = False,
 ) -> tuple[_ProfiledChain, SequentialPlan, bool]:
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
@@ -573,13 +609,23 @@ def _profile_and_solve(
     stands where they could save no more than NOISE_MARGIN of its step (the timing noise), or less per step
     than re-costing them takes (``recost_seconds``, as measured at another shape; None: re-cost them): the
     rent-or-buy choice of a shape that may never come back (RematModule re-costs them once its steps have lost
-    that much: _ProfiledChain.block_gain)."""
+    that much: _ProfiledChain.block_gain).
+
+    defer: at a measured shape, no block options built yet (RematModule: ``defer_block_options``), the plan is first
+    solved without them too, and stands where they could save no more than the timing noise, or less per step than
+    building them is taken to cost (``recost_seconds``, else what capturing and profiling this shape took: building
+    a menu traces, profiles and runs each distinct stage again, and solves its ILP; _ProfiledChain.build_estimate).
+    Where a stage's menu was built at this shape with this cache before (_ProfiledChain.menus_cached), they are
+    built at once (a lookup)."""
     compiling = resolve_compile(settings.compile, x0.device)
-    lazy = fitted is not None and settings.block_options == "ilp" and settings.strategy == "optimal" \
+    lazy = (fitted is not None or defer) and settings.block_options == "ilp" and settings.strategy == "optimal" \
         and not compiling
     profiled = replace(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
                                          blocks=not lazy), output_copies_bytes=output_copies_bytes)
-    if lazy:
+    if lazy and fitted is None:
+        recost_seconds = None if profiled.menus_cached() else (
+            recost_seconds if recost_seconds is not None else time.perf_counter() - started)
+    if lazy and (fitted is not None or recost_seconds is not None):
         try:
             chain_plan = profiled.solve(budget_bytes, output_released=output_released)
         except InfeasibleBudgetError:
@@ -588,10 +634,14 @@ def _profile_and_solve(
         if gain is not None:
             noise = gain <= NOISE_MARGIN * (chain_plan.predicted_step_time - gain)
             if noise or (recost_seconds is not None and gain < recost_seconds):
-                log.info("block options not re-costed at this shape: they could save at most %.1f ms of the plan's "
-                         "predicted %.1f ms a step%s", gain * 1e3, chain_plan.predicted_step_time * 1e3,
-                         "" if noise else f" (re-costing them takes about {recost_seconds:.2f} s)")
-                return replace(profiled, blocks_not_recosted=True, block_gain=0.0 if noise else gain), chain_plan, False
+                what = "re-costed" if fitted is not None else "built"
+                log.info("block options not %s at this shape: they could save at most %.1f ms of the plan's "
+                         "predicted %.1f ms a step%s", what, gain * 1e3, chain_plan.predicted_step_time * 1e3,
+                         "" if noise else f" ({what} after steps that lose about {recost_seconds:.2f} s)")
+                deferred = replace(profiled, blocks_not_recosted=True, block_gain=0.0 if noise else gain,
+                                   build_estimate=recost_seconds if fitted is None else None)
+                return deferred, chain_plan, False
+    if lazy:
         profiled = profiled.with_block_menus(settings.deadline(started))
     menus = profiled.menus
     compiled = menus is not None and compiling
@@ -610,6 +660,7 @@ def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, upcasts: bool = False,
+    defer: bool = False,
 ) -> _Compiled:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
@@ -617,7 +668,8 @@ def _compile(
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve).
     recost_seconds: what re-costing block options at a fitted shape takes (_profile_and_solve). upcasts: the caller
-    copies the fp16/bf16 outputs to fp32 (hierremat.graphs.hf.upcasts_outputs): the copies are planned for."""
+    copies the fp16/bf16 outputs to fp32 (hierremat.graphs.hf.upcasts_outputs): the copies are planned for.
+    defer: a measured shape may be planned without block options, none built yet (_profile_and_solve)."""
     started = time.perf_counter()
     model = uncompiled(model)
     if is_sharded(model) and not shards:
@@ -651,7 +703,7 @@ def _compile(
         with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
             profiled, chain_plan, compiled = _profile_and_solve(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
-                output_released, recost_seconds, chain.half_outputs_in_fp32_bytes if upcasts else 0,
+                output_released, recost_seconds, chain.half_outputs_in_fp32_bytes if upcasts else 0, defer,
             )
         if fitted is None:
             sample = profiled.sample()
@@ -717,6 +769,7 @@ def _compile(
     if profiled is not None:
         compiled.least_held = least_held_bytes(profiled.profile)
         compiled.block_gain = profiled.block_gain
+        compiled.build_estimate = profiled.build_estimate
     compiled.skeleton = pytree.tree_map(
         lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
@@ -724,17 +777,17 @@ def _compile(
 
 
 def _sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings,
-               symbolic: SymbolicCapture) -> ShapeSample | None:
+               symbolic: SymbolicCapture, blocks: bool = True) -> ShapeSample | None:
     """The costs measured in full at these inputs (times and memory, no plan solved), captured from
     ``symbolic`` (never exported on their own), bound to their sizes; None where the capture does not take
-    them."""
+    them. blocks: False measures no block menu (their node times and speeds: none was built yet)."""
     bindings = symbolic.bindings(args, kwargs)
     if bindings is None:
         return None
     started = time.perf_counter()
     autocast = AutocastState.capture(_device_types(args, kwargs))
     chain, x0, shared, _, _ = _captured_chain(model, args, kwargs, settings, autocast, started, symbolic, export=False)
-    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started))
+    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), blocks=blocks)
     return profiled.sample().bound(bindings)
 
 
@@ -798,6 +851,8 @@ class RematModule(nn.Module):
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
         self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
         self._recost_seconds: float | None = None  # what re-costing block options at a fitted shape took, last time
+        self._blocks_built = False  # whether any shape's plan has block options built (block menus)
+        self._lost_without_blocks = 0.0  # seconds block options could have saved the steps run before any was built
         self._present_signature()
         self.register_state_dict_post_hook(_without_model_prefix)
         self.register_load_state_dict_pre_hook(_with_model_prefix)
@@ -827,7 +882,8 @@ class RematModule(nn.Module):
              budget_bytes: int | None = None, shards: bool = False, defer_blocks: bool = True) -> _Compiled:
         """Plan the model for these inputs (``settings`` and ``budget_bytes``: this module's, unless given; ``shards``:
         as _compile takes it; ``defer_blocks`` False: block options re-costed at a fitted shape wherever they could
-        pay) and keep the plan."""
+        pay, and built at a measured shape, none built yet, whatever ``settings.defer_block_options`` says) and keep
+        the plan."""
         settings = settings or self.settings
         budget_bytes = budget_bytes if budget_bytes is not None else self.budget_bytes
         kwargs = call_kwargs(self.model, kwargs)
@@ -845,13 +901,19 @@ class RematModule(nn.Module):
             with recorded_sources() as sources:
                 compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards,
                                     self._released_output(_family_key(args, kwargs)),
-                                    self._recost_seconds if defer_blocks else None, upcasts_outputs(self))
+                                    self._recost_seconds if defer_blocks else None, upcasts_outputs(self),
+                                    defer_blocks and settings.defer_block_options and not self._blocks_built)
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
         compiled.sources = sources
         if compiled.plan.times != "measured" and any(m.get("recosted") for m in compiled.plan.menus.values()):
             self._recost_seconds = compiled.plan.options_seconds  # (block options re-costed at a fitted shape)
+        elif compiled.build_estimate is not None and self._recost_seconds is None:
+            self._recost_seconds = compiled.build_estimate  # (none built yet: what building them is taken to cost)
+        elif compiled.plan.menus and not self._blocks_built:  # built (solved): the next fitted shape re-costs at once,
+            self._recost_seconds = None  # as after a first shape planned with them, and learns what re-costing takes
+        self._blocks_built |= bool(compiled.plan.menus)
         if self._compiled:  # a new shape: what torch cached for this one's traces is not needed again
             clear_fake_tensor_cache()
         if compiled.sample is not None and compiled.bindings:
@@ -878,7 +940,8 @@ class RematModule(nn.Module):
     def _refreshed(self, key: tuple, compiled: _Compiled, args: tuple, kwargs: dict) -> _Compiled:
         """``compiled``, the plan of ``key``, or the plan made again in its place: for the caller's autocast recipe,
         now known (_planned_for_another_recipe), or with its block options re-costed once a grad step without them
-        has lost what re-costing takes (rent or buy: _profile_and_solve), or for fp32 copies of the outputs the
+        has lost what re-costing takes (rent or buy: _profile_and_solve; none built yet: built once the grad steps of
+        every shape have lost what building them is taken to cost), or for fp32 copies of the outputs the
         caller now makes or no longer makes (accelerate's mixed precision wraps the forward after remat planned it)."""
         if self._planned_for_another_recipe(compiled):
             return self._plan_again(key, args, kwargs)
@@ -895,8 +958,16 @@ class RematModule(nn.Module):
                             "that much; plan with hierremat.remat under the same wrapper instead", copies)
         if not compiled.block_gain or not torch.is_grad_enabled():
             return compiled
-        if compiled.steps_without * compiled.block_gain < self._recost_seconds:
-            compiled.steps_without += 1
+        if not self._blocks_built:  # building them serves every shape: the steps of all count
+            self._lost_without_blocks += compiled.block_gain
+            if self._lost_without_blocks < self._recost_seconds:
+                compiled.steps_without += 1
+                return compiled
+            log.info("block options built at this shape after steps without them lost up to %.2f s (building them "
+                     "was taken to cost %.2f s)", self._lost_without_blocks, self._recost_seconds)
+            return self._plan_again(key, args, kwargs, defer_blocks=False)
+        if self._recost_seconds is not None and compiled.steps_without * compiled.block_gain < self._recost_seconds:
+            compiled.steps_without += 1  # (None: built since this shape was planned, what re-costing takes not known)
             return compiled
         log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms slower)",
                  compiled.steps_without, compiled.block_gain * 1e3)
@@ -984,7 +1055,9 @@ class RematModule(nn.Module):
             sources: list[str] = []
             try:
                 with recorded_sources() as sources:
-                    sample = _sample_at(self.model, *narrowed, self.settings, symbolic) if narrowed else None
+                    sample = _sample_at(self.model, *narrowed, self.settings, symbolic,
+                                        blocks=self._blocks_built or not self.settings.defer_block_options) \
+                        if narrowed else None
             except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
                 log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
                          type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
@@ -1105,6 +1178,7 @@ class RematModule(nn.Module):
         self._drop_plans(keep_lent=True)
         self._symbolic.clear()
         self._samples.clear()
+        self._recost_seconds, self._blocks_built, self._lost_without_blocks = None, False, 0.0  # (another device's)
         return super()._apply(fn, recurse)
 
 
@@ -1359,6 +1433,7 @@ def remat(
     offload: bool | str | None = None,
     offload_limit: int | str | None = None,
     backward_autocast: bool | None = None,
+    defer_block_options: bool = True,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
@@ -1376,6 +1451,15 @@ def remat(
     offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.
     backward_autocast: as for hierremat.plan; None (default): seen at the first backward, a shape planned before
     then is planned again at its next call where that gives blocks options.
+    defer_block_options: True (default): block options are built once they pay (rent or buy). A shape is first
+    planned without them, where they could save less per step than building them costs: at the first shape, with
+    none built yet, what capturing and profiling it took (building them traces, profiles and runs each distinct
+    block again and solves its ILP); at a later shape whose times are fitted, what re-costing them took last. They
+    are built once the steps run without them have lost that much (they could save at most the recomputation of
+    the plan without them), and at once where they could save more, where the budget needs them, or where this
+    cache built them for the shape before. So a short run never pays for what cannot pay back, and a long one
+    loses at most what building them costs. False: built at once at a shape measured in full (as hierremat.plan
+    does); a shape whose times are fitted re-costs them (no ILP solve) only where that pays, either way.
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
@@ -1393,7 +1477,7 @@ def remat(
         offload = plan is not None and plan.chain.offloads
     settings = PlanSettings(
         slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
-        None if device is None else str(device), offload, offload_limit, backward_autocast,
+        None if device is None else str(device), offload, offload_limit, backward_autocast, defer_block_options,
     )
     module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes)
     module._add(args, example_kwargs or {}, plan)

@@ -417,8 +417,10 @@ class ShapeFit:
         return {k: (seconds, 0) for k, seconds in zip(keys, fitted)}
 
     def had_menu(self, stage: int) -> bool:
-        """Whether stage ``stage`` had block options at a shape whose times were measured."""
-        return any(s.node_times[stage] is not None for s in self.timed)
+        """Whether stage ``stage`` had block options at every shape whose times were measured (what its block
+        options' times are fitted from: a shape measured before any were built has none, hierremat.remat's
+        ``defer_block_options``)."""
+        return all(s.node_times[stage] is not None for s in self.timed)
 
     def least_block_time(self, stage: int) -> float | None:
         """A lower bound (seconds) on one forward and backward of stage ``stage`` under any of its block options

@@ -37,7 +37,9 @@ class ModelPlan:
         shape) or "specialized" (the model's symbolic capture, made once for every shape, at this
         shape's sizes: hierremat.graphs.symbolic).
     times: "measured", or what was fitted from shapes measured before: the times, and the memory
-        where it fits them to the byte (else measured at this shape): hierremat.planning.shape_fit.
+        where it fits them to the byte (else measured at this shape): hierremat.planning.shape_fit; then, where the
+        plan runs without block options not built or not re-costed at this shape yet (hierremat.remat's
+        ``defer_block_options``), why (e.g. "measured; block options not built yet (...)").
     lent_weight_bytes: for a model planned without its weights (on meta), the bytes of the real
         weights lent to it while planning, one copy per distinct stage (hierremat.runtime.lent_weights);
         0 for a model planned with its own.

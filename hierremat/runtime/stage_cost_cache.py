@@ -106,6 +106,17 @@ class StageCostCache:
                    "trace": None if trace is None else trace.to_dict()}
         self.cache.put(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)), payload)
 
+    def put_menu_built(self, signature: str, x: torch.Tensor, settings: str) -> None:
+        """Record that the stage of ``signature`` on ``x`` had its block menu built (solved or re-costed) with this
+        cache, for ``settings`` (what else the menu depends on: variants, segmentation, the autocast recipe): a
+        later plan finds it there without tracing the stage (:meth:`menu_built`)."""
+        if self.cache is not None and not self.menu_built(signature, x, settings):
+            self.cache.put(self._key("menu-built", signature, x, settings), {"built": True})
+
+    def menu_built(self, signature: str, x: torch.Tensor, settings: str) -> bool:
+        """Whether :meth:`put_menu_built` recorded the stage's block menu for ``settings`` (False without a cache)."""
+        return self.cache is not None and self.cache.get(self._key("menu-built", signature, x, settings)) is not None
+
     def get_speeds(self, signature: str, x: torch.Tensor) -> ExecutorSpeeds | None:
         """The generated code's measured speeds for a signature, if measured before."""
         if self.cache is None:

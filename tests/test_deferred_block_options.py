@@ -1,0 +1,137 @@
+"""Block options built once they pay (hierremat.remat's ``defer_block_options``, issue 35: "re-solve a menu only
+where that pays, in the background or lazily").
+
+Building a block's menu traces, profiles and runs the block again and solves its ILP: on a fresh cache that cost
+more than the capture and profile of the first shape (4-layer GPT-2: 5.6 s against 4.2 s). remat plans the first
+shape without them where they could save less per step than building them is taken to cost (what capturing and
+profiling the shape took), and builds them once the grad steps of every shape have lost that much (rent or buy);
+at once where the budget needs them, or where the cache built them for this shape before. Gradients equal plain
+autograd's before and after, and the measured peak stays within the budget.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import hierremat as hr
+from hierremat.api import whole_model
+from hierremat.device import LiveTensorTracker
+from hierremat.device.memory import CpuAllocatorMeter
+from hierremat.errors import InfeasibleBudgetError
+from hierremat.planning import menus
+
+from models import tiny_gpt2
+
+VOCAB = 512
+
+
+def _batch(length: int, batch: int = 2, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed + length)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _model_and_budget():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
+    plain = hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
+    return model, int(0.45 * plain)  # (a plan that recomputes: block options could save some of it)
+
+
+def _step(module, reference, model, batch: dict, seed: int) -> None:
+    """One step of each (``.grad`` None at its start, PyTorch's default), gradients compared bitwise."""
+    for m in (module, reference):
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(seed)
+        m(**batch).loss.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def _peaks(module, batch: dict) -> tuple[int, int]:
+    """The peak of a step of ``module`` (planned before), by the live-tensor tracker and the CPU allocator meter."""
+    peaks = []
+    for meter in (LiveTensorTracker(), CpuAllocatorMeter()):
+        for p in module.parameters():
+            p.grad = None
+        with meter:
+            module(**batch).loss.backward()
+        peaks.append(meter.peak_bytes)
+    return tuple(peaks)
+
+
+def test_block_options_are_built_once_the_steps_without_them_have_lost_what_building_them_costs(monkeypatch, caplog):
+    """The first shape is planned without block options (no stage traced) and says so; a second length is
+    measured for fits (at two shorter lengths) without block menus (none built to fit); once the steps have lost
+    what building them was taken to cost, the shape then called is planned with them, solved by the ILP. Bitwise
+    gradients at every step and the peak within the budget, before and after."""
+    traced = []
+    trace_joint = menus.trace_joint
+    monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
+    monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.0)  # (the decision under test, not this machine's noise)
+    monkeypatch.setattr(menus, "_SOLVED_IN_PROCESS", {})  # (no menu an earlier test solved to re-cost, cache=False)
+    caplog.set_level(logging.INFO, logger="hierremat")
+    model, budget = _model_and_budget()
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (), _batch(64), budget=budget, cache=False)
+    first = module.plans[-1]
+    assert not traced and not first.menus and first.options_solves == 0
+    assert first.times.startswith("measured; block options not built yet (they could save at most")
+    assert "block options not built yet" in first.summary()
+    deferred = next(iter(module._compiled.values()))
+    assert deferred.build_estimate > 0 and module._recost_seconds == deferred.build_estimate
+    assert deferred.block_gain > 0
+    assert all(peak <= budget for peak in _peaks(module, _batch(64)))
+    module._recost_seconds = 1e6  # (a build as dear as a million steps' gain: none while the second length comes)
+    for step, length in enumerate((64, 56)):
+        _step(module, reference, model, _batch(length), step)
+    timed = [s for s in next(iter(module._samples.values())) if s.times_measured]
+    assert len(timed) == 3 and all(t is None for s in timed for t in s.node_times)  # (64, and 42 and 16 for fits)
+    assert not traced and not module._blocks_built and "block options not re-costed" in module.plans[-1].times
+    assert all(peak <= budget for peak in _peaks(module, _batch(56)))
+    # then as dear as 2.5 steps' gain at 64: the steps from now on lose that by the third
+    module._recost_seconds, module._lost_without_blocks = 2.5 * deferred.block_gain, 0.0
+    for step in range(3):
+        _step(module, reference, model, _batch(64), 10 + step)
+        assert bool(traced) == (step == 2) and module._blocks_built == (step == 2), step
+    assert "block options built at this shape after steps without them lost" in caplog.text
+    built = [p for p in module.plans if p.menus]
+    assert len(built) == 1 and built[0].options_solves > 0 and "block options not built" not in built[0].times
+    # built and solved: what re-costing them at a fitted shape takes is learnt again (as after a first shape planned
+    # with them), so 56, planned without them before, re-costs them at its next call and sets it
+    assert module._recost_seconds is None
+    _step(module, reference, model, _batch(56), 20)
+    assert any(m.get("recosted") for m in module.plans[-1].menus.values())
+    assert module._recost_seconds == module.plans[-1].options_seconds > 0
+    for length in (64, 56):
+        assert all(peak <= budget for peak in _peaks(module, _batch(length))), length
+
+
+def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_needs_them(tmp_path):
+    """A cache that built this shape's menus before: remat uses them at construction (a lookup, no ILP solve).
+    A budget only block options fit: built at once. ``defer_block_options=False``: built at once, as
+    hierremat.plan does."""
+    model, budget = _model_and_budget()
+    eager = hr.remat(model, (), _batch(64), budget=budget, cache=str(tmp_path), defer_block_options=False)
+    assert eager.plans[-1].menus and eager.plans[-1].options_solves > 0
+    warm = hr.remat(copy.deepcopy(model), (), _batch(64), budget=budget, cache=str(tmp_path))
+    assert warm.plans[-1].menus and warm.plans[-1].options_solves == 0
+    assert warm.plans[-1].times == "measured"
+
+    explored = {kind: hr.explore(model, (), _batch(64), block_options=kind, cache=False)
+                for kind in ("ilp", "autograd")}
+    low, high = explored["ilp"].smallest_feasible(), explored["autograd"].smallest_feasible()
+    assert low < high  # (block options lower this model's floor)
+    tight = (low + high) // 2
+    with pytest.raises(InfeasibleBudgetError):
+        hr.remat(copy.deepcopy(model), (), _batch(64), budget=tight, cache=False, block_options="autograd")
+    module = hr.remat(copy.deepcopy(model), (), _batch(64), budget=tight, cache=False)
+    assert module.plans[-1].menus and module.plans[-1].predicted_peak_bytes <= tight
+
+
+def test_defer_block_options_must_be_a_bool():
+    model, budget = _model_and_budget()
+    with pytest.raises(ValueError, match="defer_block_options must be True"):
+        hr.remat(model, (), _batch(64), budget=budget, cache=False, defer_block_options="yes")
