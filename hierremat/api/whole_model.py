@@ -477,11 +477,19 @@ class _ProfiledChain:
             backward_autocast=self.settings.backward_autocast, arguments=arguments,
         )
         if blocks:
-            cost_cache, xs = StageCostCache(self.settings.options_cache()), arguments[0]
-            for i, info in enumerate(self.chain.infos):
-                if menus.signatures[i] in menus.menus:
-                    cost_cache.put_menu_built(info.signature, xs[i], self._menu_settings())
+            cost_cache = StageCostCache(self.settings.options_cache())
+            for i, signature in self._distinct_stages(arguments[0], lambda i: menus.signatures[i] in menus.menus):
+                cost_cache.put_menu_built(signature, arguments[0][i], self._menu_settings())
         return replace(self, menus=menus, arguments=None if blocks else arguments)
+
+    def _distinct_stages(self, xs: Sequence[torch.Tensor], wanted=lambda i: True) -> list[tuple[int, str]]:
+        """(index, signature) of the first stage ``wanted`` of each signature and input dtype and device (what a
+        menu marker is keyed by: StageCostCache.menu_built), so that stages of one signature read or write it once."""
+        first: dict[tuple, tuple[int, str]] = {}
+        for i, (info, x) in enumerate(zip(self.chain.infos, xs)):
+            if wanted(i):
+                first.setdefault((info.signature, x.dtype, x.device), (i, info.signature))
+        return list(first.values())
 
     def _menu_settings(self) -> str:
         """What a stage's menu depends on besides its signature and input (StageCostCache.put_menu_built)."""
@@ -493,8 +501,8 @@ class _ProfiledChain:
         (StageCostCache.menu_built): then building them is a cache lookup (a menu the planning deadline cut short
         is not cached: built again). Needs the stages' arguments (``of`` with ``blocks`` False keeps them)."""
         cost_cache, xs = StageCostCache(self.settings.options_cache()), self.arguments[0]
-        return any(cost_cache.menu_built(info.signature, x, self._menu_settings())
-                   for info, x in zip(self.chain.infos, xs))
+        return any(cost_cache.menu_built(signature, xs[i], self._menu_settings())
+                   for i, signature in self._distinct_stages(xs))
 
     @property
     def options_profile(self) -> ChainProfile:
@@ -622,10 +630,10 @@ def _profile_and_solve(
         and not compiling
     profiled = replace(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
                                          blocks=not lazy), output_copies_bytes=output_copies_bytes)
-    if lazy and fitted is None:
-        recost_seconds = None if profiled.menus_cached() else (
-            recost_seconds if recost_seconds is not None else time.perf_counter() - started)
-    if lazy and (fitted is not None or recost_seconds is not None):
+    cached = lazy and fitted is None and profiled.menus_cached()  # (built at once: a lookup)
+    if lazy and fitted is None and not cached and recost_seconds is None:
+        recost_seconds = time.perf_counter() - started  # (what capturing and profiling this shape took)
+    if lazy and not cached:
         try:
             chain_plan = profiled.solve(budget_bytes, output_released=output_released)
         except InfeasibleBudgetError:
@@ -902,7 +910,7 @@ class RematModule(nn.Module):
                 compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards,
                                     self._released_output(_family_key(args, kwargs)),
                                     self._recost_seconds if defer_blocks else None, upcasts_outputs(self),
-                                    defer_blocks and settings.defer_block_options and not self._blocks_built)
+                                    defer_blocks and self._deferring(settings))
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -927,6 +935,10 @@ class RematModule(nn.Module):
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
         return compiled
+
+    def _deferring(self, settings: PlanSettings) -> bool:
+        """Whether block options are still to be built once they pay (``defer_block_options``, none built yet)."""
+        return settings.defer_block_options and not self._blocks_built
 
     def _plan_again(self, key: tuple, args: tuple, kwargs: dict, defer_blocks: bool = True) -> _Compiled:
         """The plan of ``key`` (these inputs') made again (the same shape: whatever on_new_shape says), in its place;
@@ -1056,8 +1068,7 @@ class RematModule(nn.Module):
             try:
                 with recorded_sources() as sources:
                     sample = _sample_at(self.model, *narrowed, self.settings, symbolic,
-                                        blocks=self._blocks_built or not self.settings.defer_block_options) \
-                        if narrowed else None
+                                        blocks=not self._deferring(self.settings)) if narrowed else None
             except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
                 log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
                          type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
