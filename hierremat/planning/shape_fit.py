@@ -199,6 +199,41 @@ def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tup
     return (tuple(differing), values) if values else None
 
 
+def memory_sizes_to_sample(samples: Sequence[ShapeSample],
+                           bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """Where a new shape of a family comes (``bindings``: its sizes) and, with the samples measured (those of
+    sizes_to_sample among them), the shapes whose memory was measured will be as many as the monomials of one
+    varying size, this one's own counted where its times cannot be fitted yet (it is then measured in full): the
+    sizes to measure memory only at (no timed run), so that they are one more and a memory fit is checked (module
+    docstring): half the shortest size measured, else between two sizes measured, shortest first (a run at a short
+    size is the cheapest), each at least MIN_SAMPLED_SIZE and at most this shape's. Fitted memory at this shape (or
+    the next) then costs one untimed run at a short size, where measuring its own took single runs at its size: a
+    4-layer GPT-2's second length, 431 tokens near its first, 512, measured its memory in 1.1-1.4 s here; at 64
+    tokens the memory-only sample took 0.4 s. None where one size does not vary alone or no more are needed."""
+    target = {str(k): int(v) for k, v in bindings.items()}
+    known = [dict(s.bindings) for s in samples if s.bindings]
+    if not known or any(set(k) != set(target) for k in known):
+        return None
+    if any(s.profile is None or s.profile.memory_trace is None for s in samples):
+        return None  # (no memory to fit from: CUDA's allocator records no trace)
+    differing = sorted({name for k in known for name in target if k[name] != target[name]})
+    if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
+        return None
+    if any(len({k[name] for k in known}) > 1 for name in target if name not in differing):
+        return None  # (another size varied among the samples: more monomials than one size's)
+    name, size = differing[0], target[differing[0]]
+    timed = {dict(s.bindings)[name] for s in samples if s.bindings and s.times_measured}
+    sizes = sorted({k[name] for k in known} | ({size} if len(timed) < SAMPLED_SHAPES else set()))
+    needed = SAMPLED_SHAPES + 1 - len(sizes)
+    if needed <= 0 or size > max(sizes) * MEMORY_EXTRAPOLATION:
+        return None
+    values: list[int] = []
+    for v in [sizes[0] // 2, *((a + b) // 2 for a, b in zip(sizes, sizes[1:]))]:
+        if len(values) < needed and MIN_SAMPLED_SIZE <= v <= size and v not in sizes and v not in values:
+            values.append(v)
+    return (tuple(differing), tuple(values)) if values else None
+
+
 def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
     """Per stage, the index of the first stage with its signature: equal for chains of one structure."""
     first: dict[str, int] = {}

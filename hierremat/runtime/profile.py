@@ -4,10 +4,11 @@ For each stage, with the real input it receives, we measure: the no-grad forward
 and peak; the grad forward's time, peak, the bytes autograd keeps for backward (live
 bytes after the forward, less the output) and whether those keep the input's or the
 output's storage (weakref finalisers on them); the backward's time and peak. Times are medians of
-``repeats`` runs after a warm-up (``time.perf_counter`` on CPU, CUDA events on GPU);
+``repeats`` runs after the runs that measure memory, which warm them up (``time.perf_counter`` on CPU,
+CUDA events on GPU);
 a stage whose no-grad forward takes over SLOW_STAGE_SECONDS keeps the times of the runs
 that measure its memory (one each; its one-off costs are a small share of such a run): a
-128k-vocabulary LM head at seq 2048 takes 2 s a run on a 2-core CPU, and 18 runs to profile
+128k-vocabulary LM head at seq 2048 takes 2 s a run on a 2-core CPU, and 15 runs to profile
 otherwise. Memory comes from the meter the budget is checked with (hierremat.device.memory).
 
 Profiling leaves no trace: RNG states, buffers (BatchNorm running stats) and parameter
@@ -559,14 +560,12 @@ def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool
 
 def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
                 grad_mask) -> tuple[float, float, float]:
-    """Median seconds of the no-grad forward, the grad forward and the backward (after a warm-up)."""
+    """Median seconds of the no-grad forward, the grad forward and the backward. No warm-up of their own: the
+    caller (_profile_stage) ran each of them just before, for memory, which paid their one-off costs."""
     with torch.no_grad():
         nograd_time = median_seconds(lambda: call(x), repeats, device)
 
     grad_forward = functools.partial(_grad_forward, call, x, requires_grad)
-    warm = grad_forward()  # first grad-mode run and backward pay one-off costs: not timed
-    backward_through(gradient_edges(warm), _ones_for(warm, grad_mask))
-    del warm
     fwd_samples, bwd_samples = [], []
     for _ in range(repeats):  # each timed forward's backward is the timed backward (a forward less per sample)
         made = []
