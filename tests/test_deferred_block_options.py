@@ -112,7 +112,8 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
 def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_needs_them(tmp_path):
     """A cache that built this shape's menus before: remat uses them at construction (a lookup, no ILP solve),
     and the shorter lengths it measures at the second shape, whose menus that cache lacks, are measured without
-    them; gradients bitwise, peaks within the budget. A budget only block options fit: built at once. ``defer_block_options=False``: built at once, as
+    them; gradients bitwise, peaks within the budget. A budget only block options fit: built at once, and at the
+    shorter lengths too. ``defer_block_options=False``: built at once, as
     hierremat.plan does."""
     model, budget = _model_and_budget()
     eager = hr.remat(model, (), _batch(64), budget=budget, cache=str(tmp_path), defer_block_options=False)
@@ -138,8 +139,16 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     tight = (low + high) // 2
     with pytest.raises(InfeasibleBudgetError):
         hr.remat(copy.deepcopy(model), (), _batch(64), budget=tight, cache=False, block_options="autograd")
-    module = hr.remat(copy.deepcopy(model), (), _batch(64), budget=tight, cache=False)
+    tight_model = copy.deepcopy(model)
+    module = hr.remat(tight_model, (), _batch(64), budget=tight, cache=False)
     assert module.plans[-1].menus and module.plans[-1].predicted_peak_bytes <= tight
+    # built because the budget needs them: the shorter lengths measured at the second shape build them too (the
+    # shapes fitted later re-cost them from node times fitted over those), the cache or not
+    _step(module, copy.deepcopy(model), tight_model, _batch(56), 4)
+    shorter = [s for s in next(iter(module._samples.values()))
+               if s.times_measured and max(dict(s.bindings).values()) < 56]
+    assert len(shorter) == 2 and all(any(t is not None for t in s.node_times) for s in shorter)
+    assert max(_peaks(module, _batch(56))) <= tight
 
 
 def test_defer_block_options_must_be_a_bool():

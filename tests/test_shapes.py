@@ -593,14 +593,18 @@ def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept
     module._plan_again(next(iter(module._compiled)), (), _batch(64))
     assert module._symbolic == {} and len(module.plans) == 1
     captures = []
-    for batch in (_batch(40), _batch(40, batch=3)):
+    for batch in (_batch(40), _batch(40, batch=1), _batch(40, batch=3)):
         for net in (module, reference):
             net.zero_grad(set_to_none=True)
             torch.manual_seed(1)
             net(**batch).loss.backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
         captures.append((next(iter(module._symbolic.values())), list(next(iter(module._samples.values())))))
-    (seq_only, before), (both, after) = captures
+    # a batch of one row (export specializes a size of 1): not made symbolic, the capture and samples kept, the
+    # shape exported on its own
+    (seq_only, before), (kept, kept_samples), (both, after) = captures
+    assert kept is seq_only and kept_samples == before
+    assert [p.capture_kind for p in module.plans][-2] == "exported"
     assert [dim for _, dim in seq_only.symbolic_dims] == [1, 1, 1]  # (input_ids, attention_mask, labels)
     assert sorted(dim for _, dim in both.symbolic_dims) == [0, 0, 0, 1, 1, 1] and both is not seq_only
     assert len(after) >= len(before) and {s.stage_times for s in before} <= {s.stage_times for s in after}
@@ -609,6 +613,32 @@ def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept
     assert module.plans[-1].capture_kind == "specialized"
     rebound = {dict(s.bindings)[str(both.input_sizes[0][1])] for s in after}
     assert {64, 40} <= rebound  # (the first shape and the second, bound in the new capture by their lengths)
+
+
+def test_a_capture_that_does_not_take_the_shapes_before_does_not_replace_the_one_that_does(monkeypatch):
+    """Where the capture made again for a shape that varies another size does not take the shapes the one before
+    took (export kept a size fixed), the one before stays, with its samples, and the shape is exported on its
+    own; the capture is not tried again for that size."""
+    from hierremat.api import whole_model
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
+    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False)
+    module(**_batch(40)).loss.backward()
+    seq_only, samples = next(iter(module._symbolic.values())), list(next(iter(module._samples.values())))
+    exports = []
+
+    def batch_alone(model, args, kwargs, dims):  # (the sequence length left static: takes no shape before)
+        exports.append(dims)
+        return capture_symbolic(model, args, kwargs, frozenset(d for d in dims if d[1] == 0))
+
+    monkeypatch.setattr(whole_model, "capture_symbolic", batch_alone)
+    for length in (40, 48):
+        module(**_batch(length, batch=3)).loss.backward()
+    assert len(exports) == 1  # (not tried again at the next shape of three rows)
+    assert next(iter(module._symbolic.values())) is seq_only
+    assert list(next(iter(module._samples.values())))[:len(samples)] == samples
+    assert [p.capture_kind for p in module.plans][-2:] == ["exported", "exported"]
 
 
 def test_memory_alone_is_measured_at_a_short_length_where_the_shapes_measured_are_one_too_few_to_check_a_fit():

@@ -127,6 +127,7 @@ class _Compiled:
         self.saved = False  # run from a saved plan (remat(..., plan=)): never planned again here
         self.block_gain = 0.0  # _ProfiledChain.block_gain: seconds a step block options not re-costed could save
         self.build_estimate: float | None = None  # _ProfiledChain.build_estimate: planned before any were built
+        self.menus_from_cache = False  # _ProfiledChain.menus_from_cache: block options built only as the cache had them
         self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
         self.copies_warned = False  # a saved plan run by a caller that copies the outputs to fp32: warned once
@@ -436,6 +437,9 @@ class _ProfiledChain:
     #: planned without block options at a measured shape (none built yet: _profile_and_solve), what building them
     #: is taken to cost (seconds): what capturing and profiling the shape took
     build_estimate: float | None = None
+    #: block options built at a measured shape, none built before, only because the cache had them there (a lookup;
+    #: nothing said they pay: _profile_and_solve)
+    menus_from_cache: bool = False
 
     @classmethod
     def of(
@@ -446,7 +450,8 @@ class _ProfiledChain:
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
         its times, and its memory where the fit is exact (else measured). weights_of: see the field.
         blocks: False leaves the stages without block menus (the output's fused head only: with_block_menus
-        adds them). timed: False measures memory alone, in single runs (their times kept: a sample for memory fits)."""
+        adds them). timed: False measures memory alone, in single runs (their times kept: a sample for memory
+        fits), and builds no menu, not even the fused head's."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
         known, measure = (fitted.profile() if fitted is not None else None) or (None, frozenset())
@@ -463,7 +468,7 @@ class _ProfiledChain:
             profile = replace(profile, costs=fitted.stage_costs(profile.costs))
         profile_seconds = time.perf_counter() - started
         profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of)
-        return profiled.with_block_menus(deadline, blocks)
+        return profiled.with_block_menus(deadline, blocks) if timed else profiled  # (memory alone: no menu used)
 
     def with_block_menus(self, deadline: float | None, blocks: bool = True) -> "_ProfiledChain":
         """This chain with its menus built (where the settings ask for block options; ``blocks`` False: the
@@ -653,7 +658,7 @@ def _profile_and_solve(
                                    build_estimate=recost_seconds if fitted is None else None)
                 return deferred, chain_plan, False
     if lazy:
-        profiled = profiled.with_block_menus(settings.deadline(started))
+        profiled = replace(profiled.with_block_menus(settings.deadline(started)), menus_from_cache=cached)
     menus = profiled.menus
     compiled = menus is not None and compiling
     if compiled:
@@ -781,6 +786,7 @@ def _compile(
         compiled.least_held = least_held_bytes(profiled.profile)
         compiled.block_gain = profiled.block_gain
         compiled.build_estimate = profiled.build_estimate
+        compiled.menus_from_cache = profiled.menus_from_cache
     compiled.skeleton = pytree.tree_map(
         lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
@@ -871,6 +877,7 @@ class RematModule(nn.Module):
         self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
         self._recost_seconds: float | None = None  # what re-costing block options at a fitted shape took, last time
         self._blocks_built = False  # whether any shape's plan has block options built (block menus)
+        self._blocks_pay = False  # whether block options were built because they pay or the budget needs them
         self._lost_without_blocks = 0.0  # seconds block options could have saved the steps run before any was built
         self._present_signature()
         self.register_state_dict_post_hook(_without_model_prefix)
@@ -933,6 +940,7 @@ class RematModule(nn.Module):
         elif compiled.plan.menus and not self._blocks_built:  # built (solved): the next fitted shape re-costs at once,
             self._recost_seconds = None  # as after a first shape planned with them, and learns what re-costing takes
         self._blocks_built |= bool(compiled.plan.menus)
+        self._blocks_pay |= bool(compiled.plan.menus) and not compiled.menus_from_cache
         if self._compiled:  # a new shape: what torch cached for this one's traces is not needed again
             clear_fake_tensor_cache()
         if compiled.sample is not None and compiled.bindings:
@@ -1081,10 +1089,13 @@ class RematModule(nn.Module):
                           names: tuple[str, ...], value: int, timed: bool) -> None:
         """Measure the model at the inputs cut to ``value`` along ``names`` (``timed`` False: its memory alone) and
         add the sample to ``samples``; a length the model or its symbolic capture cannot take is skipped (logged).
-        With block options built once they pay (``defer_block_options``), a sample measures their node times only
-        where this cache has their menus at its sizes, none while none is built: a run whose cache an earlier one
-        filled (which never built menus at the lengths it sampled) traced and profiled the blocks at two lengths
-        for nothing but fits, where the shapes fitted re-cost block options only once they pay."""
+        With block options built once they pay (``defer_block_options``), a sample measures their node times
+        none while none is built, and, while those built were built only because the cache had them
+        (``_blocks_pay`` False), only where this cache has their menus at its sizes: a run whose cache an earlier
+        one filled (which never built menus at the lengths it sampled) traced and profiled the blocks at two
+        lengths for nothing but fits, where the shapes fitted re-cost block options only once they pay. Once they
+        were built because they pay or the budget needs them, a sample builds them (the shapes fitted then
+        re-cost them from node times fitted, not each profiled)."""
         name = "=".join(names)
         started = time.perf_counter()
         narrowed = self._narrowed(symbolic, args, kwargs, names, value)
@@ -1093,7 +1104,8 @@ class RematModule(nn.Module):
             with recorded_sources() as sources:
                 sample = _sample_at(self.model, *narrowed, self.settings, symbolic, timed=timed,
                                     blocks=timed and not self._deferring(self.settings),
-                                    cached_blocks=self.settings.defer_block_options) if narrowed else None
+                                    cached_blocks=self.settings.defer_block_options and not self._blocks_pay,
+                                    ) if narrowed else None
         except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
             log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
                      type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
@@ -1131,8 +1143,12 @@ class RematModule(nn.Module):
 
     def _symbolic_capture(self, args: tuple, kwargs: dict) -> SymbolicCapture | None:
         """The symbolic capture for calls like this one (hierremat.graphs.symbolic), made when a second
-        shape of them comes (a model called at one shape never pays for it); None before that, or
-        where the model has none."""
+        shape of them comes (a model called at one shape never pays for it), with the sizes that differ between
+        the shapes seen symbolic (graphs.symbolic.varying_dims); None before that (or while no size differs: a
+        shape planned again), or where the model has none. A later call that varies another size has the model
+        exported again with that one symbolic too, kept where it takes every shape the one before took (its
+        samples rebound to it), else the one before stays and this shape is exported on its own; a size whose
+        capture failed is not tried again."""
         if not self._compiled or is_sharded(self.model):  # the first shape; FSDP2 shards (export cannot run them)
             return None
         family = _family_key(args, kwargs)
@@ -1150,13 +1166,16 @@ class RematModule(nn.Module):
         started = time.perf_counter()
         symbolic = capture_symbolic(self.model, args, kwargs, dims)
         self._symbolic_dims[family] = dims
-        if symbolic is None and earlier is not None:
-            return earlier  # (the one before still serves the shapes it takes)
-        self._symbolic[family] = symbolic
         samples = self._samples.setdefault(family, [])
-        if earlier is not None:  # the samples measured for the one before, bound in this one
-            rebound = [(s, symbolic.rebound(dict(s.bindings), earlier)) for s in samples]
-            samples[:] = [s.bound(bindings) for s, bindings in rebound if bindings]
+        if earlier is not None:  # it replaces the one before only where it takes every shape that one took
+            took = [skeleton for skeleton in shapes if earlier.bindings(*skeleton) is not None]
+            rebound = [symbolic.rebound(dict(s.bindings), earlier) for s in samples] if symbolic is not None else []
+            if symbolic is None or not all(rebound) or any(symbolic.bindings(*skeleton) is None for skeleton in took):
+                log.info("%s's new input shape varies another size, and a capture with it symbolic does not take "
+                         "the shapes before: this shape is exported on its own", type(self.model).__name__)
+                return earlier
+            samples[:] = [s.bound(bindings) for s, bindings in zip(samples, rebound)]
+        self._symbolic[family] = symbolic
         for c in self._compiled.values():  # the shapes measured before: samples to fit later shapes' times from
             bindings = symbolic.bindings(*c.skeleton) if symbolic is not None and c.family == family else None
             if c.sample is not None and bindings:
@@ -1231,6 +1250,7 @@ class RematModule(nn.Module):
         self._symbolic_dims.clear()
         self._samples.clear()
         self._recost_seconds, self._blocks_built, self._lost_without_blocks = None, False, 0.0  # (another device's)
+        self._blocks_pay = False
         return super()._apply(fn, recurse)
 
 

@@ -236,14 +236,17 @@ def _fold_sizes(graph: fx.Graph) -> None:
 def varying_dims(calls: list[tuple[tuple, dict]]) -> frozenset[tuple[str, int]]:
     """The input dimensions whose size differs among ``calls`` (each ``(args, kwargs)``, of one structure; their
     tensors may be on meta), as ``(key path, dim)`` of the flattened ``(args, kwargs)``: what a symbolic capture
-    for them makes symbolic (:func:`capture_symbolic`)."""
+    at the last call makes symbolic (:func:`capture_symbolic`). A dimension of size 0 or 1 in the last call is left
+    out: export specializes a dimension at those sizes (a last batch of one row)."""
     sizes: dict[tuple[str, int], set[int]] = {}
+    last: dict[tuple[str, int], int] = {}
     for args, kwargs in calls:
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):
                 for d, n in enumerate(leaf.shape):
                     sizes.setdefault((pytree.keystr(path), d), set()).add(int(n))
-    return frozenset(dim for dim, values in sizes.items() if len(values) > 1)
+                    last[(pytree.keystr(path), d)] = int(n)
+    return frozenset(dim for dim, values in sizes.items() if len(values) > 1 and last[dim] > 1)
 
 
 def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,

@@ -82,8 +82,8 @@ class ShapeSample:
     stage_times: per stage, (no-grad forward, forward, backward) seconds of autograd's option.
     node_times: per stage, its block graph's node times by name (None without a menu).
     speeds: per stage, (scale, no-grad forward seconds) of its generated code (None without).
-    times_measured: False for a shape whose memory was measured and times fitted: a sample for memory
-    fits only.
+    times_measured: False for a shape whose memory alone was measured (its times fitted, or none: a sample
+    measured for memory, hierremat.planning.shape_fit.memory_sizes_to_sample): a sample for memory fits only.
     option_nodes: per stage, the nodes each block option computes (its op lists' computes, in order, a node
     recomputed counted again; None without a menu): an option's time at any shape is theirs summed
     (hierremat.ilp.options.simulate_option), as ShapeFit.least_block_time bounds it.
@@ -219,8 +219,6 @@ def memory_sizes_to_sample(samples: Sequence[ShapeSample],
     differing = sorted({name for k in known for name in target if k[name] != target[name]})
     if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
         return None
-    if any(len({k[name] for k in known}) > 1 for name in target if name not in differing):
-        return None  # (another size varied among the samples: more monomials than one size's)
     name, size = differing[0], target[differing[0]]
     timed = {dict(s.bindings)[name] for s in samples if s.bindings and s.times_measured}
     sizes = sorted({k[name] for k in known} | ({size} if len(timed) < SAMPLED_SHAPES else set()))
