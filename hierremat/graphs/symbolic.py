@@ -68,13 +68,29 @@ class SymbolicCapture:
         leaves = self.leaves(args, kwargs)
         if leaves is None:
             return None
+        return self._bound([tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves])
+
+    def rebound(self, bindings: dict, earlier: "SymbolicCapture") -> dict | None:
+        """A shape bound in ``earlier`` (another capture of the same call structure; ``bindings``: its sizes by
+        symbol name) bound in this one, by symbol name; None where this one does not take it (as :meth:`bindings`
+        says of a call of that shape)."""
+        if len(earlier.input_sizes) != len(self.input_sizes):
+            return None
+        shapes = [None if sizes is None else tuple(s if isinstance(s, int) else bindings.get(str(s)) for s in sizes)
+                  for sizes in earlier.input_sizes]
+        values = self._bound(shapes)
+        return None if values is None else {str(symbol): value for symbol, value in values.items()}
+
+    def _bound(self, shapes: list[tuple | None]) -> dict | None:
+        """Each symbol's value for inputs of these shapes (per input as the program takes them; None: not a
+        tensor), or None where they do not fit the program (:meth:`bindings`)."""
         values: dict = {}
-        for leaf, sizes in zip(leaves, self.input_sizes):
+        for shape, sizes in zip(shapes, self.input_sizes):
             if sizes is None:
                 continue
-            if not isinstance(leaf, torch.Tensor) or leaf.dim() != len(sizes):
+            if shape is None or len(shape) != len(sizes) or None in shape:
                 return None
-            for size, actual in zip(sizes, leaf.shape):
+            for size, actual in zip(sizes, shape):
                 if isinstance(size, int):
                     if size != actual:
                         return None
@@ -84,27 +100,6 @@ class SymbolicCapture:
             bounds = self.exported.range_constraints.get(symbol)
             if bounds is not None and not (bounds.lower <= value <= bounds.upper):
                 return None
-        return values
-
-    def rebound(self, bindings: dict, earlier: "SymbolicCapture") -> dict | None:
-        """A shape bound in ``earlier`` (another capture of the same call structure; ``bindings``: its sizes by
-        symbol name) bound in this one, by symbol name; None where this one does not take it."""
-        if len(earlier.input_sizes) != len(self.input_sizes):
-            return None
-        values: dict[str, int] = {}
-        for old, new in zip(earlier.input_sizes, self.input_sizes):
-            if old is None or new is None:
-                if old is not new:
-                    return None
-                continue
-            if len(old) != len(new):
-                return None
-            for was, now in zip(old, new):
-                size = was if isinstance(was, int) else bindings.get(str(was))
-                if size is None or (isinstance(now, int) and now != size):
-                    return None
-                if not isinstance(now, int) and values.setdefault(str(now), size) != size:
-                    return None
         return values
 
     def narrowed(self, args: tuple, kwargs: dict, symbols: tuple[str, ...], value: int,
@@ -243,9 +238,10 @@ def varying_dims(calls: list[tuple[tuple, dict]]) -> frozenset[tuple[str, int]]:
     for args, kwargs in calls:
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):
+                key = pytree.keystr(path)
                 for d, n in enumerate(leaf.shape):
-                    sizes.setdefault((pytree.keystr(path), d), set()).add(int(n))
-                    last[(pytree.keystr(path), d)] = int(n)
+                    sizes.setdefault((key, d), set()).add(int(n))
+                    last[(key, d)] = int(n)
     return frozenset(dim for dim, values in sizes.items() if len(values) > 1 and last[dim] > 1)
 
 

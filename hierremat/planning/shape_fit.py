@@ -168,19 +168,13 @@ def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tup
     Every later shape within EXTRAPOLATION of them has its times fitted (and, once four shapes have memory, its
     memory). None where sizes of different values differ, no size to cut is in [MIN_SAMPLED_SIZE, this shape's]
     and not measured already, or the samples already suffice."""
-    target = {str(k): int(v) for k, v in bindings.items()}
-    known = [dict(s.bindings) for s in samples if s.bindings]
-    if not known or any(set(k) != set(target) for k in known):
-        return None
     timed = [dict(s.bindings) for s in samples if s.bindings and s.times_measured]
     needed = SAMPLED_SHAPES - len(timed)
-    if needed <= 0:
+    varying = _one_varying_size(samples, bindings) if needed > 0 else None
+    if varying is None:
         return None
-    differing = sorted({name for k in known for name in target if k[name] != target[name]})
-    if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
-        return None
-    name = differing[0]
-    size, sizes = target[name], [k[name] for k in timed]
+    differing, size = varying
+    sizes = [k[differing[0]] for k in timed]
 
     def spaced(candidates: list[int]) -> tuple[int, ...]:
         values: list[int] = []
@@ -199,6 +193,20 @@ def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tup
     return (tuple(differing), values) if values else None
 
 
+def _one_varying_size(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], int] | None:
+    """(the sizes in which the shape ``bindings`` differs from the samples', all of one value at every shape: export
+    may give one length several symbols; that value at this shape), or None where the samples bind other sizes, the
+    shape is one of theirs, or sizes of different values differ (sizes_to_sample, memory_sizes_to_sample)."""
+    target = {str(k): int(v) for k, v in bindings.items()}
+    known = [dict(s.bindings) for s in samples if s.bindings]
+    if not known or any(set(k) != set(target) for k in known):
+        return None
+    differing = sorted({name for k in known for name in target if k[name] != target[name]})
+    if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
+        return None
+    return tuple(differing), target[differing[0]]
+
+
 def memory_sizes_to_sample(samples: Sequence[ShapeSample],
                            bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     """Where a new shape of a family comes (``bindings``: its sizes) and, with the samples measured (those of
@@ -210,18 +218,16 @@ def memory_sizes_to_sample(samples: Sequence[ShapeSample],
     the next) then costs one untimed run at a short size, where measuring its own took single runs at its size: a
     4-layer GPT-2's second length, 431 tokens near its first, 512, measured its memory in 1.1-1.4 s here; at 64
     tokens the memory-only sample took 0.4 s. None where one size does not vary alone or no more are needed."""
-    target = {str(k): int(v) for k, v in bindings.items()}
-    known = [dict(s.bindings) for s in samples if s.bindings]
-    if not known or any(set(k) != set(target) for k in known):
-        return None
     if any(s.profile is None or s.profile.memory_trace is None for s in samples):
         return None  # (no memory to fit from: CUDA's allocator records no trace)
-    differing = sorted({name for k in known for name in target if k[name] != target[name]})
-    if not differing or len({tuple(k[name] for k in known) + (target[name],) for name in differing}) != 1:
+    varying = _one_varying_size(samples, bindings)
+    if varying is None:
         return None
-    name, size = differing[0], target[differing[0]]
+    differing, size = varying
+    name = differing[0]
     timed = {dict(s.bindings)[name] for s in samples if s.bindings and s.times_measured}
-    sizes = sorted({k[name] for k in known} | ({size} if len(timed) < SAMPLED_SHAPES else set()))
+    sizes = sorted({dict(s.bindings)[name] for s in samples if s.bindings}
+                   | ({size} if len(timed) < SAMPLED_SHAPES else set()))
     needed = SAMPLED_SHAPES + 1 - len(sizes)
     if needed <= 0 or size > max(sizes) * MEMORY_EXTRAPOLATION:
         return None
