@@ -19,7 +19,9 @@ capture + profile + block options + DP), the new length's whole cost to hierrema
 step's wall time, 512's with the plan remat made, less a later step's: the symbolic capture, shapes measured to
 fit from, the plan, the first run of generated code), the allocator-meter and live-tensor-tracker peaks of one extra
 step (not timed) against the budget, the predicted and measured (median of STEADY_STEPS = 5 steps after the loop)
-step time of the plan the length then runs, whether its block options were re-costed (at its first call: "yes", at a later
+step time of the plan the length then runs ("planned/measured": as its first plan predicted it, from the times it was
+planned with: fitted from other lengths, or of one run each; "predicted/measured": its plan then, solved again from its
+own steps' times where they time it, hierremat.runtime.step_times), whether its block options were re-costed (at its first call: "yes", at a later
 one, once its steps without them had lost what re-costing takes: "later", never: "no"), and whether every
 gradient equals plain's bitwise at every step.
 
@@ -206,11 +208,13 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
             str(plan.options_solves), C.fmt(plan_seconds, ".2f"), C.fmt(row["first"] - measured, ".2f"),
             C.fmt(row["alloc"] / C.MIB), C.fmt(row["tracker"] / C.MIB), C.fmt(row["alloc"] / budget, ".3f"),
             C.fmt(final.predicted_peak_bytes / C.MIB), C.fmt(final.predicted_step_time * 1e3, ".0f"),
-            C.fmt(row["steady"] * 1e3, ".0f"), C.fmt(final.predicted_step_time / row["steady"], ".2f"),
+            C.fmt(row["steady"] * 1e3, ".0f"), C.fmt(plan.predicted_step_time / row["steady"], ".2f"),
+            C.fmt(final.predicted_step_time / row["steady"], ".2f"),
         ])
     detail = C.markdown_table(
         ["length", "capture", "costs", "block options", "ILP solves", "plan s", "new-length s", "alloc peak MiB",
-         "tracker MiB", "peak/budget", "predicted MiB", "predicted ms", "measured ms", "predicted/measured"], rows,
+         "tracker MiB", "peak/budget", "predicted MiB", "predicted ms", "measured ms", "planned/measured",
+         "predicted/measured"], rows,
     )
     return (f"GPT-2 {layers} layers, {width} wide, vocabulary {vocab}, batch {BATCH}; "
             f"budget {budget / C.MIB:.1f} MiB = 0.5 x plain's allocator peak at {high} ({plain_peak / C.MIB:.1f} MiB); "

@@ -64,7 +64,8 @@ def _peaks(module, batch: dict) -> tuple[int, int]:
 
 def test_block_options_are_built_once_the_steps_without_them_have_lost_what_building_them_costs(monkeypatch, caplog):
     """The first shape is planned without block options (no stage traced) and says so; a second length is
-    measured for fits (at two shorter lengths) without block menus (none built to fit); once the steps have lost
+    fitted (its memory from shorter lengths measured for it, memory alone: no block menu built to fit, and no
+    length profiled for times, the training steps time them); once the steps have lost
     what building them was taken to cost, the shape then called is planned with them, solved by the ILP. Bitwise
     gradients at every step and the peak within the budget, before and after."""
     traced = []
@@ -78,7 +79,8 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
     module = hr.remat(model, (), _batch(64), budget=budget, cache=False)
     first = module.plans[-1]
     assert not traced and not first.menus and first.options_solves == 0
-    assert first.times.startswith("measured; block options not built yet (they could save at most")
+    assert first.times.startswith("measured (times of one run each, until its training steps time it); block options "
+                                  "not built yet (they could save at most")
     assert "block options not built yet" in first.summary()
     deferred = next(iter(module._compiled.values()))
     assert deferred.build_estimate > 0 and module._recost_seconds == deferred.build_estimate
@@ -87,11 +89,15 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
     module._recost_seconds = 1e6  # (a build as dear as a million steps' gain: none while the second length comes)
     for step, length in enumerate((64, 56)):
         _step(module, reference, model, _batch(length), step)
-    timed = [s for s in next(iter(module._samples.values())) if s.times_measured]
-    assert len(timed) == 3 and all(t is None for s in timed for t in s.node_times)  # (64, and 42 and 16 for fits)
+    samples = next(iter(module._samples.values()))
+    assert [[v for _, v in s.bindings] for s in samples if s.times_measured] == [[64]]  # (the others: memory alone)
+    assert all(t is None for s in samples for t in s.node_times)
     assert not traced and not module._blocks_built and "block options not re-costed" in module.plans[-1].times
     assert all(peak <= budget for peak in _peaks(module, _batch(56)))
-    # then as dear as 2.5 steps' gain at 64: the steps from now on lose that by the third
+    # then as dear as 2.5 steps' gain at 64 (as solved again from its three steps timed: its gain with it): the steps
+    # from now on lose that by the third
+    module._retime(deferred)
+    assert "times from its first 3 training steps" in deferred.plan.times
     module._recost_seconds, module._lost_without_blocks = 2.5 * deferred.block_gain, 0.0
     for step in range(3):
         _step(module, reference, model, _batch(64), 10 + step)

@@ -184,6 +184,43 @@ def test_fitted_times_recover_linear_plus_quadratic_costs_exactly():
 _FLAT = {"a": lambda s: 1.0, "b": lambda s: 1.0}  # (samples whose own times the test below does not read)
 
 
+def test_times_are_fitted_from_fewer_shapes_where_the_training_steps_time_them():
+    """ShapeFit.of's ``reduced`` (a family timed in its training steps): from one shape timed, each time is scaled by
+    the tokens; from two, a line in them; from three, the fit in full. A shape's times come from its steps where it
+    has them, not its profile; memory from the shapes profiled alone; node times and generated code's speeds from
+    as many shapes profiled with their times as the monomials (else measured)."""
+    linear = {"a": lambda s: 1e-3 + 2e-5 * 4 * s, "b": lambda s: 5e-4 + 1e-5 * 4 * s}
+    profiled = _sample(linear, 512)
+    memory_only = [replace(_sample(_FLAT, n), times_measured=False) for n in (128, 64, 96)]
+
+    def in_steps(length: int, scale: float = 1.0) -> ShapeSample:
+        times = tuple(tuple(scale * t for t in st) for st in _sample(linear, length).stage_times)
+        return ShapeSample.from_step_times({"b": 4, "s": length}, (0, 1), times)
+
+    def fitted(fit: ShapeFit) -> list[float]:
+        return fit._predict([[t for st in s.stage_times for t in st] for s in fit.timed])
+
+    target = {"b": 4, "s": 431}
+    assert ShapeFit.of([profiled, *memory_only], target, (0, 1)) is None  # (not reduced: measured)
+    fit = ShapeFit.of([profiled, *memory_only], target, (0, 1), reduced=True)
+    assert fit.reduced and fit.time_columns == (1,) and fit.memory_fits
+    assert fitted(fit) == pytest.approx([t * 431 / 512 for st in profiled.stage_times for t in st])
+    assert fit.describe().startswith("times fitted over s: times scaled by the tokens from 1 shape timed (s=512; "
+                                     "s=128 (memory only)")
+    fit = ShapeFit.of([profiled, *memory_only, in_steps(300)], target, (0, 1), reduced=True)
+    assert fit.time_columns == (0, 1) and fitted(fit)[:3] == pytest.approx([f(431) for f in (
+        linear["a"], lambda s: 2 * linear["a"](s), lambda s: 3 * linear["a"](s))])
+    assert "a line in the tokens from 2 shapes timed (1 in the training steps)" in fit.describe()
+    # the steps' times at 512 (twice the profile's) replace its profile's; its memory stays
+    fit = ShapeFit.of([profiled, *memory_only, in_steps(512, 2.0)], target, (0, 1), reduced=True)
+    assert len(fit.timed) == 1 and fit.timed[0].from_steps and fit.memory_samples == (profiled, *memory_only)
+    assert fitted(fit) == pytest.approx([2 * t * 431 / 512 for st in profiled.stage_times for t in st])
+    assert fit.node_costs(1, None) is None and fit.speeds(1) is None and not fit.had_menu(1)  # (one shape profiled)
+    fit = ShapeFit.of([profiled, *memory_only, in_steps(300), in_steps(200)], target, (0, 1), reduced=True)
+    assert not fit.reduced and "times from 3 shapes timed (2 in the training steps)" in fit.describe()
+    assert ShapeFit.of([profiled, *memory_only], {"b": 4, "s": 200}, (0, 1), reduced=True) is None  # (beyond 2x)
+
+
 def test_times_fitted_outside_the_measured_lengths_stay_within_what_a_growing_cost_allows():
     """Outside the lengths measured a fitted time is bounded by the measured time t at the nearest length
     (r = the ratio of tokens): below, between r * t (its fixed and linear parts; r^2 for the quadratic share
@@ -429,7 +466,7 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     # shape that checks a memory fit, hierremat.planning.shape_fit.memory_sizes_to_sample): from the third on,
     # times and memory are fitted
     assert plans[0].times == "measured"
-    assert "from 3 measured shapes and 1 with memory only" in plans[1].times
+    assert "times from 3 shapes timed, memory from 4 shapes (1 with memory only)" in plans[1].times
     assert all("measured at this shape" not in p.times for p in plans[1:]), [p.times for p in plans]
     samples = next(iter(module._samples.values()))
     # (the sequence length alone: the batch, the same at both shapes the symbolic capture was made from, is static)
@@ -554,9 +591,10 @@ def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
 
 
 def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
-    """A loop planned at its longest batch (64), then 56: 56 is not measured at all, its times fitted from 64 and
-    the 42 and 16 measured now, its memory from those and 29 (between 16 and 42, memory alone: the fourth shape that
-    checks a memory fit); trained bitwise as plain, both meters' peaks within the predicted one (at both lengths)."""
+    """A loop planned at its longest batch (64), then 56: 56 is not measured at all, its times the first's scaled by
+    the tokens (the training steps time the shapes: no shape is profiled for times alone), its memory fitted from 64
+    and 16, 32 and 24 measured now, memory alone (a quarter and a half of 64, then between: four shapes check a
+    memory fit); trained bitwise as plain, both meters' peaks within the predicted one (at both lengths)."""
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
@@ -568,15 +606,72 @@ def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
     second = module.plans[-1]
     assert second.times.startswith("times and memory fitted"), second.times
-    assert "from 3 measured shapes and 1 with memory only" in second.times, second.times
+    assert "times scaled by the tokens from 1 shape timed, memory from 4 shapes (3 with memory only)" in second.times
     samples = next(iter(module._samples.values()))
     lengths = {v for s in samples for k, v in s.bindings}  # (the sequence length alone: the batch is static)
-    assert lengths == {64, 42, 16, 29} and [v for s in samples if not s.times_measured for _, v in s.bindings] == [29]
+    assert lengths == {64, 16, 32, 24} and [v for s in samples if s.times_measured for _, v in s.bindings] == [64]
     for length, plan in ((56, second), (64, module.plans[0])):
         longest = _batch(length, pad=2)
         model.zero_grad(set_to_none=True)
         tracker, allocator = _peaks(lambda: module(**longest).loss.backward())
         assert max(tracker, allocator) <= plan.predicted_peak_bytes, (length, tracker, allocator)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_them(caplog, precision):
+    """On CPU, with block options built once they pay (remat's default), no length is profiled for times alone:
+    the first is timed from one run each and solved again from its first step's times, then its first three's;
+    the second length's times are the first's scaled by the tokens, the third's a line through two lengths timed in
+    the steps, the fourth's a fit through three, and the lengths planned from fewer are planned again then. Every
+    step bitwise equal to plain autograd's, both meters' peaks within the budget (bf16: the tracker's, the one the
+    budget counts on CPU), in fp32 and under bf16 autocast."""
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+    caplog.set_level(logging.INFO, logger="hierremat")
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    with autocast():
+        plain = hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
+        budget = int(0.6 * plain)
+        module = hr.remat(model, (), _batch(64), budget=budget, cache=False, backward_autocast=False)
+    assert module.plans[0].times.startswith("measured (times of one run each, until its training steps time it)")
+    times = {}
+    for step, length in enumerate((64, 64, 48, 40, 56, 48, 64, 64)):
+        batch = _batch(length, pad=step % 2)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        for net in (module, reference):
+            torch.manual_seed(step)
+            with autocast():
+                loss = net(**batch).loss
+            loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), step
+        plan = next(c for c in module._compiled.values() if c.skeleton[1]["input_ids"].shape[1] == length).plan
+        times.setdefault(length, []).append(plan.times)
+
+    def step_at(length: int) -> None:
+        with autocast():
+            loss = module(**_batch(length)).loss
+        loss.backward()
+
+    for length in times:
+        model.zero_grad(set_to_none=True)
+        tracker, allocator = _peaks(lambda: step_at(length))
+        assert tracker <= budget and (precision == "bf16" or allocator <= budget), (length, tracker, allocator)
+    assert times[64][1].startswith("measured; times from its first 1 training steps")
+    assert times[64][-1].startswith("measured; times from its first 3 training steps")
+    assert "times scaled by the tokens from 1 shape timed (1 in the training steps)" in times[48][0]
+    assert "times a line in the tokens from 2 shapes timed (2 in the training steps)" in times[40][0]
+    assert "times from 3 shapes timed (3 in the training steps)" in times[56][0]
+    assert "times from 4 shapes timed (4 in the training steps)" in times[48][-1]  # (planned again)
+    # (48 at its second call; 40, a line through two, when called again for its peaks)
+    assert caplog.text.count("planned again at this shape: its times were fitted from fewer shapes") == 2
+    samples = next(iter(module._samples.values()))
+    assert [[v for _, v in s.bindings] for s in samples if s.times_measured] == [[64]]  # (the others: memory alone)
+    steps = next(iter(module._step_samples.values()))
+    assert sorted(v for s in steps for _, v in s.bindings) == [40, 48, 56, 64]
 
 
 def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept():
@@ -656,7 +751,15 @@ def test_memory_alone_is_measured_at_a_short_length_where_the_shapes_measured_ar
     assert memory_sizes_to_sample(at(512, 56), {"s": 227}) == (("s",), (28,))  # (227 measured in full: the third)
     assert memory_sizes_to_sample(at(40, 16), {"s": 64}) == (("s",), (28,))  # (8: below MIN_SAMPLED_SIZE; 16..40)
     assert memory_sizes_to_sample(at(512, 341, 128) + at(64, timed=False), {"s": 431}) is None  # (four)
-    assert memory_sizes_to_sample(at(512), {"s": 431}) == (("s",), (215,))  # (512, 431 itself, half of 431; 471 > 431)
+    # (512, 431 itself, half of 431 and then between it and 431; 471 > 431)
+    assert memory_sizes_to_sample(at(512), {"s": 431}) == (("s",), (215, 323))
+    # the training steps time the shapes: 431, fitted from 512 alone, needs three at once, a quarter, an eighth and
+    # three sixteenths of 512 first; 100, beyond EXTRAPOLATION of those timed (512 and 300 in the steps), is measured
+    # in full: two (a quarter of 100, then 12 below MIN_SAMPLED_SIZE, 18)
+    assert memory_sizes_to_sample(at(512), {"s": 431}, steps=[]) == (("s",), (128, 64, 96))
+    in_steps = [ShapeSample.from_step_times({"s": 300}, (0, 1), ((1.0, 1.0, 1.0), (1.0, 1.0, 1.0)))]
+    assert memory_sizes_to_sample(at(512), {"s": 100}, steps=in_steps) == (("s",), (25, 18))
+    assert memory_sizes_to_sample(at(512), {"s": 400}, steps=in_steps) == (("s",), (128, 64, 96))
     assert memory_sizes_to_sample(at(100, 60, 40), {"s": 200}) is None  # (beyond 1.25 x 100: measured anyway)
     untraced = [replace(s, profile=SimpleNamespace(memory_trace=None)) for s in at(512, 341, 128)]
     assert memory_sizes_to_sample(untraced, {"s": 431}) is None

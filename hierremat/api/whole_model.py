@@ -41,9 +41,10 @@ from ..runtime.executor import as_tuple
 from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered, without_weights
 from ..runtime.offload import Offloading, check_offload, second_tier
 from ..runtime.lent_weights import bind_to_model, has_abstract_weights, lent_inputs, lent_weights
-from ..runtime.profile import ChainProfile, profile_chain, storage_bytes
+from ..runtime.profile import PROFILE_REPEATS, SLOW_STAGE_SECONDS, ChainProfile, profile_chain, storage_bytes
 from ..runtime.stage_cost_cache import StageCostCache
 from ..runtime.step_grads import StepGrads
+from ..runtime.step_times import StepTimes
 from ..store.cache import OptionsCache, default_cache
 from ..planning.chain_plan import (
     PLAN_TIME_LIMIT, PlannedChain, check_block_options, least_held_bytes, plan_from_profile, resolve_compile,
@@ -60,6 +61,13 @@ log = logging.getLogger(__name__)
 #: How many input shapes' plans a RematModule keeps (least recently used dropped first): each holds
 #: its graphs, about a megabyte for a 12-layer GPT-2; a dropped shape plans again when it comes back.
 DEFAULT_MAX_SHAPES = 64
+#: How a plan's ``times`` says that a measured shape's times are of one timed run each (_ProfiledChain.one_run)
+ONE_RUN_NOTE = " (times of one run each, until its training steps time it)"
+#: Steps per shape whose stage times are recorded (hierremat.runtime.step_times), for a family whose times are fitted
+#: from its training steps (RematModule._times_from_steps): the median of a shape's first three steps.
+TIMED_STEPS = 3
+#: Shapes timed in the training steps kept per family to fit from (spread over the sizes: add_sample).
+STEP_SAMPLES = 12
 
 
 class ChainModule(nn.Module):
@@ -129,6 +137,13 @@ class _Compiled:
         self.build_estimate: float | None = None  # _ProfiledChain.build_estimate: planned before any were built
         self.menus_from_cache = False  # _ProfiledChain.menus_from_cache: block options built only as the cache had them
         self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
+        self.reduced_fit = False  # its times fitted from fewer shapes timed than the monomials (ShapeFit.reduced)
+        self.family_timed = 0  # its family's shapes timed when it was planned (RematModule._timed_count)
+        self.retime_pending = False  # its steps are timed: its plan is solved again from their times (_retime)
+        self.one_run = False  # measured from one timed run each (_ProfiledChain.one_run): also after its first step
+        self.retimed_steps = 0  # its steps whose times it was last solved from (RematModule._retime)
+        self.times_note = ""  # what its plan's ``times`` says of them (ONE_RUN_NOTE; replaced as they are retimed)
+        self.steps_sampled = 0  # its steps whose times are in its family's step samples (RematModule._step_samples)
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
         self.copies_warned = False  # a saved plan run by a caller that copies the outputs to fp32: warned once
 
@@ -162,6 +177,12 @@ class _Compiled:
         bind_to_model(self.graphs(), model)
         self.chain_module.planned.reread_tensors()
         self.lent = False
+
+    def relabel_times(self, old: str, new: str) -> None:
+        """Say in the plan's ``times`` how its times are now known (``old`` replaced by ``new``; none: ``new``
+        added at the end)."""
+        times = self._plan.times.replace(old, new) if old else self._plan.times + new
+        self._plan = replace(self._plan, times=times)
 
     @property
     def plan(self) -> ModelPlan:
@@ -440,18 +461,26 @@ class _ProfiledChain:
     #: block options built at a measured shape, none built before, only because the cache had them there (a lookup;
     #: nothing said they pay: _profile_and_solve)
     menus_from_cache: bool = False
+    #: a measured shape's times are those of one timed run each, not the medians of PROFILE_REPEATS (``of``'s
+    #: ``one_run``)
+    one_run: bool = False
 
     @classmethod
     def of(
         cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
         fitted: ShapeFit | None = None, weights_of: nn.Module | None = None, blocks: bool = True, timed: bool = True,
+        one_run: bool = False,
     ) -> "_ProfiledChain":
         """deadline: when building the block menus must be done (``time.perf_counter()``).
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
         its times, and its memory where the fit is exact (else measured). weights_of: see the field.
         blocks: False leaves the stages without block menus (the output's fused head only: with_block_menus
         adds them). timed: False measures memory alone, in single runs (their times kept: a sample for memory
-        fits), and builds no menu, not even the fused head's."""
+        fits), and builds no menu, not even the fused head's. one_run: a shape measured (not fitted) is timed from one
+        run of each of its stages' no-grad forward, forward and backward after the memory runs, not the medians of
+        PROFILE_REPEATS (two thirds of the timed runs, a third of a 4-layer GPT-2's profile, saved): where its
+        training steps time it (RematModule._times_from_steps), which solve its plan again from theirs. (The memory
+        runs' own times are no estimate: the allocator meter's recording made them up to 50% slower.)"""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
         known, measure = (fitted.profile() if fitted is not None else None) or (None, frozenset())
@@ -461,13 +490,14 @@ class _ProfiledChain:
             profile = profile_chain(
                 chain.stages, x0, shared=shared, signatures=signatures,
                 cost_cache=StageCostCache(settings.options_cache()), residents=chain.residents,
-                timed=timed and fitted is None,
+                timed=timed and fitted is None, repeats=1 if one_run and fitted is None else PROFILE_REPEATS,
                 known=known, measure=measure,
             )
         if fitted is not None:
             profile = replace(profile, costs=fitted.stage_costs(profile.costs))
         profile_seconds = time.perf_counter() - started
-        profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of)
+        profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of,
+                       one_run=one_run and fitted is None and profile.repeats < PROFILE_REPEATS)
         return profiled.with_block_menus(deadline, blocks) if timed else profiled  # (memory alone: no menu used)
 
     def with_block_menus(self, deadline: float | None, blocks: bool = True) -> "_ProfiledChain":
@@ -552,6 +582,17 @@ class _ProfiledChain:
                 "ms a step: re-costed once its steps have lost what re-costing takes, or built once the steps of every "
                 "shape have lost what building them takes where none is built yet)")
 
+    @property
+    def skipped_seconds(self) -> float:
+        """Where the times are of one run each (``one_run``), what the other timed runs of a full profile would have
+        taken: PROFILE_REPEATS - 1 more of each distinct stage's no-grad forward, forward and backward (a stage slower
+        than SLOW_STAGE_SECONDS keeps its memory runs' times anyway)."""
+        if not self.one_run:
+            return 0.0
+        distinct = {info.signature: st for info, st in zip(self.chain.infos, self.profile.costs.stages)}
+        return (PROFILE_REPEATS - 1) * sum(st.nograd_fwd_time + st.options[0].fwd_time + st.options[0].bwd_time
+                                     for st in distinct.values() if st.nograd_fwd_time <= SLOW_STAGE_SECONDS)
+
     def sample(self, times_measured: bool = True) -> ShapeSample:
         """This shape's measured costs (bindings unset), to fit later shapes' from (``times_measured`` False:
         its memory only)."""
@@ -603,7 +644,9 @@ class _ProfiledChain:
             outputs=self.settings.outputs,
             compile_seconds=menus.compile_seconds if menus else 0.0,
             capture_kind="specialized" if specialized else "exported",
-            times=(self.fitted.describe() if self.fitted is not None else "measured") + self._blocks_line(),
+            times=(self.fitted.describe() if self.fitted is not None else "measured" + (
+                ONE_RUN_NOTE if self.one_run else ""))
+            + self._blocks_line(),
             backward_autocast=menus.backward_autocast if menus else None,
             output_copies_bytes=self.output_copies_bytes,
             cost_model=cost_model_version(),
@@ -614,7 +657,7 @@ def _profile_and_solve(
     chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
     fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, output_copies_bytes: int = 0,
-    defer: bool = False,
+    defer: bool = False, one_run: bool = False,
 ) -> tuple[_ProfiledChain, SequentialPlan, bool]:
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
@@ -630,17 +673,19 @@ def _profile_and_solve(
     defer: at a measured shape, no block options built yet (RematModule: ``defer_block_options``), the plan is first
     solved without them too, and stands where they could save no more than the timing noise, or less per step than
     building them is taken to cost (``recost_seconds``, else what capturing and profiling this shape took: building
-    a menu traces, profiles and runs each distinct stage again, and solves its ILP; _ProfiledChain.build_estimate).
+    a menu traces, profiles and runs each distinct stage again, and solves its ILP; _ProfiledChain.build_estimate;
+    profiled with ``one_run``, the timed runs skipped counted in: _ProfiledChain.skipped_seconds).
     Where a stage's menu was built at this shape with this cache before (_ProfiledChain.menus_cached), they are
     built at once (a lookup)."""
     compiling = resolve_compile(settings.compile, x0.device)
     lazy = (fitted is not None or defer) and settings.block_options == "ilp" and settings.strategy == "optimal" \
         and not compiling
     profiled = replace(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
-                                         blocks=not lazy), output_copies_bytes=output_copies_bytes)
+                                         blocks=not lazy, one_run=one_run),
+                       output_copies_bytes=output_copies_bytes)
     cached = lazy and fitted is None and profiled.menus_cached()  # (built at once: a lookup)
-    if lazy and fitted is None and not cached and recost_seconds is None:
-        recost_seconds = time.perf_counter() - started  # (what capturing and profiling this shape took)
+    if lazy and fitted is None and not cached and recost_seconds is None:  # (what capturing and profiling it took)
+        recost_seconds = time.perf_counter() - started + profiled.skipped_seconds
     if lazy and not cached:
         try:
             chain_plan = profiled.solve(budget_bytes, output_released=output_released)
@@ -676,11 +721,14 @@ def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, upcasts: bool = False,
-    defer: bool = False,
+    defer: bool = False, steps_time: bool = False,
 ) -> _Compiled:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
-    span this shape, its times are fitted from them and only its memory is measured. shards: the model is
+    span this shape, its times are fitted from them and only its memory is measured. steps_time: the training steps
+    time this shape (RematModule._times_from_steps): its times are fitted from fewer shapes timed than a fit's
+    monomials too (ShapeFit.of's ``reduced``), and where it is measured, it is timed from one run each; its plan is
+    solved again from its steps' times once they are recorded (``_Compiled.retime_pending``). shards: the model is
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve).
     recost_seconds: what re-costing block options at a fitted shape takes (_profile_and_solve). upcasts: the caller
@@ -712,7 +760,7 @@ def _compile(
     fitted = None
     bindings = symbolic.bindings(args, kwargs) if symbolic is not None else None
     if plan is None and bindings and specialized:
-        fitted = ShapeFit.of(samples, bindings, chain_pattern(signatures))
+        fitted = ShapeFit.of(samples, bindings, chain_pattern(signatures), reduced=steps_time)
     sample = None
     profiled = None
     if plan is None:
@@ -720,6 +768,7 @@ def _compile(
             profiled, chain_plan, compiled = _profile_and_solve(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
                 output_released, recost_seconds, chain.half_outputs_in_fp32_bytes if upcasts else 0, defer,
+                one_run=steps_time and fitted is None,
             )
         if fitted is None:
             sample = profiled.sample()
@@ -782,6 +831,10 @@ def _compile(
     compiled.sample = sample
     compiled.saved = profiled is None
     compiled.bindings = bindings
+    compiled.reduced_fit = fitted is not None and fitted.reduced
+    compiled.one_run = profiled is not None and profiled.one_run
+    compiled.retime_pending = steps_time and profiled is not None
+    compiled.times_note = ONE_RUN_NOTE if compiled.one_run else ""
     if profiled is not None:
         compiled.least_held = least_held_bytes(profiled.profile)
         compiled.block_gain = profiled.block_gain
@@ -813,6 +866,11 @@ def _sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettin
     if not timed and profiled.profile.memory_trace is None:
         return None
     return profiled.sample(times_measured=timed).bound(bindings)
+
+
+def _shapes(inputs: tuple) -> tuple:
+    """The shapes of the tensors among ``inputs`` (``(args, kwargs)``, tensors or meta skeletons)."""
+    return tuple(tuple(v.shape) for v in pytree.tree_leaves(inputs) if isinstance(v, torch.Tensor))
 
 
 def _device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:
@@ -874,6 +932,8 @@ class RematModule(nn.Module):
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
         self._symbolic_dims: dict[tuple, frozenset] = {}  # per _family_key: the dimensions its capture made symbolic
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
+        #: per _family_key whose times the training steps give (_times_from_steps): the shapes timed there
+        self._step_samples: dict[tuple, list[ShapeSample]] = {}
         self._per_padding = False  # plans kept per all-ones padding state (a captured graph branches on it)
         self._recost_seconds: float | None = None  # what re-costing block options at a fitted shape took, last time
         self._blocks_built = False  # whether any shape's plan has block options built (block menus)
@@ -905,11 +965,13 @@ class RematModule(nn.Module):
         return [c.plan for c in self._compiled.values()]
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None, settings: PlanSettings | None = None,
-             budget_bytes: int | None = None, shards: bool = False, defer_blocks: bool = True) -> _Compiled:
+             budget_bytes: int | None = None, shards: bool = False, defer_blocks: bool = True,
+             carry_steps: bool = True) -> _Compiled:
         """Plan the model for these inputs (``settings`` and ``budget_bytes``: this module's, unless given; ``shards``:
         as _compile takes it; ``defer_blocks`` False: block options re-costed at a fitted shape wherever they could
-        pay, and built at a measured shape, none built yet, whatever ``settings.defer_block_options`` says) and keep
-        the plan."""
+        pay, and built at a measured shape, none built yet, whatever ``settings.defer_block_options`` says; a shape
+        planned again goes on with the steps its plan before timed unless ``carry_steps`` is False) and keep the
+        plan."""
         settings = settings or self.settings
         budget_bytes = budget_bytes if budget_bytes is not None else self.budget_bytes
         kwargs = call_kwargs(self.model, kwargs)
@@ -919,21 +981,33 @@ class RematModule(nn.Module):
             args, kwargs = lent_inputs((args, kwargs), lent_to)
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
         symbolic = self._symbolic_capture(args, kwargs) if plan is None and lent_to is None else None
-        samples = self._samples.setdefault(_family_key(args, kwargs), [])
+        family = _family_key(args, kwargs)
+        samples = self._samples.setdefault(family, [])
+        from_steps = self._times_from_steps(family, args, kwargs, settings, shards or plan is not None
+                                            or lent_to is not None)
         if symbolic is not None:
-            self._sample_shorter_length(symbolic, args, kwargs, samples)
+            self._sample_shorter_length(symbolic, args, kwargs, samples, from_steps)
+        key = _input_key(self.model, args, kwargs, self._per_padding)
         sources: list[str] = []
         try:
             with recorded_sources() as sources:
-                compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic, samples, shards,
-                                    self._released_output(_family_key(args, kwargs)),
+                compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic,
+                                    [*samples, *self._step_samples_of(family)], shards, self._released_output(family),
                                     self._recost_seconds if defer_blocks else None, upcasts_outputs(self),
-                                    defer_blocks and self._deferring(settings))
+                                    defer_blocks and self._deferring(settings), steps_time=from_steps)
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
         compiled.sources = sources
-        if compiled.plan.times != "measured" and any(m.get("recosted") for m in compiled.plan.menus.values()):
+        compiled.family_timed = self._timed_count(family)
+        if from_steps:  # (a shape planned again goes on with the steps timed before)
+            before = self._compiled.get(key)
+            earlier = before.chain_module.planned.step_times if before is not None and carry_steps else None
+            self._record_steps(compiled, earlier)
+            if compiled.retime_pending:
+                self._retime(compiled)
+        recosted = any(m.get("recosted") for m in compiled.plan.menus.values())
+        if recosted and not compiled.plan.times.startswith("measured"):
             self._recost_seconds = compiled.plan.options_seconds  # (block options re-costed at a fitted shape)
         elif compiled.build_estimate is not None and self._recost_seconds is None:
             self._recost_seconds = compiled.build_estimate  # (none built yet: what building them is taken to cost)
@@ -948,22 +1022,110 @@ class RematModule(nn.Module):
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)
-        compiled.family = _family_key(args, kwargs)
+        compiled.family = family
         self._compiled[_input_key(self.model, args, kwargs, self._per_padding)] = compiled
         while len(self._compiled) > self.max_shapes:
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
         return compiled
 
+    def _times_from_steps(self, family: tuple, args: tuple, kwargs: dict, settings: PlanSettings,
+                          elsewhere: bool) -> bool:
+        """Whether the family's stage times are taken from its training steps (hierremat.runtime.step_times) rather
+        than profiled apart for them: for inputs on CPU (where a step's ops are timed as they run) while block options
+        are still to be built once they pay, decided at the family's first shape and confirmed at its second (where
+        block options were built by then, from the cache or because the budget needs them, its shapes are profiled
+        for times as before: those samples carry the node times that re-cost block options at the shapes fitted).
+        ``elsewhere``: this shape is planned elsewhere (FSDP2's shards, a saved plan, a model without weights): no.
+
+        Every shape of such a family records its first TIMED_STEPS steps; a shape measured is timed from one
+        run each (_ProfiledChain.of's ``one_run``) and solved again from its steps' times once they are recorded; a
+        shape fitted is fitted from the shapes timed so far however few (ShapeFit.of's ``reduced``: the second
+        length's times are the first's scaled by the tokens) and planned again once they are as many as a fit's
+        monomials (``_refreshed``); no shape is profiled for times alone (sizes_to_sample)."""
+        shapes = {_shapes(c.skeleton) for c in self._compiled.values() if c.family == family}
+        steps = self._step_samples.get(family)
+        if steps is None:
+            if shapes or elsewhere or _device_types(args, kwargs) != ("cpu",) or not self._deferring(settings):
+                return False
+            self._step_samples[family] = []
+            return True
+        if len(shapes) == 1 and _shapes((args, kwargs)) not in shapes and not self._deferring(settings):
+            del self._step_samples[family]  # (its second shape, block options built since)
+            return False
+        return not elsewhere
+
+    @staticmethod
+    def _record_steps(compiled: _Compiled, earlier: StepTimes | None = None) -> None:
+        """Record the stage times of ``compiled``'s first TIMED_STEPS steps (``earlier``: those recorded under the
+        plan it replaces, of the same shape, go on where its chain is the same: PlannedChain.time_steps)."""
+        compiled.chain_module.planned.time_steps(TIMED_STEPS, earlier)
+
+    def _step_samples_of(self, family: tuple) -> list[ShapeSample]:
+        """The family's shapes timed in its training steps (none where its times are not fitted from them), with
+        the steps recorded since the last call added: each shape's stage times, bound by the family's symbolic
+        capture (its stages' no-grad forwards that never ran taken at its plan's ratio to the forward)."""
+        samples = self._step_samples.get(family)
+        symbolic = self._symbolic.get(family)
+        if samples is None or symbolic is None:
+            return []
+        for compiled in self._compiled.values():
+            step_times = compiled.chain_module.planned.step_times
+            if compiled.family != family or step_times is None or step_times.steps <= compiled.steps_sampled:
+                continue
+            compiled.steps_sampled = step_times.steps
+            bindings = symbolic.bindings(*compiled.skeleton)
+            times = self._observed_times(compiled)
+            if bindings and times is not None:
+                pattern = chain_pattern([info.signature for info in compiled.chain.infos])
+                add_sample(samples, ShapeSample.from_step_times(bindings, pattern, times), STEP_SAMPLES)
+        return samples
+
+    @staticmethod
+    def _observed_times(compiled: _Compiled) -> tuple | None:
+        """The stage times observed in ``compiled``'s training steps (StepTimes.stage_times: what a stage's steps did
+        not time taken from its plan's times), or None where none were."""
+        step_times = compiled.chain_module.planned.step_times
+        if step_times is None:
+            return None
+        return step_times.stage_times([(st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)
+                                       for st in compiled.plan.chain.costs.stages])
+
+    def _retime(self, compiled: _Compiled) -> None:
+        """Solve a shape's plan again (the chain DP alone) from its training steps' times once its TIMED_STEPS steps
+        are recorded (their medians: _times_from_steps), and, where it was measured from one timed run each, after
+        its first step too: the times it runs with are then what its own steps took, whatever it was planned from
+        (a fit from other lengths' single steps, one of them a noisy step, had predicted a 268-token step at 2.8x
+        the measured)."""
+        step_times = compiled.chain_module.planned.step_times
+        steps = step_times.steps if step_times is not None else 0
+        early = compiled.one_run and not compiled.retimed_steps  # (after its first step)
+        if steps == compiled.retimed_steps or (step_times.recording and not early):
+            return
+        times = self._observed_times(compiled)
+        if times is None:
+            return
+        before = compiled.plan.predicted_step_time
+        compiled.chain_module.planned.retime(times, torch.device("cpu"))  # (steps are timed on CPU alone)
+        compiled.relabel_times(compiled.times_note, note := f"; times from its first {steps} training steps")
+        compiled.times_note, compiled.retimed_steps = note, steps
+        compiled.retime_pending = step_times.recording
+        if before > 0:  # (a heuristic: what block options could save, a share of the step, kept as that share)
+            compiled.block_gain *= compiled.plan.predicted_step_time / before
+        log.info("%s solved again at this shape from the times of its first %d training steps: predicted step %.1f ms "
+                 "(%.1f ms before)", type(self.model).__name__, steps, compiled.plan.predicted_step_time * 1e3,
+                 before * 1e3)
+
     def _deferring(self, settings: PlanSettings) -> bool:
         """Whether block options are still to be built once they pay (``defer_block_options``, none built yet)."""
         return settings.defer_block_options and not self._blocks_built
 
-    def _plan_again(self, key: tuple, args: tuple, kwargs: dict, defer_blocks: bool = True) -> _Compiled:
+    def _plan_again(self, key: tuple, args: tuple, kwargs: dict, defer_blocks: bool = True,
+                    carry_steps: bool = True) -> _Compiled:
         """The plan of ``key`` (these inputs') made again (the same shape: whatever on_new_shape says), in its place;
         the old one kept until then (what the caller did with the output is read from it; on error it stays)."""
         old = self._compiled[key]
-        compiled = self._add(args, kwargs, defer_blocks=defer_blocks)
+        compiled = self._add(args, kwargs, defer_blocks=defer_blocks, carry_steps=carry_steps)
         if self._compiled.get(key) is not old:  # (replaced, or dropped with the others: a padding state now keyed)
             forget_sources(old.sources)
         return compiled
@@ -974,8 +1136,15 @@ class RematModule(nn.Module):
         has lost what re-costing takes (rent or buy: _profile_and_solve; none built yet: built once the grad steps of
         every shape have lost what building them is taken to cost), or for fp32 copies of the outputs the
         caller now makes or no longer makes (accelerate's mixed precision wraps the forward after remat planned it)."""
-        if self._planned_for_another_recipe(compiled):
+        if self._planned_for_another_recipe(compiled):  # (the steps timed before ran the other recipe)
+            return self._plan_again(key, args, kwargs, carry_steps=False)
+        if compiled.reduced_fit and torch.is_grad_enabled() and compiled.family_timed < self._timed_count(
+                compiled.family):
+            log.info("%s planned again at this shape: its times were fitted from fewer shapes than a fit needs, and "
+                     "the training steps have timed more since", type(self.model).__name__)
             return self._plan_again(key, args, kwargs)
+        if compiled.retime_pending and torch.is_grad_enabled():
+            self._retime(compiled)
         copies = compiled.chain.half_outputs_in_fp32_bytes if upcasts_outputs(self) else 0
         if copies != compiled.plan.output_copies_bytes:
             if not compiled.saved:
@@ -1003,6 +1172,13 @@ class RematModule(nn.Module):
         log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms slower)",
                  compiled.steps_without, compiled.block_gain * 1e3)
         return self._plan_again(key, args, kwargs, defer_blocks=False)
+
+    def _timed_count(self, family: tuple) -> int:
+        """How many of the family's shapes are timed, profiled or in the training steps (a shape whose times were
+        fitted from fewer than a fit's monomials is planned again once more are: its own steps' times make it exact
+        at itself, a third shape's the fit whole)."""
+        timed = {s.bindings for s in self._samples.get(family, ()) if s.times_measured}
+        return len(timed | {s.bindings for s in self._step_samples_of(family)})
 
     def _learn_backward_recipe(self) -> None:
         """Take the caller's autocast recipe (PlanSettings.backward_autocast) from the last backward under autocast of
@@ -1069,19 +1245,21 @@ class RematModule(nn.Module):
         return compiled
 
     def _sample_shorter_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
-                               samples: list[ShapeSample]) -> None:
+                               samples: list[ShapeSample], from_steps: bool = False) -> None:
         """At a family's second shape (while its measured shapes cannot fit a new one's times), measure the
         model also at shorter lengths cut from these inputs (hierremat.planning.shape_fit.sizes_to_sample),
-        so that this shape or the shapes after it are fitted rather than each measured; then, while the shapes
-        whose memory was measured are too few to check a memory fit, its memory alone at a shorter length still
-        (memory_sizes_to_sample). A length the model cannot take is skipped (logged)."""
+        so that this shape or the shapes after it are fitted rather than each measured (``from_steps``: not, the
+        training steps time the shapes: _times_from_steps); then, while the shapes whose memory was measured are
+        too few to check a memory fit, its memory alone at shorter lengths still (memory_sizes_to_sample). A length
+        the model cannot take is skipped (logged)."""
         bindings = symbolic.bindings(args, kwargs)
         if not bindings:
             return
-        wanted = sizes_to_sample(samples, bindings)
+        wanted = sizes_to_sample(samples, bindings) if not from_steps else None
         for value in wanted[1] if wanted is not None else ():
             self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=True)
-        wanted = memory_sizes_to_sample(samples, bindings)
+        family = _family_key(args, kwargs)
+        wanted = memory_sizes_to_sample(samples, bindings, self._step_samples_of(family) if from_steps else None)
         for value in wanted[1] if wanted is not None else ():
             self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=False)
 
@@ -1175,6 +1353,8 @@ class RematModule(nn.Module):
                          "the shapes before: this shape is exported on its own", type(self.model).__name__)
                 return earlier
             samples[:] = [s.bound(bindings) for s, bindings in zip(samples, rebound)]
+            steps = self._step_samples.get(family, [])  # (the shapes timed in the steps, rebound where they can be)
+            steps[:] = [s.bound(b) for s in steps for b in [symbolic.rebound(dict(s.bindings), earlier)] if b]
         self._symbolic[family] = symbolic
         for c in self._compiled.values():  # the shapes measured before: samples to fit later shapes' times from
             bindings = symbolic.bindings(*c.skeleton) if symbolic is not None and c.family == family else None
@@ -1249,6 +1429,7 @@ class RematModule(nn.Module):
         self._symbolic.clear()
         self._symbolic_dims.clear()
         self._samples.clear()
+        self._step_samples.clear()
         self._recost_seconds, self._blocks_built, self._lost_without_blocks = None, False, 0.0  # (another device's)
         self._blocks_pay = False
         return super()._apply(fn, recurse)

@@ -26,6 +26,7 @@ from ..runtime.executor import ChainRunner, OutputUse, stage_buffers
 from ..runtime.offload import Offloading
 from ..runtime.profile import ChainProfile, profile_chain
 from ..runtime.step_grads import StepGrads
+from ..runtime.step_times import StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +291,34 @@ class PlannedChain:
         self.agree = None
         self.step_grads = StepGrads(self.stages)
         self._by_step_grads: dict[tuple[int, ...], SequentialPlan] = {}
+        #: where set (time_steps), its steps on CPU record their stages' times (hierremat.runtime.step_times)
+        self.step_times: StepTimes | None = None
         self._bind(plan)
+
+    def time_steps(self, steps: int, earlier: StepTimes | None = None) -> StepTimes:
+        """Record the stages' times in this chain's next ``steps`` steps on CPU, whichever plan runs them (re-plans
+        included); the recorder, kept where already set. ``earlier``: the recorder of a plan this one replaces, of
+        the same shape, goes on where it timed a chain of these stages (their signatures)."""
+        if self.step_times is None:
+            chain = tuple(self.signatures or ())
+            same = earlier is not None and earlier.stages == len(self.stages) and earlier.chain == chain
+            self.step_times = earlier if same else StepTimes(len(self.stages), steps, chain)
+            self.runner.step_times = self.step_times
+        return self.step_times
+
+    def retime(self, stage_times: Sequence[tuple[float, float, float]], device: torch.device) -> None:
+        """Solve the plan again (the chain DP alone) with each stage's times under autograd replaced by
+        ``stage_times`` (as the training steps measured them: hierremat.runtime.step_times), for the budget, output
+        use and step gradients planned; the plans kept per step-gradient case are solved again when next needed."""
+        costs = self.plan.costs.with_autograd_times(stage_times)
+        profile = ChainProfile(costs, self.plan.mutated_buffers, self.plan.output_grad_mask)
+        plan = self._solve_agreed(profile, device, self.plan.profile_seconds, costs.held_output, costs.step_grad_bytes)
+        before = self.runner
+        self._by_step_grads = {}
+        self._bind(plan)
+        # (what the steps so far observed of the caller holds under the plan solved again too)
+        self.runner.observed_output_use = before.observed_output_use
+        self.runner.observed_backward_autocast = before.observed_backward_autocast
 
     def _bind(self, plan: SequentialPlan) -> None:
         self.plan = plan
@@ -312,6 +340,7 @@ class PlannedChain:
             self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards, self.residents,
             tier, transfers,
         )
+        self.runner.step_times = self.step_times
 
     def shard(self, sharded, plan: SequentialPlan, agree: Callable) -> None:
         """Run the stages through their FSDP2 modules (hierremat.runtime.fsdp.ShardedChain) under

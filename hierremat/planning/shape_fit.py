@@ -33,7 +33,6 @@ count is the budget's promise). Block options are re-costed on the shape's own j
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections import Counter
@@ -50,7 +49,7 @@ from ..runtime.stage_cost_cache import ExecutorSpeeds
 log = logging.getLogger(__name__)
 
 #: Bump when what is fitted, or how, changes (part of a saved plan's hierremat.planning.menus.cost_model_version).
-FIT_VERSION = "fit-2"  # 2: times bounded outside the sizes measured (ShapeFit._extrapolation_bounds)
+FIT_VERSION = "fit-3"  # 3: times from the training steps, from fewer shapes than the monomials (ShapeFit.of)
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
 #: How far outside the measured sizes times are fitted (a factor on either side); a shape farther out is measured.
@@ -87,6 +86,10 @@ class ShapeSample:
     option_nodes: per stage, the nodes each block option computes (its op lists' computes, in order, a node
     recomputed counted again; None without a menu): an option's time at any shape is theirs summed
     (hierremat.ilp.options.simulate_option), as ShapeFit.least_block_time bounds it.
+    from_steps: the stage times were observed in the training steps at the shape (hierremat.runtime.step_times),
+    not profiled: no profile, node times or speeds. A fit takes a shape's times from its steps where it has them
+    (what the steps measure is what is predicted: a block's forward ran 10-15% slower in the 4-layer GPT-2's steps
+    than profiled alone, its LM head 15% faster).
     """
 
     bindings: tuple[tuple[str, int], ...]
@@ -97,6 +100,15 @@ class ShapeSample:
     profile: ChainProfile | None = None
     times_measured: bool = True
     option_nodes: tuple[tuple[tuple[str, ...], ...] | None, ...] = ()
+    from_steps: bool = False
+
+    @classmethod
+    def from_step_times(cls, bindings: dict, pattern: tuple[int, ...],
+                        stage_times: tuple[tuple[float, float, float], ...]) -> "ShapeSample":
+        """A sample of the stage times observed in the training steps at the shape ``bindings``
+        (hierremat.runtime.step_times.StepTimes.stage_times)."""
+        none = (None,) * len(stage_times)
+        return cls((), pattern, stage_times, none, none, from_steps=True).bound(bindings)
 
     @classmethod
     def of(cls, profile: ChainProfile, menus, signatures: Sequence[str], times_measured: bool = True) -> "ShapeSample":
@@ -126,9 +138,9 @@ class ShapeSample:
         return replace(self, bindings=tuple(sorted((str(k), int(v)) for k, v in bindings.items())))
 
 
-def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
+def add_sample(samples: list[ShapeSample], new: ShapeSample, limit: int = MAX_SAMPLES) -> None:
     """Add ``new`` to ``samples`` (in place), one per shape (a shape measured again replaces its sample,
-    unless that one has measured times and the new one not), keeping at most MAX_SAMPLES: beyond that
+    unless that one has measured times and the new one not), keeping at most ``limit``: beyond that
     the memory-only sample, else the sample, closest to another one (in log sizes) goes, so that the
     samples keep spanning every size measured."""
     same = [k for k, s in enumerate(samples) if s.bindings == new.bindings]
@@ -137,7 +149,7 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample) -> None:
             return
         del samples[same[0]]
     samples.append(new)
-    while len(samples) > MAX_SAMPLES:
+    while len(samples) > limit:
         logs = [np.log([max(v, 1) for _, v in s.bindings]) for s in samples]
 
         def crowding(i: int) -> float:
@@ -207,8 +219,9 @@ def _one_varying_size(samples: Sequence[ShapeSample], bindings: dict) -> tuple[t
     return tuple(differing), target[differing[0]]
 
 
-def memory_sizes_to_sample(samples: Sequence[ShapeSample],
-                           bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+def memory_sizes_to_sample(
+    samples: Sequence[ShapeSample], bindings: dict, steps: Sequence[ShapeSample] | None = None,
+) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     """Where a new shape of a family comes (``bindings``: its sizes) and, with the samples measured (those of
     sizes_to_sample among them), the shapes whose memory was measured will be as many as the monomials of one
     varying size, this one's own counted where its times cannot be fitted yet (it is then measured in full): the
@@ -217,7 +230,16 @@ def memory_sizes_to_sample(samples: Sequence[ShapeSample],
     size is the cheapest), each at least MIN_SAMPLED_SIZE and at most this shape's. Fitted memory at this shape (or
     the next) then costs one untimed run at a short size, where measuring its own took single runs at its size: a
     4-layer GPT-2's second length, 431 tokens near its first, 512, measured its memory in 1.1-1.4 s here; at 64
-    tokens the memory-only sample took 0.4 s. None where one size does not vary alone or no more are needed."""
+    tokens the memory-only sample took 0.4 s. None where one size does not vary alone or no more are needed.
+
+    steps: the shapes timed in the training steps, where the family's times are fitted from those
+    (ShapeFit.of's ``reduced``): this shape's times are then fitted wherever it is within EXTRAPOLATION of a
+    shape timed (else it is measured in full; its memory is beyond MEMORY_EXTRAPOLATION of those with memory: it
+    counts then too), and the sizes measured for memory are a quarter, an eighth and
+    three sixteenths of the shortest measured first (the second length needs three at once: 0.3-0.4 s each at those
+    lengths of the 4-layer GPT-2, against 0.6 s at half of 512; at a sixteenth, 32 tokens, its embedding backward's
+    buffers over the distinct tokens left stage 0's memory unfitted), then as above (between two sizes measured or
+    chosen)."""
     if any(s.profile is None or s.profile.memory_trace is None for s in samples):
         return None  # (no memory to fit from: CUDA's allocator records no trace)
     varying = _one_varying_size(samples, bindings)
@@ -225,16 +247,26 @@ def memory_sizes_to_sample(samples: Sequence[ShapeSample],
         return None
     differing, size = varying
     name = differing[0]
-    timed = {dict(s.bindings)[name] for s in samples if s.bindings and s.times_measured}
-    sizes = sorted({dict(s.bindings)[name] for s in samples if s.bindings}
-                   | ({size} if len(timed) < SAMPLED_SHAPES else set()))
+    timed = {dict(s.bindings)[name] for s in (*samples, *(steps or ())) if s.bindings and s.times_measured}
+    measured = {dict(s.bindings)[name] for s in samples if s.bindings}
+    if steps is None:
+        fitted = len(timed) >= SAMPLED_SHAPES
+    else:  # (and its memory is measured where beyond MEMORY_EXTRAPOLATION: it counts then)
+        fitted = bool(timed) and min(timed) / EXTRAPOLATION <= size <= max(timed) * EXTRAPOLATION \
+            and size <= max(measured) * MEMORY_EXTRAPOLATION
+    sizes = sorted(measured | (set() if fitted else {size}))
     needed = SAMPLED_SHAPES + 1 - len(sizes)
     if needed <= 0 or size > max(sizes) * MEMORY_EXTRAPOLATION:
         return None
+    shortest = [sizes[0] // 4, sizes[0] // 8, sizes[0] * 3 // 16] if steps is not None else []
     values: list[int] = []
-    for v in [sizes[0] // 2, *((a + b) // 2 for a, b in zip(sizes, sizes[1:]))]:
-        if len(values) < needed and MIN_SAMPLED_SIZE <= v <= size and v not in sizes and v not in values:
-            values.append(v)
+    while len(values) < needed:
+        known = sorted({*sizes, *values})
+        v = next((v for v in [*shortest, sizes[0] // 2, *((a + b) // 2 for a, b in zip(known, known[1:]))]
+                  if MIN_SAMPLED_SIZE <= v <= size and v not in known), None)
+        if v is None:
+            break
+        values.append(v)
     return (tuple(differing), tuple(values)) if values else None
 
 
@@ -248,26 +280,60 @@ class ShapeFit:
     """Fitted times at one shape (``bindings``) from samples measured at others (module docstring)."""
 
     def __init__(self, samples: Sequence[ShapeSample], bindings: dict, varying: tuple[str, ...]):
-        self.samples = tuple(samples)  # memory is fitted from all, times from those whose times were measured
-        self.timed = tuple(s for s in self.samples if s.times_measured)
+        self.samples = tuple(samples)
+        #: memory is fitted from the shapes profiled (their memory traces)
+        self.memory_samples = tuple(s for s in self.samples if not s.from_steps)
+        #: the stage times from the shapes timed: each one's steps where it has them, else its profile
+        stepped = {s.bindings: s for s in self.samples if s.from_steps}
+        self.timed = tuple(s for s in self.memory_samples if s.times_measured and s.bindings not in stepped) + tuple(
+            stepped.values())
+        #: node times and generated code's speeds from the shapes profiled with their times
+        self.profiled = tuple(s for s in self.memory_samples if s.times_measured)
         self.bindings = {str(k): int(v) for k, v in bindings.items()}
         self.varying = varying
         scale = {v: max(dict(s.bindings)[v] for s in self.samples) for v in varying}
-        self._rows = np.array([self._features(dict(s.bindings), scale) for s in self.samples])
-        self._time_rows = np.array([self._features(dict(s.bindings), scale) for s in self.timed])
+        self._rows = self._rows_of(self.memory_samples, scale)
+        self._time_rows = self._rows_of(self.timed, scale)
+        self._profiled_rows = self._rows_of(self.profiled, scale)
         self._target = np.array(self._features(self.bindings, scale))
+        monomials = len(self._target)
+        #: the monomials the stage times are fitted over: all where the shapes timed are as many, else (one
+        #: varying size, ShapeFit.of ``reduced``) the tokens alone from one shape (each time scaled by their ratio),
+        #: a line in them from two
+        self.time_columns = tuple(range(monomials)) if len(self.timed) >= monomials else \
+            ((1,) if len(self.timed) == 1 else (0, 1))
         self.unfitted_memory: frozenset[int] | None = None  # set by profile(): stages whose memory is measured
         #: whether memory may be fitted here (ShapeFit.of: one shape more than the monomials, to check a fit
         #: is exact, and the target near the shapes measured); else profile() leaves it measured
         self.memory_fits = True
         self._least_block: dict[int, float | None] = {}  # least_block_time by the first stage of each structure
 
+    def _rows_of(self, samples: Sequence[ShapeSample], scale: dict) -> np.ndarray:
+        return np.array([self._features(dict(s.bindings), scale) for s in samples]).reshape(
+            len(samples), len(self.varying) + 2)
+
+    def _profiled_fit(self) -> bool:
+        """Whether the shapes profiled with their times determine every monomial (node times and generated code's
+        speeds are fitted from them alone: the training steps time whole stages)."""
+        rows = self._profiled_rows
+        return len(rows) >= rows.shape[1] and np.linalg.matrix_rank(rows) == rows.shape[1]
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the times are fitted over fewer monomials than the model's (from fewer shapes timed), at a shape
+        not timed itself (one that is, its fit through its own times, gets them)."""
+        timed = {tuple(sorted(dict(s.bindings).items())) for s in self.timed}
+        return len(self.time_columns) < len(self._target) and tuple(sorted(self.bindings.items())) not in timed
+
     @classmethod
-    def of(cls, samples: Sequence[ShapeSample], bindings: dict, pattern: tuple[int, ...]) -> "ShapeFit | None":
+    def of(cls, samples: Sequence[ShapeSample], bindings: dict, pattern: tuple[int, ...],
+           reduced: bool = False) -> "ShapeFit | None":
         """A fit at ``bindings`` where enough samples of the same chain structure (``pattern``) span
         it: as many as the monomials (memory: one more, and nearer, ``memory_fits``), every size that
         differs from theirs varied among them, within EXTRAPOLATION of them; else None (the shape is
-        measured)."""
+        measured). reduced: with one varying size, times are fitted from fewer shapes timed, down to one
+        (``time_columns``): a family whose times the training steps add to (hierremat.runtime.step_times), so
+        that its second length is planned without a shape profiled for times apart from the training."""
         samples = [s for s in samples if s.pattern == pattern and s.bindings]
         if not samples:
             return None
@@ -285,8 +351,9 @@ class ShapeFit:
         if any(len({target[k] for k in members}) > 1 for members in groups.values()):
             return None
         varying = tuple(members[0] for members in groups.values())
-        timed = [dict(s.bindings) for s in samples if s.times_measured]
-        if not varying or len(timed) < len(varying) + 2:  # (as many shapes as the time monomials)
+        timed = [dict(b) for b in {s.bindings for s in samples if s.times_measured}]
+        monomials = len(varying) + 2
+        if not varying or len(timed) < (1 if reduced and len(varying) == 1 else monomials):
             return None
 
         def within(shapes: list[dict], factor: float) -> bool:
@@ -296,12 +363,12 @@ class ShapeFit:
         if not within(timed, EXTRAPOLATION):
             return None  # far outside: measured (a sample more)
         fit = cls(samples, target, varying)
-        monomials = fit._rows.shape[1]
-        if np.linalg.matrix_rank(fit._time_rows) < monomials:
+        if np.linalg.matrix_rank(fit._time_rows[:, fit.time_columns]) < len(fit.time_columns):
             return None  # the timed shapes do not determine every coefficient (repeated sizes)
+        memory = [dict(s.bindings) for s in fit.memory_samples]
         fit.memory_fits = (
-            len({s.bindings for s in samples}) > monomials and np.linalg.matrix_rank(fit._rows) == monomials
-            and within(values, MEMORY_EXTRAPOLATION)
+            len({s.bindings for s in fit.memory_samples}) > monomials and np.linalg.matrix_rank(fit._rows) == monomials
+            and within(memory, MEMORY_EXTRAPOLATION)
         )
         return fit
 
@@ -310,29 +377,36 @@ class ShapeFit:
         n = math.prod(sizes)
         return [1.0, n, *(n * size for size in sizes)]
 
-    def _predict(self, values: list[list[float]], times: bool = True) -> list[float]:
-        """Each column of ``values`` (one row per sample) fitted and evaluated at the target, >= 0. The
-        residuals are weighed relative to the values (a 1 ms node and a 100 ms stage both fitted to a
-        share of themselves). ``times``: the columns are times, bounded outside the sizes measured
-        (:meth:`_extrapolation_bounds`)."""
+    def _predict(self, values: list[list[float]], times: bool = True, profiled: bool = False) -> list[float]:
+        """Each column of ``values`` (one row per timed sample, ``profiled``: per sample profiled with its times)
+        fitted and evaluated at the target, >= 0. The residuals are weighed relative to the values (a 1 ms node
+        and a 100 ms stage both fitted to a share of themselves). ``times``: the columns are times, bounded outside
+        the sizes measured (:meth:`_extrapolation_bounds`)."""
+        rows = self._profiled_rows if profiled else self._time_rows
+        columns = list(range(len(self._target))) if profiled else list(self.time_columns)
         values = np.array(values, dtype=float)
+        nearest = self._nearest_outside(rows) if times else None
         out = []
         for column in values.T:
             weights = 1.0 / np.maximum(np.abs(column), max(float(np.abs(column).max()) * 1e-6, 1e-12))
-            coefficients, *_ = np.linalg.lstsq(self._time_rows * weights[:, None], column * weights, rcond=None)
+            coefficients = np.zeros(len(self._target))
+            coefficients[columns], *_ = np.linalg.lstsq(rows[:, columns] * weights[:, None], column * weights,
+                                                        rcond=None)
             fitted = float(self._target @ coefficients)
             if times:
-                low, high = self._extrapolation_bounds(column, coefficients)
+                low, high = self._extrapolation_bounds(column, coefficients, rows, nearest)
                 fitted = min(max(fitted, low), high)
             out.append(max(0.0, fitted))
         return out
 
-    def _extrapolation_bounds(self, column: np.ndarray, coefficients: np.ndarray) -> tuple[float, float]:
-        """(lowest, highest) seconds a time may be fitted to at the target, from the measured time ``column``:
-        unbounded where every varying size is inside the sizes measured; outside, a time that is a sum of a
-        fixed cost, a linear term in the tokens n and the quadratic terms n * v (module docstring), each at least
-        0, measured t at the sample nearest the target (in the logs of those monomials), r_n the tokens' ratio and
-        r_v each quadratic term's (target over sample):
+    def _extrapolation_bounds(self, column: np.ndarray, coefficients: np.ndarray, rows: np.ndarray,
+                              nearest_outside: tuple[int, np.ndarray] | None) -> tuple[float, float]:
+        """(lowest, highest) seconds a time may be fitted to at the target, from the measured time ``column``
+        (at the shapes ``rows``; ``nearest_outside``: :meth:`_nearest_outside` of them): unbounded where every
+        varying size is inside the sizes measured; outside, a
+        time that is a sum of a fixed cost, a linear term in the tokens n and the quadratic terms n * v (module
+        docstring), each at least 0, measured t at the sample nearest the target (in the logs of those monomials),
+        r_n the tokens' ratio and r_v each quadratic term's (target over sample):
 
             t * ((1 - q) * min(1, r_n) + q * min_v r_v) <= fitted <= t * max(1, r_n, max_v r_v),
 
@@ -344,21 +418,21 @@ class ShapeFit:
         A least-squares quadratic through noisy samples may otherwise bend a few tokens outside them, to a
         step predicted at 5% of the measured at a length half the shortest measured (bench_shapes, 4-layer
         GPT-2 at 64 tokens fitted from 128 up)."""
-        if self._nearest_outside is None:
+        if nearest_outside is None:
             return -math.inf, math.inf
-        nearest, ratios = self._nearest_outside
+        nearest, ratios = nearest_outside
         measured = float(column[nearest])
-        quadratic = float(self._time_rows[nearest, 2:] @ coefficients[2:])
+        quadratic = float(rows[nearest, 2:] @ coefficients[2:])
         share = min(max(quadratic / measured, 0.0), 1.0) if measured > 0 else 0.0
         low = measured * ((1 - share) * min(1.0, float(ratios[0])) + share * float(ratios[1:].min()))
         return low, measured * max(1.0, float(ratios.max()))
 
-    @functools.cached_property
-    def _nearest_outside(self) -> tuple[int, np.ndarray] | None:
-        """For a target outside the sizes measured, (the timed sample nearest it, in the logs of the monomials
-        n and n * v; the target's monomials over that sample's): what :meth:`_extrapolation_bounds` bounds every
-        column from. None where every varying size is inside the sizes measured."""
-        rows, target = self._time_rows, self._target
+    def _nearest_outside(self, rows: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """For a target outside the sizes measured (``rows``: the shapes' monomials), (the sample nearest it, in
+        the logs of the monomials n and n * v; the target's monomials over that sample's): what
+        :meth:`_extrapolation_bounds` bounds every column from. None where every varying size is inside the sizes
+        measured."""
+        target = self._target
         sizes, wanted = rows[:, 2:] / rows[:, 1:2], target[2:] / target[1]  # each varying size (n * v / n)
         if ((sizes.min(axis=0) <= wanted) & (wanted <= sizes.max(axis=0))).all():
             return None
@@ -368,24 +442,21 @@ class ShapeFit:
     def stage_costs(self, costs: ChainCosts) -> ChainCosts:
         """``costs`` (measured for memory) with each stage's autograd times fitted."""
         fitted = self._predict([[t for st in s.stage_times for t in st] for s in self.timed])
-        stages = []
-        for i, st in enumerate(costs.stages):
-            nograd, fwd, bwd = fitted[3 * i: 3 * i + 3]
-            option = replace(st.options[0], fwd_time=fwd, bwd_time=bwd)
-            stages.append(replace(st, nograd_fwd_time=nograd, options=(option, *st.options[1:])))
-        return replace(costs, stages=tuple(stages))
+        return costs.with_autograd_times([tuple(fitted[3 * i: 3 * i + 3]) for i in range(len(costs.stages))])
 
     def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
         """This shape's chain profile with every byte count that fits exactly (module docstring; its times
         are the last sample's, for :meth:`stage_costs` to fit), and the stages whose memory does not (to
         measure: their figures in the profile are the last sample's); None where the chain's own sizes do
         not fit or a sample has no memory trace or another structure (which storages a stage's tape keeps,
-        its weight casts, its buffer updates): then every stage is measured."""
-        template = self.samples[-1].profile
-        if not self.memory_fits or any(s.profile is None for s in self.samples):
+        its weight casts, its buffer updates): then every stage is measured. Memory is fitted from the shapes
+        profiled (``memory_samples``), not those timed in the training steps alone."""
+        samples = self.memory_samples
+        if not self.memory_fits or not samples or any(s.profile is None for s in samples):
             return None
-        traces = [s.profile.memory_trace for s in self.samples]
-        if any(t is None for t in traces) or any(_structure(s.profile) != _structure(template) for s in self.samples):
+        template = samples[-1].profile
+        traces = [s.profile.memory_trace for s in samples]
+        if any(t is None for t in traces) or any(_structure(s.profile) != _structure(template) for s in samples):
             return None
         keys = [key for key, _ in traces[0].figures]
         if any([key for key, _ in t.figures] != keys for t in traces[1:]):
@@ -441,10 +512,10 @@ class ShapeFit:
 
     def node_costs(self, stage: int, joint) -> dict | None:
         """Fitted (seconds, workspace 0) of every node of stage ``stage``'s block graph, by name; None
-        where a sample has no menu there or other node names than ``joint`` (then they are measured; ``joint``
-        None: the samples' names taken as they are)."""
-        per_sample = [s.node_times[stage] for s in self.timed]
-        if any(t is None for t in per_sample):
+        where a sample has no menu there or other node names than ``joint``, or the shapes profiled with their times
+        are too few (then they are measured; ``joint`` None: the samples' names taken as they are)."""
+        per_sample = [s.node_times[stage] for s in self.profiled]
+        if not self._profiled_fit() or any(t is None for t in per_sample):
             return None
         names = {n.name for n in joint.compute_nodes()} if joint is not None else set(per_sample[0])
         if any(not set(t) <= names for t in per_sample):
@@ -452,14 +523,14 @@ class ShapeFit:
         keys = sorted(per_sample[0])
         if any(sorted(t) != keys for t in per_sample):
             return None
-        fitted = self._predict([[t[k] for k in keys] for t in per_sample])
+        fitted = self._predict([[t[k] for k in keys] for t in per_sample], profiled=True)
         return {k: (seconds, 0) for k, seconds in zip(keys, fitted)}
 
     def had_menu(self, stage: int) -> bool:
         """Whether stage ``stage`` had block options at every shape whose times were measured (what its block
         options' times are fitted from: a shape measured before any were built has none, hierremat.remat's
-        ``defer_block_options``)."""
-        return all(s.node_times[stage] is not None for s in self.timed)
+        ``defer_block_options``), those shapes enough to fit from."""
+        return self._profiled_fit() and all(s.node_times[stage] is not None for s in self.profiled)
 
     def least_block_time(self, stage: int) -> float | None:
         """A lower bound (seconds) on one forward and backward of stage ``stage`` under any of its block options
@@ -467,13 +538,13 @@ class ShapeFit:
         re-costed at a new shape are those, hierremat.ilp.options.recost_options), each priced as the menus price
         it (hierremat.planning.menus: its nodes' times summed, times its generated code's speed scale), with
         every node's time and the scale fitted. None where a measured shape had no menu or speeds there."""
-        first = self.timed[-1].pattern[stage]  # (stages of one structure: one bound)
+        first = self.profiled[-1].pattern[stage]  # (stages of one structure: one bound)
         if first not in self._least_block:
             self._least_block[first] = self._least_block_time(first)
         return self._least_block[first]
 
     def _least_block_time(self, stage: int) -> float | None:
-        options = self.timed[-1].option_nodes[stage] if self.timed[-1].option_nodes else None
+        options = self.profiled[-1].option_nodes[stage] if self.profiled[-1].option_nodes else None
         speeds = self.speeds(stage)
         node_times = self.node_costs(stage, None)
         if options is None or speeds is None or node_times is None or any(
@@ -482,23 +553,38 @@ class ShapeFit:
         return speeds.scale * min(sum(node_times[name][0] for name in names) for names in options)
 
     def speeds(self, stage: int) -> ExecutorSpeeds | None:
-        """The fitted speeds of stage ``stage``'s generated code (None where a sample has none)."""
-        per_sample = [s.speeds[stage] for s in self.timed]
-        if any(p is None for p in per_sample):
+        """The fitted speeds of stage ``stage``'s generated code (None where a sample has none, or the shapes
+        profiled with their times are too few)."""
+        per_sample = [s.speeds[stage] for s in self.profiled]
+        if not self._profiled_fit() or any(p is None for p in per_sample):
             return None
-        (scale,) = self._predict([[p[0]] for p in per_sample], times=False)  # (a ratio of times)
-        (forward,) = self._predict([[p[1]] for p in per_sample])
+        (scale,) = self._predict([[p[0]] for p in per_sample], times=False, profiled=True)  # (a ratio of times)
+        (forward,) = self._predict([[p[1]] for p in per_sample], profiled=True)
         return ExecutorSpeeds(scale if scale > 0 else min(p[0] for p in per_sample), forward)
 
     def describe(self) -> str:
         """What was fitted from which shapes, for summaries."""
-        shapes = "; ".join(", ".join(f"{k}={v}" for k, v in s.bindings if k in self.varying)
-                           + ("" if s.times_measured else " (memory only)") for s in self.samples)
+        def shape(sample: ShapeSample) -> str:
+            sizes = ", ".join(f"{k}={v}" for k, v in sample.bindings if k in self.varying)
+            return sizes + (" (timed in the training steps)" if sample.from_steps else
+                            "" if sample.times_measured else " (memory only)")
+
+        profiled = {s.bindings for s in self.memory_samples}
+        shapes = "; ".join(shape(s) for s in (*self.memory_samples,
+                                               *(s for s in self.timed if s.from_steps and s.bindings not in profiled)))
         unfitted = self.unfitted_memory
         what = "times" if unfitted is None else "times and memory"
-        memory_only = len(self.samples) - len(self.timed)
-        line = (f"{what} fitted over {', '.join(self.varying)} from {len(self.timed)} measured shapes"
-                + (f" and {memory_only} with memory only" if memory_only else "") + f" ({shapes})")
+        memory_only = len(self.memory_samples) - len(self.profiled)
+        from_steps = sum(s.from_steps for s in self.timed)
+        how = {1: " scaled by the tokens", 2: " a line in the tokens"}.get(len(self.time_columns), "") \
+            if self.reduced else ""
+        count = len(self.timed)
+        shapes_timed = f"{count} shape{'s' if count > 1 else ''} timed"
+        line = (f"{what} fitted over {', '.join(self.varying)}: times{how} from {shapes_timed}"
+                + (f" ({from_steps} in the training steps)" if from_steps else "")
+                + (f", memory from {len(self.memory_samples)} shapes" + (
+                    f" ({memory_only} with memory only)" if memory_only else "") if unfitted is not None else "")
+                + f" ({shapes})")
         if unfitted is None:
             return f"{line}; memory measured at this shape"
         if unfitted:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,19 @@ class ChainCosts:
     @property
     def length(self) -> int:
         return len(self.stages)
+
+    def with_autograd_times(self, stage_times: Sequence[tuple[float, float, float]]) -> "ChainCosts":
+        """These costs with each stage's times under autograd replaced: ``stage_times[i]`` is stage i's
+        (no-grad forward, forward, backward) seconds of option 0 (fitted over shapes, or observed in the
+        training steps); block options' times and every byte count are kept."""
+        if len(stage_times) != len(self.stages):
+            raise ValueError(f"stage_times needs {len(self.stages)} stages' times, got {len(stage_times)}")
+        stages = tuple(
+            replace(st, nograd_fwd_time=nograd, options=(replace(st.options[0], fwd_time=fwd, bwd_time=bwd),
+                                                          *st.options[1:]))
+            for st, (nograd, fwd, bwd) in zip(self.stages, stage_times)
+        )
+        return replace(self, stages=stages)
 
     def with_leaner_forwards(self) -> "ChainCosts":
         """These costs with every stage's F_none / F_ck in its leaner no-grad form, where it has

@@ -36,8 +36,10 @@ class ModelPlan:
     capture_kind: how the model's graph at this shape was made: "exported" (traced at this
         shape) or "specialized" (the model's symbolic capture, made once for every shape, at this
         shape's sizes: hierremat.graphs.symbolic).
-    times: "measured", or what was fitted from shapes measured before: the times, and the memory
-        where it fits them to the byte (else measured at this shape): hierremat.planning.shape_fit; then, where the
+    times: "measured" (with how, where the times are of one run each until the training steps time the shape, or
+        from its training steps: hierremat.remat on CPU), or what was fitted from shapes measured before: the
+        times, and the memory where it fits them to the byte (else measured at this shape):
+        hierremat.planning.shape_fit; then, where the
         plan runs without block options not built or not re-costed at this shape yet (hierremat.remat's
         ``defer_block_options``), why (e.g. "measured; block options not built yet (...)").
     lent_weight_bytes: for a model planned without its weights (on meta), the bytes of the real

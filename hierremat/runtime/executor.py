@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -48,6 +49,7 @@ from ..device.rng import RngState, cuda_devices_of
 from .tapeless import tapeless
 from .tied import TiedParameters
 from .grad_taps import eager_only, tap_input
+from .step_times import StepTimes
 
 
 def stage_buffers(stage: Callable, names: Sequence[str]) -> list[torch.Tensor]:
@@ -204,6 +206,8 @@ class ChainRunner:
         #: Whether autocast was on in the latest backward this runner executed (the caller's recipe: one autocast
         #: context around forward and backward, or the forward's alone), None before.
         self.observed_backward_autocast: bool | None = None
+        #: Where set, the steps on CPU record their stages' times there while it is recording (its module docstring)
+        self.step_times: StepTimes | None = None
         self.loss_index = schedule.loss_index
         self.forward_counts = schedule.forward_counts()
         self.buffers = [
@@ -222,24 +226,35 @@ class ChainRunner:
         Without grad, or when the schedule keeps everything, the stages are simply called:
         plain autograd then does exactly what the schedule says, at no runner overhead (in
         the latter case an identity node on the output records how the caller used it).
-        Except where stages share a parameter (hierremat.runtime.tied): one backward call sums
-        its gradient terms before accumulating them, holding the later readers' terms through
-        the earlier readers' backward (a tied LM head's whole weight gradient through the whole
-        chain), which the stages' costs, measured one backward at a time, do not count; the
-        schedule then runs op by op.
+        (A step timed there, ``step_times``, records its stages' forwards: one backward call
+        times no stage.) Except where stages share a parameter (hierremat.runtime.tied): one
+        backward call sums its gradient terms before accumulating them, holding the later
+        readers' terms through the earlier readers' backward (a tied LM head's whole weight
+        gradient through the whole chain), which the stages' costs, measured one backward at a
+        time, do not count; the schedule then runs op by op.
         """
         autocast = AutocastState.capture((x.device.type,))
         if not torch.is_grad_enabled() or (self.schedule.keeps_everything and not self.tied):
             values: dict[int, torch.Tensor] = {}
+            seconds = {} if torch.is_grad_enabled() and self.times_step(x) else None  # (the forwards alone)
             for i in range(len(self.stages)):
+                started = time.perf_counter()
                 with autocast.stage_scope():
                     out = self.call_stage(i, x, stage_shared(shared, values, self.residents))
+                if seconds is not None:
+                    seconds["forward", i] = [time.perf_counter() - started]
                 x, made = split_output(out, self.residents, i)
                 keep_made(values, self.residents, i, made, attached=True)
+            if seconds is not None:
+                self.step_times.record(seconds)
             out = x if not torch.is_grad_enabled() else self._observed(x)
             exported = self.exported(values)
             return (*as_tuple(out), *exported) if exported else out
         return self.run_schedule(x, shared)
+
+    def times_step(self, x: torch.Tensor) -> bool:
+        """Whether a step with grad on ``x`` records its stages' times (``step_times`` set and recording, on CPU)."""
+        return self.step_times is not None and self.step_times.recording and x.device.type == "cpu"
 
     def exported(self, values: dict) -> tuple:
         """The residents the model returns (the chain returns them after the last stage's outputs)."""
@@ -298,6 +313,8 @@ class _Step:
         self.tier = runner.tier if runner.transfers.offloaded else None
         if self.tier is not None:  # a step freed before its backward leaves nothing in the tier
             weakref.finalize(self, self.tier.abandon, self.offloaded)
+        #: seconds of each op timed, by (kind, stage) (hierremat.runtime.step_times), where the step is timed
+        self.seconds: dict[tuple[str, int], list[float]] | None = {} if runner.times_step(x0) else None
 
     def run_forward(self) -> tuple:
         with self._dropping_offloaded_on_error():
@@ -329,6 +346,8 @@ class _Step:
         finally:
             if outer_rng is not None:
                 outer_rng.restore()
+        if self.seconds is not None:  # (a complete step)
+            self.runner.step_times.record(self.seconds)
         return self.grad.pop(0)
 
     @contextlib.contextmanager
@@ -355,6 +374,27 @@ class _Step:
             self.offloaded.add((self.serial, op.stage))
             self.versions[op.stage] = x._version
             del x
+        kind = self._timed_kind(op) if self.seconds is not None else None
+        if kind is None:
+            self._run(op)
+            return
+        started = time.perf_counter()
+        self._run(op)
+        self.seconds.setdefault((kind, op.stage), []).append(time.perf_counter() - started)
+
+    def _timed_kind(self, op) -> str | None:
+        """What ``op`` times as (hierremat.runtime.step_times.StepTimes): the stage's own no-grad forward
+        (``"nograd"``), its forward with grad under autograd (option 0, ``"forward"``) and that forward's backward
+        (``"backward"``); None for other ops (a block option, generated code, a transfer)."""
+        if isinstance(op, FAll):
+            return "forward" if op.option == 0 else None
+        if isinstance(op, (FNone, FCk)):
+            return "nograd" if self.runner.forward_executors[op.stage] is None else None
+        if isinstance(op, Backward):
+            return "backward" if self.tape[op.stage][0] == "autograd" else None
+        return None
+
+    def _run(self, op) -> None:
         if isinstance(op, (FNone, FCk, FAll)):
             i = op.stage
             x = self.x[i] if isinstance(op, FCk) else self.x.pop(i)

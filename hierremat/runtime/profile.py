@@ -40,6 +40,8 @@ from ..device.rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
 from .tapeless import tapeless
 
+#: Timed runs of each of a stage's no-grad forward, forward and backward whose medians are its times.
+PROFILE_REPEATS = 3
 #: Seconds of a stage's no-grad forward (measured with its memory) above which its times are
 #: those of the memory runs: one run each, its one-off costs a small share of it.
 SLOW_STAGE_SECONDS = 0.5
@@ -63,6 +65,10 @@ class ChainProfile:
     output_grad_mask: tuple[bool, ...]
     loss_bytes: int = 0
     memory_trace: MemoryTrace | None = None
+    #: the fewest timed runs a stage profiled here took its times' medians of (0: those of its memory runs,
+    #: profile_chain's ``timed`` False); a stage's costs found in the cache or taken from ``known`` count as timed in
+    #: full (PROFILE_REPEATS)
+    repeats: int = PROFILE_REPEATS
 
 
 def storage_bytes(value) -> int:
@@ -171,7 +177,7 @@ def profile_chain(
     x0: torch.Tensor,
     *,
     shared: tuple = (),
-    repeats: int = 3,
+    repeats: int = PROFILE_REPEATS,
     signatures: Sequence[str] | None = None,
     output_grad_mask: tuple[bool, ...] | None = None,
     cost_cache: StageCostCache | None = None,
@@ -194,7 +200,8 @@ def profile_chain(
     (hierremat.plans.stage_info.ResidentLayout), or None; their bytes and their gradients' are the
     costs' ``residents`` (hierremat.plans.costs.ResidentCosts).
     timed: False measures memory only (the times are those of the single memory runs, for the
-    caller to replace: hierremat.planning.shape_fit); such costs are not cached.
+    caller to replace: hierremat.planning.shape_fit); such costs are not cached, nor are those timed with fewer
+    ``repeats`` than PROFILE_REPEATS.
     known, measure: where ``known`` is given, only the stages in ``measure`` are measured, the others
     take their costs and buffer updates from ``known`` (fitted: hierremat.planning.shape_fit) and are
     only run without grad, for the next stage's input. The chain's sizes are measured.
@@ -204,6 +211,7 @@ def profile_chain(
     autocast = AutocastState.capture((device.type,))
     activation_bytes = [storage_bytes(x0)]
     stage_costs, mutated, traces = [], [], []
+    fewest = PROFILE_REPEATS  # (the fewest timed runs of a stage profiled here)
     measured: dict[tuple[str | None, bool], int] = {}  # (signature, x_i requires grad) -> the first stage measured so
     outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the next input of the others)
     values: dict[int, torch.Tensor] = {}
@@ -271,11 +279,12 @@ def profile_chain(
                     cost, names, y, mask, trace = _profile_stage(
                         i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced, timed, stage_inputs
                     )
+                fewest = min(fewest, repeats if timed else 0)
                 if last:
                     output_grad_mask = mask
                 if signature is not None:
                     measured[measured_as] = i
-                    if timed:
+                    if timed and repeats >= PROFILE_REPEATS:  # (costs timed in full alone are cached)
                         cost_cache.put_stage(
                             signature, x, requires_grad, wanted_mask, cost, mask if last else None, trace
                         )
@@ -292,7 +301,7 @@ def profile_chain(
     )
     loss_bytes = storage_bytes(losses) if losses else 0
     return ChainProfile(
-        costs, tuple(mutated), output_grad_mask, loss_bytes, _chain_trace(costs, traces, loss_bytes),
+        costs, tuple(mutated), output_grad_mask, loss_bytes, _chain_trace(costs, traces, loss_bytes), fewest,
     )
 
 
