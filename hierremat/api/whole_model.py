@@ -44,7 +44,6 @@ from ..runtime.lent_weights import bind_to_model, has_abstract_weights, lent_inp
 from ..runtime.profile import PROFILE_REPEATS, SLOW_STAGE_SECONDS, ChainProfile, profile_chain, storage_bytes
 from ..runtime.stage_cost_cache import StageCostCache
 from ..runtime.step_grads import StepGrads
-from ..runtime.step_times import StepTimes
 from ..store.cache import OptionsCache, default_cache
 from ..planning.chain_plan import (
     PLAN_TIME_LIMIT, PlannedChain, check_block_options, least_held_bytes, plan_from_profile, resolve_compile,
@@ -139,10 +138,8 @@ class _Compiled:
         self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
         self.reduced_fit = False  # its times fitted from fewer shapes timed than the monomials (ShapeFit.reduced)
         self.family_timed = 0  # its family's shapes timed when it was planned (RematModule._timed_count)
-        self.retime_pending = False  # its steps are timed: its plan is solved again from their times (_retime)
         self.one_run = False  # measured from one timed run each (_ProfiledChain.one_run): also after its first step
         self.retimed_steps = 0  # its steps whose times it was last solved from (RematModule._retime)
-        self.times_note = ""  # what its plan's ``times`` says of them (ONE_RUN_NOTE; replaced as they are retimed)
         self.steps_sampled = 0  # its steps whose times are in its family's step samples (RematModule._step_samples)
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
         self.copies_warned = False  # a saved plan run by a caller that copies the outputs to fp32: warned once
@@ -177,6 +174,14 @@ class _Compiled:
         bind_to_model(self.graphs(), model)
         self.chain_module.planned.reread_tensors()
         self.lent = False
+
+    @property
+    def times_note(self) -> str:
+        """What its plan's ``times`` says of how its times are known besides the fit (ONE_RUN_NOTE, or the training
+        steps it was solved again from: RematModule._retime), or nothing."""
+        if self.retimed_steps:
+            return f"; times from its first {self.retimed_steps} training steps"
+        return ONE_RUN_NOTE if self.one_run else ""
 
     def relabel_times(self, old: str, new: str) -> None:
         """Say in the plan's ``times`` how its times are now known (``old`` replaced by ``new``; none: ``new``
@@ -728,7 +733,7 @@ def _compile(
     span this shape, its times are fitted from them and only its memory is measured. steps_time: the training steps
     time this shape (RematModule._times_from_steps): its times are fitted from fewer shapes timed than a fit's
     monomials too (ShapeFit.of's ``reduced``), and where it is measured, it is timed from one run each; its plan is
-    solved again from its steps' times once they are recorded (``_Compiled.retime_pending``). shards: the model is
+    solved again from its steps' times once they are recorded (RematModule._retime). shards: the model is
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve).
     recost_seconds: what re-costing block options at a fitted shape takes (_profile_and_solve). upcasts: the caller
@@ -833,8 +838,6 @@ def _compile(
     compiled.bindings = bindings
     compiled.reduced_fit = fitted is not None and fitted.reduced
     compiled.one_run = profiled is not None and profiled.one_run
-    compiled.retime_pending = steps_time and profiled is not None
-    compiled.times_note = ONE_RUN_NOTE if compiled.one_run else ""
     if profiled is not None:
         compiled.least_held = least_held_bytes(profiled.profile)
         compiled.block_gain = profiled.block_gain
@@ -1003,9 +1006,8 @@ class RematModule(nn.Module):
         if from_steps:  # (a shape planned again goes on with the steps timed before)
             before = self._compiled.get(key)
             earlier = before.chain_module.planned.step_times if before is not None and carry_steps else None
-            self._record_steps(compiled, earlier)
-            if compiled.retime_pending:
-                self._retime(compiled)
+            compiled.chain_module.planned.time_steps(TIMED_STEPS, earlier)  # (the plan before's go on, same chain)
+            self._retime(compiled)
         recosted = any(m.get("recosted") for m in compiled.plan.menus.values())
         if recosted and not compiled.plan.times.startswith("measured"):
             self._recost_seconds = compiled.plan.options_seconds  # (block options re-costed at a fitted shape)
@@ -1041,8 +1043,9 @@ class RematModule(nn.Module):
         Every shape of such a family records its first TIMED_STEPS steps; a shape measured is timed from one
         run each (_ProfiledChain.of's ``one_run``) and solved again from its steps' times once they are recorded; a
         shape fitted is fitted from the shapes timed so far however few (ShapeFit.of's ``reduced``: the second
-        length's times are the first's scaled by the tokens) and planned again once they are as many as a fit's
-        monomials (``_refreshed``); no shape is profiled for times alone (sizes_to_sample)."""
+        length's times are the first's scaled by the tokens) and planned again whenever more are timed
+        (``_refreshed``); every shape is solved again from its own steps' times once they are recorded (_retime); no
+        shape is profiled for times alone (sizes_to_sample)."""
         shapes = {_shapes(c.skeleton) for c in self._compiled.values() if c.family == family}
         steps = self._step_samples.get(family)
         if steps is None:
@@ -1055,16 +1058,10 @@ class RematModule(nn.Module):
             return False
         return not elsewhere
 
-    @staticmethod
-    def _record_steps(compiled: _Compiled, earlier: StepTimes | None = None) -> None:
-        """Record the stage times of ``compiled``'s first TIMED_STEPS steps (``earlier``: those recorded under the
-        plan it replaces, of the same shape, go on where its chain is the same: PlannedChain.time_steps)."""
-        compiled.chain_module.planned.time_steps(TIMED_STEPS, earlier)
-
     def _step_samples_of(self, family: tuple) -> list[ShapeSample]:
         """The family's shapes timed in its training steps (none where its times are not fitted from them), with
         the steps recorded since the last call added: each shape's stage times, bound by the family's symbolic
-        capture (its stages' no-grad forwards that never ran taken at its plan's ratio to the forward)."""
+        capture (what its steps did not time taken from its plan's times: _observed_times)."""
         samples = self._step_samples.get(family)
         symbolic = self._symbolic.get(family)
         if samples is None or symbolic is None:
@@ -1105,11 +1102,10 @@ class RematModule(nn.Module):
         times = self._observed_times(compiled)
         if times is None:
             return
-        before = compiled.plan.predicted_step_time
+        before, note = compiled.plan.predicted_step_time, compiled.times_note
         compiled.chain_module.planned.retime(times, torch.device("cpu"))  # (steps are timed on CPU alone)
-        compiled.relabel_times(compiled.times_note, note := f"; times from its first {steps} training steps")
-        compiled.times_note, compiled.retimed_steps = note, steps
-        compiled.retime_pending = step_times.recording
+        compiled.retimed_steps = steps
+        compiled.relabel_times(note, compiled.times_note)
         if before > 0:  # (a heuristic: what block options could save, a share of the step, kept as that share)
             compiled.block_gain *= compiled.plan.predicted_step_time / before
         log.info("%s solved again at this shape from the times of its first %d training steps: predicted step %.1f ms "
@@ -1143,7 +1139,7 @@ class RematModule(nn.Module):
             log.info("%s planned again at this shape: its times were fitted from fewer shapes than a fit needs, and "
                      "the training steps have timed more since", type(self.model).__name__)
             return self._plan_again(key, args, kwargs)
-        if compiled.retime_pending and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             self._retime(compiled)
         copies = compiled.chain.half_outputs_in_fp32_bytes if upcasts_outputs(self) else 0
         if copies != compiled.plan.output_copies_bytes:

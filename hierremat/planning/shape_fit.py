@@ -33,6 +33,7 @@ count is the budget's promise). Block options are re-costed on the shape's own j
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import Counter
@@ -312,6 +313,7 @@ class ShapeFit:
         return np.array([self._features(dict(s.bindings), scale) for s in samples]).reshape(
             len(samples), len(self.varying) + 2)
 
+    @functools.cached_property
     def _profiled_fit(self) -> bool:
         """Whether the shapes profiled with their times determine every monomial (node times and generated code's
         speeds are fitted from them alone: the training steps time whole stages)."""
@@ -403,10 +405,10 @@ class ShapeFit:
                               nearest_outside: tuple[int, np.ndarray] | None) -> tuple[float, float]:
         """(lowest, highest) seconds a time may be fitted to at the target, from the measured time ``column``
         (at the shapes ``rows``; ``nearest_outside``: :meth:`_nearest_outside` of them): unbounded where every
-        varying size is inside the sizes measured; outside, a
-        time that is a sum of a fixed cost, a linear term in the tokens n and the quadratic terms n * v (module
-        docstring), each at least 0, measured t at the sample nearest the target (in the logs of those monomials),
-        r_n the tokens' ratio and r_v each quadratic term's (target over sample):
+        varying size is inside the sizes measured; outside, a time that is a sum of a fixed cost, a linear term in
+        the tokens n and the quadratic terms n * v (module docstring), each at least 0, measured t at the sample
+        nearest the target (in the logs of those monomials), r_n the tokens' ratio and r_v each quadratic term's
+        (target over sample):
 
             t * ((1 - q) * min(1, r_n) + q * min_v r_v) <= fitted <= t * max(1, r_n, max_v r_v),
 
@@ -515,7 +517,7 @@ class ShapeFit:
         where a sample has no menu there or other node names than ``joint``, or the shapes profiled with their times
         are too few (then they are measured; ``joint`` None: the samples' names taken as they are)."""
         per_sample = [s.node_times[stage] for s in self.profiled]
-        if not self._profiled_fit() or any(t is None for t in per_sample):
+        if not self._profiled_fit or any(t is None for t in per_sample):
             return None
         names = {n.name for n in joint.compute_nodes()} if joint is not None else set(per_sample[0])
         if any(not set(t) <= names for t in per_sample):
@@ -530,7 +532,7 @@ class ShapeFit:
         """Whether stage ``stage`` had block options at every shape whose times were measured (what its block
         options' times are fitted from: a shape measured before any were built has none, hierremat.remat's
         ``defer_block_options``), those shapes enough to fit from."""
-        return self._profiled_fit() and all(s.node_times[stage] is not None for s in self.profiled)
+        return self._profiled_fit and all(s.node_times[stage] is not None for s in self.profiled)
 
     def least_block_time(self, stage: int) -> float | None:
         """A lower bound (seconds) on one forward and backward of stage ``stage`` under any of its block options
@@ -556,7 +558,7 @@ class ShapeFit:
         """The fitted speeds of stage ``stage``'s generated code (None where a sample has none, or the shapes
         profiled with their times are too few)."""
         per_sample = [s.speeds[stage] for s in self.profiled]
-        if not self._profiled_fit() or any(p is None for p in per_sample):
+        if not self._profiled_fit or any(p is None for p in per_sample):
             return None
         (scale,) = self._predict([[p[0]] for p in per_sample], times=False, profiled=True)  # (a ratio of times)
         (forward,) = self._predict([[p[1]] for p in per_sample], profiled=True)

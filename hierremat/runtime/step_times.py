@@ -6,8 +6,8 @@ runs; the steps at each length run every stage's forward and backward anyway. A 
 attached to a chain runner (hierremat.runtime.executor) records, in the steps it runs on CPU, how long
 each stage's ops took: the no-grad forward of the stage itself (``F_none``/``F_ck``, not generated code),
 the forward with grad under autograd (``F_all`` of option 0) and the backward of that forward. Each step
-runs the ops it runs; the medians over the steps recorded give the shape's stage times, a stage whose
-no-grad forward never ran taking the plan's own ratio of no-grad to grad forward.
+runs the ops it runs; the medians over the steps recorded give the shape's stage times, what a stage's
+steps did not time taken from the plan's own times (scaled by the forward timed).
 
 Only CPU steps are timed: ``time.perf_counter`` around an op measures it where the kernels run
 synchronously (on CUDA the host would measure the launches).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from typing import Sequence
+
 
 class StepTimes:
     """Seconds per op kind (``"nograd"``, ``"forward"``, ``"backward"``) and stage over the first ``steps`` steps of
@@ -50,7 +51,9 @@ class StepTimes:
         for key, values in seconds.items():
             self._seconds.setdefault(key, []).extend(values)
 
-    def stage_times(self, planned: Sequence[tuple[float, float, float]]) -> tuple[tuple[float, float, float], ...] | None:
+    def stage_times(
+        self, planned: Sequence[tuple[float, float, float]],
+    ) -> tuple[tuple[float, float, float], ...] | None:
         """Per stage, (no-grad forward, forward, backward) seconds: the medians of the runs recorded. ``planned[i]``:
         stage i's as its plan has them, what a kind never timed is taken from: its share of the forward times the
         forward timed (a no-grad forward never run, a backward where the stages were simply called), or all three
