@@ -13,6 +13,9 @@ AdamW, PyTorch's default ``optimizer.zero_grad()``. Methods, each on the same we
   hierremat   ``hierremat.remat`` at 0.5x plain's allocator peak at the longest length, planned at it
               with a fresh cache; block options built once they pay (``defer_block_options``, remat's default;
               ``--eager``: built at once, at the first shape).
+  hierremat marked   the same, the example's sequence dimension marked dynamic (``torch._dynamo.mark_dynamic``,
+              as torchtitan marks it): captured symbolically at the first shape, its memory measured at three
+              shorter lengths there too, so that no later length is measured; a cache of its own.
 Steps are interleaved: at every step each method runs once, in a seeded shuffled order; a method's wall
 time is the sum of its steps (hierremat's includes its planning). Per length: planning seconds (the plan's
 capture + profile + block options + DP), the new length's whole cost to hierremat ("new-length s": its first
@@ -127,7 +130,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
     plain_peak = C.allocator_peak_bytes(lambda: probe(**longest).loss.backward())
     budget = plain_peak // 2
     methods = []
-    for name in ("plain", "hf", "hierremat"):
+    for name in ("plain", "hf", "hierremat", "hierremat marked"):
         model = copy.deepcopy(base)
         module = model
         if name == "hf":  # (transformers 5 renamed it; the old name warns)
@@ -136,12 +139,18 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         started = time.perf_counter()
-        if name == "hierremat":  # a fresh cache (every block menu solved in this run), or one an earlier run filled
-            module = hr.remat(model, (), longest, budget=budget, cache=cache, defer_block_options=not eager)
+        if name.startswith("hierremat"):  # a fresh cache (every block menu solved in this run), or one an earlier
+            example = dict(longest)  # run filled; "marked": the sequence dimension marked dynamic, as torchtitan does
+            if name == "hierremat marked":
+                example["input_ids"] = example["input_ids"].clone()
+                torch._dynamo.mark_dynamic(example["input_ids"], 1)
+            module = hr.remat(model, (), example, budget=budget, cache=f"{cache}/{name.replace(' ', '-')}",
+                              defer_block_options=not eager)  # (a cache of its own: neither fills the other's)
         method = Method(name, model, module, torch.optim.AdamW(model.parameters(), lr=1e-4))
         method.seconds = time.perf_counter() - started  # hierremat's first plan
         methods.append(method)
-    planned = methods[2].seconds
+    remats = methods[2:]
+    planned = {m.name: m.seconds for m in remats}
     rng = random.Random(SEED)
     bitwise = True
     seen: set[int] = set()
@@ -152,23 +161,25 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
         seen.add(length)
         order = list(methods)
         rng.shuffle(order)
-        first_step = 0.0
+        first_step = {}
         for method in order:
             torch.manual_seed(step)  # dropout: the same masks for every method
             elapsed = method.step(batch)
             method.seconds += elapsed
             if not first:
                 method.step_seconds.setdefault(length, []).append(elapsed)
-            elif method.name == "hierremat":
-                first_step = elapsed
-        plain, remat = methods[0], methods[2]
-        bitwise &= all(torch.equal(a, b) for a, b in zip(plain.grads, remat.grads))
-        if first:
-            plan = remat.module.plans[-1]
-            per_length[length] = {"plan": plan, "bitwise": True, "first": first_step + (planned if length == high else 0.0)}
-    for length, row in per_length.items():  # one extra step per length, measured, not timed
+            elif method in remats:
+                first_step[method.name] = elapsed
+        plain = methods[0]
+        bitwise &= all(torch.equal(a, b) for remat in remats for a, b in zip(plain.grads, remat.grads))
+        for remat in remats if first else ():
+            per_length[remat.name, length] = {
+                "plan": remat.module.plans[-1],
+                "first": first_step[remat.name] + (planned[remat.name] if length == high else 0.0),
+            }
+    for (name, length), row in per_length.items():  # one extra step per length, measured, not timed
         batch = padded_batch(length, vocab, SEED)
-        remat = methods[2]
+        remat = next(m for m in remats if m.name == name)
 
         def step():
             remat.optimizer.zero_grad()
@@ -197,13 +208,14 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
           C.fmt(m.seconds / methods[0].seconds, ".2f")] for m in methods],
     )
     rows = []
-    for length in sorted(per_length):
-        row = per_length[length]
+    for name, length in sorted(per_length):
+        row = per_length[name, length]
         plan, final = row["plan"], row["final"]
-        measured = statistics.median(methods[2].step_seconds.get(length, [float("nan")]))
+        remat = next(m for m in remats if m.name == name)
+        measured = statistics.median(remat.step_seconds.get(length, [float("nan")]))
         plan_seconds = plan.capture_seconds + plan.chain.profile_seconds + plan.options_seconds + plan.chain.solve_seconds
         rows.append([
-            str(length), plan.capture_kind, _fitted(plan.times), "later" if final.menus and not plan.menus else
+            name, str(length), plan.capture_kind, _fitted(plan.times), "later" if final.menus and not plan.menus else
             ("yes" if plan.menus else "no"),
             str(plan.options_solves), C.fmt(plan_seconds, ".2f"), C.fmt(row["first"] - measured, ".2f"),
             C.fmt(row["alloc"] / C.MIB), C.fmt(row["tracker"] / C.MIB), C.fmt(row["alloc"] / budget, ".3f"),
@@ -212,7 +224,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
             C.fmt(final.predicted_step_time / row["steady"], ".2f"),
         ])
     detail = C.markdown_table(
-        ["length", "capture", "costs", "block options", "ILP solves", "plan s", "new-length s", "alloc peak MiB",
+        ["method", "length", "capture", "costs", "block options", "ILP solves", "plan s", "new-length s", "alloc peak MiB",
          "tracker MiB", "peak/budget", "predicted MiB", "predicted ms", "measured ms", "planned/measured",
          "predicted/measured"], rows,
     )

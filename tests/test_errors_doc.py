@@ -99,6 +99,11 @@ def _gpt2_too_small():
     return hr.remat(model, (ids,), {"labels": ids}, budget="1KiB")
 
 
+def _plan_in_a_profiler_session():
+    with torch.profiler.profile():
+        return hr.plan(_mlp(), (_x(),), budget="64MiB", cache=False)
+
+
 def _gpt2_outputs_misspelt():
     model = tiny_gpt2(n_layer=1)
     ids = torch.randint(0, 256, (2, 16))
@@ -180,6 +185,8 @@ CASES = [
     # shapes
     Case("shape", "a new input shape with `on_new_shape=\"error\"`", _new_shape_with_error_mode, ValueError,
          "shape"),
+    Case("shape", "`hr.plan` on CPU inside a `torch.profiler` session (its block options measure the allocator)",
+         _plan_in_a_profiler_session, RuntimeError, "while a torch.profiler session runs"),
     # devices
     Case("device", "`checkpoint_sequential` on the `meta` device",
          lambda: hr.checkpoint_sequential(_mlp().to("meta"), "64MiB", torch.randn(16, 32, device="meta")),

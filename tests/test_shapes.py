@@ -23,7 +23,7 @@ import hierremat as hr
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter
 from hierremat.graphs.capture import capture
-from hierremat.graphs.symbolic import capture_symbolic
+from hierremat.graphs.symbolic import capture_symbolic, marked_dims
 from hierremat.graphs.joint import to_block_graph, trace_joint
 from hierremat.ilp.options import recost_options, simulate_option, solve_menu
 from hierremat.plans.block_graph import BlockGraph
@@ -31,7 +31,8 @@ from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.plans.memory_trace import MemoryTrace, with_memory
 from hierremat.planning.menus import StageMenu
 from hierremat.planning.shape_fit import (
-    DATA_TOLERANCE, MAX_SAMPLES, ShapeFit, ShapeSample, add_sample, memory_sizes_to_sample, sizes_to_sample,
+    DATA_TOLERANCE, MAX_SAMPLES, ShapeFit, ShapeSample, add_sample, memory_sizes_ahead, memory_sizes_to_sample,
+    sizes_to_sample,
 )
 from hierremat.runtime.profile import ChainProfile
 from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
@@ -766,6 +767,75 @@ def test_memory_alone_is_measured_at_a_short_length_where_the_shapes_measured_ar
     sizes = ((2, 512), (4, 341), (2, 128))
     two_sizes = [replace(s, bindings=(("b", b), ("s", n))) for s, (b, n) in zip(at(1, 2, 3), sizes)]
     assert memory_sizes_to_sample(two_sizes, {"b": 2, "s": 431}) is None
+
+
+def test_a_mark_holds_for_every_input_of_the_marked_ones_shape_and_memory_ahead_takes_three_short_lengths():
+    """marked_dims: mark_dynamic and maybe_mark_dynamic, each mark extended to the inputs of the marked one's shape
+    (a length symbolic in input_ids and static in the mask is one export specializes), sizes 0 and 1 left out.
+    memory_sizes_ahead: at the first shape, a quarter, an eighth and three sixteenths of its length (each at least
+    MIN_SAMPLED_SIZE), or none where two sizes of different values are symbolic, the sample has no memory trace or is
+    not the shape's alone."""
+    batch = _batch(128)
+    assert marked_dims((), batch) == frozenset()
+    torch._dynamo.mark_dynamic(batch["input_ids"], 1)
+    positions = torch.arange(128)[None]
+    torch._dynamo.maybe_mark_dynamic(positions, 0)  # (a size of 1: never made symbolic)
+    assert marked_dims((), {**batch, "position_ids": positions}) == {
+        ("[1]['input_ids']", 1), ("[1]['attention_mask']", 1), ("[1]['labels']", 1)}
+    torch._dynamo.maybe_mark_dynamic(batch["labels"], 0)
+    assert ("[1]['attention_mask']", 0) in marked_dims((), batch)
+
+    traced = SimpleNamespace(memory_trace=object())
+    first = replace(_sample(_FLAT, 128), bindings=(("s0", 128), ("s1", 128)), profile=traced)
+    assert memory_sizes_ahead([first], {"s0": 128, "s1": 128}) == (("s0", "s1"), (32, 16, 24))
+    assert memory_sizes_ahead([replace(first, bindings=(("s0", 64),))], {"s0": 64}) == (("s0",), (16,))
+    assert memory_sizes_ahead([replace(first, bindings=(("s0", 2), ("s1", 128)))], {"s0": 2, "s1": 128}) is None
+    assert memory_sizes_ahead([replace(first, profile=SimpleNamespace(memory_trace=None))], {"s0": 128, "s1": 128}) is None
+    assert memory_sizes_ahead([first, first], {"s0": 128, "s1": 128}) is None
+
+
+def test_sizes_marked_dynamic_are_captured_at_the_first_shape_and_the_second_length_measures_nothing(monkeypatch):
+    """A first batch whose sequence dimension is marked dynamic (torch._dynamo.mark_dynamic, as torchtitan marks it)
+    is captured symbolically at once, and its memory measured alone at three shorter lengths there: the second
+    length (112) then runs no part of the model to be planned (no export, no sample), its times the first's scaled
+    by the tokens and its memory fitted from the four, and trains bitwise as plain with both meters' peaks within
+    the predicted one. Where the marked capture fails, the first shape is exported at its shape and the second
+    captures with the sizes that differ, as unmarked."""
+    from hierremat.api import whole_model
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    first = _batch(128, pad=3)
+    torch._dynamo.mark_dynamic(first["input_ids"], 1)
+    module = hr.remat(model, (), first, budget="1GiB", cache=False)
+    assert module.plans[0].capture_kind == "specialized"
+    assert marked_dims((), first)  # (the caller's marks kept: torch.export deletes those it reads)
+    samples = next(iter(module._samples.values()))
+    assert sorted((v, s.times_measured) for s in samples for _, v in s.bindings[:1]) == [
+        (16, False), (24, False), (32, False), (128, True)]
+    measured = []
+    monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: measured.append("export"))
+    monkeypatch.setattr(whole_model, "_sample_at", lambda *a, **k: measured.append("sample"))
+    batch = _batch(112, pad=2)
+    for net in (module, reference):
+        torch.manual_seed(1)
+        net(**batch).loss.backward()
+    assert measured == []
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    second = module.plans[-1]
+    assert second.capture_kind == "specialized"
+    assert "times scaled by the tokens from 1 shape timed, memory from 4 shapes (3 with memory only)" in second.times
+    model.zero_grad(set_to_none=True)
+    tracker, allocator = _peaks(lambda: module(**batch).loss.backward())
+    assert max(tracker, allocator) <= second.predicted_peak_bytes, (tracker, allocator)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: measured.append(a[-1]))  # (fails)
+    module = hr.remat(copy.deepcopy(model), (), first, budget="1GiB", cache=False)
+    assert module.plans[0].capture_kind == "exported" and len(measured) == 1
+    module(**batch)
+    assert measured[1] == {("[1]['input_ids']", 1), ("[1]['attention_mask']", 1), ("[1]['labels']", 1)}
 
 
 def test_a_second_shape_asks_for_shorter_lengths_and_narrowing_keeps_each_rows_prefix_or_padding():

@@ -28,7 +28,7 @@ from ..graphs.fake_weights import weights_faked_on
 from ..graphs.eager_masks import has_value_branch, padding_key
 from ..graphs.hf import call_kwargs, upcasts_outputs
 from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
-from ..graphs.symbolic import SymbolicCapture, capture_symbolic, varying_dims
+from ..graphs.symbolic import SymbolicCapture, capture_symbolic, marked_dims, varying_dims
 from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from ..budget import format_bytes, parse_budget
 from ..dp.solve import DEFAULT_SLOTS
@@ -36,6 +36,7 @@ from ..errors import InfeasibleBudgetError, UnsupportedModelError
 from ..plans.model_plan import ModelPlan
 from ..plans.sequential_plan import SequentialPlan
 from ..device import is_abstract
+from ..device.memory import profiler_active
 from ..device.autocast import AutocastState
 from ..runtime.executor import as_tuple
 from ..runtime.fsdp import ShardedChain, is_fsdp_module, is_sharded, reserve_bytes, with_gathered, without_weights
@@ -52,7 +53,7 @@ from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_tim
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus, cost_model_version, stage_arguments
 from ..planning.shape_fit import (
-    ShapeFit, ShapeSample, add_sample, chain_pattern, memory_sizes_to_sample, sizes_to_sample,
+    ShapeFit, ShapeSample, add_sample, chain_pattern, memory_sizes_ahead, memory_sizes_to_sample, sizes_to_sample,
 )
 
 log = logging.getLogger(__name__)
@@ -942,6 +943,7 @@ class RematModule(nn.Module):
         self._blocks_built = False  # whether any shape's plan has block options built (block menus)
         self._blocks_pay = False  # whether block options were built because they pay or the budget needs them
         self._lost_without_blocks = 0.0  # seconds block options could have saved the steps run before any was built
+        self._profiler_logged = False  # whether block options were put off for a torch.profiler session (logged once)
         self._present_signature()
         self.register_state_dict_post_hook(_without_model_prefix)
         self.register_load_state_dict_pre_hook(_with_model_prefix)
@@ -985,6 +987,7 @@ class RematModule(nn.Module):
         check_devices(_device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
         symbolic = self._symbolic_capture(args, kwargs) if plan is None and lent_to is None else None
         family = _family_key(args, kwargs)
+        first = not any(c.family == family for c in self._compiled.values())
         samples = self._samples.setdefault(family, [])
         from_steps = self._times_from_steps(family, args, kwargs, settings, shards or plan is not None
                                             or lent_to is not None)
@@ -1021,6 +1024,8 @@ class RematModule(nn.Module):
             clear_fake_tensor_cache()
         if compiled.sample is not None and compiled.bindings:
             add_sample(samples, compiled.sample.bound(compiled.bindings))
+            if first:  # (captured symbolically at once: its sizes were marked dynamic)
+                self._sample_memory_ahead(symbolic, args, kwargs, samples)
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)
@@ -1154,6 +1159,11 @@ class RematModule(nn.Module):
                             "that much; plan with hierremat.remat under the same wrapper instead", copies)
         if not compiled.block_gain or not torch.is_grad_enabled():
             return compiled
+        if profiler_active():  # (building or re-costing them measures the CPU allocator with one: after it)
+            if not self._profiler_logged:
+                self._profiler_logged = True
+                log.info("a torch.profiler session runs: block options are not built or re-costed until it ends")
+            return compiled
         if not self._blocks_built:  # building them serves every shape: the steps of all count
             self._lost_without_blocks += compiled.block_gain
             if self._lost_without_blocks < self._recost_seconds:
@@ -1259,6 +1269,16 @@ class RematModule(nn.Module):
         for value in wanted[1] if wanted is not None else ():
             self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=False)
 
+    def _sample_memory_ahead(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
+                             samples: list[ShapeSample]) -> None:
+        """At a family's first shape, captured symbolically because its sizes were marked dynamic: measure its
+        memory alone at shorter lengths cut from these inputs now (hierremat.planning.shape_fit.memory_sizes_ahead),
+        so that the shapes after it are planned from fits alone, none measured (the cost of a second shape, paid
+        at the first where the caller said shapes will vary)."""
+        wanted = memory_sizes_ahead(samples, symbolic.bindings(args, kwargs) or {})
+        for value in wanted[1] if wanted is not None else ():
+            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=False)
+
     def _sample_at_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, samples: list[ShapeSample],
                           names: tuple[str, ...], value: int, timed: bool) -> None:
         """Measure the model at the inputs cut to ``value`` along ``names`` (``timed`` False: its memory alone) and
@@ -1318,20 +1338,22 @@ class RematModule(nn.Module):
     def _symbolic_capture(self, args: tuple, kwargs: dict) -> SymbolicCapture | None:
         """The symbolic capture for calls like this one (hierremat.graphs.symbolic), made when a second
         shape of them comes (a model called at one shape never pays for it), with the sizes that differ between
-        the shapes seen symbolic (graphs.symbolic.varying_dims); None before that (or while no size differs: a
-        shape planned again), or where the model has none. A later call that varies another size has the model
-        exported again with that one symbolic too, kept where it takes every shape the one before took (its
-        samples rebound to it), else the one before stays and this shape is exported on its own; a size whose
-        capture failed is not tried again."""
-        if not self._compiled or is_sharded(self.model):  # the first shape; FSDP2 shards (export cannot run them)
+        the shapes seen symbolic (graphs.symbolic.varying_dims); at the first shape already where its inputs mark
+        sizes dynamic (graphs.symbolic.marked_dims: ``torch._dynamo.mark_dynamic``), those symbolic; None before
+        that (or while no size differs: a shape planned again), or where the model has none. A later call that
+        varies another size has the model exported again with that one symbolic too, kept where it takes every
+        shape the one before took (its samples rebound to it), else the one before stays and this shape is
+        exported on its own; a size whose capture failed is not tried again (those marked at the first shape are,
+        with the sizes that differ, at the second)."""
+        if is_sharded(self.model):  # FSDP2 shards (export cannot run them)
             return None
         family = _family_key(args, kwargs)
         earlier = self._symbolic.get(family)
         if family in self._symbolic and (earlier is None or earlier.bindings(args, kwargs) is not None):
             return earlier
         shapes = [c.skeleton for c in self._compiled.values() if c.family == family]
-        if not shapes:
-            return None
+        if not shapes:  # the family's first shape: symbolic at once where sizes are marked dynamic
+            return self._marked_capture(family, args, kwargs)
         dims = varying_dims([*shapes, (args, kwargs)]) | self._symbolic_dims.get(family, frozenset())
         if not dims or (earlier is not None and dims <= self._symbolic_dims[family]):
             # (no size varies yet: another padding state of a shape seen; or the capture does not hold here for
@@ -1361,6 +1383,25 @@ class RematModule(nn.Module):
                      "between its shapes) in %.2f s; every later shape is specialized from it",
                      type(self.model).__name__, "again" if earlier is not None else "once",
                      len(symbolic.symbolic_dims), time.perf_counter() - started)
+        return symbolic
+
+    def _marked_capture(self, family: tuple, args: tuple, kwargs: dict) -> SymbolicCapture | None:
+        """The symbolic capture at a family's first shape with the sizes its inputs mark dynamic symbolic
+        (_symbolic_capture), or None where none is marked or the capture fails (logged; the second shape then
+        captures with the sizes that differ, as for inputs unmarked)."""
+        dims = marked_dims(args, kwargs)
+        if not dims:
+            return None
+        started = time.perf_counter()
+        symbolic = capture_symbolic(self.model, args, kwargs, dims)
+        if symbolic is None:
+            log.info("%s's inputs mark sizes dynamic, and no capture with them symbolic holds: captured at this "
+                     "shape, symbolically at the second", type(self.model).__name__)
+            return None
+        self._symbolic[family] = symbolic
+        self._symbolic_dims[family] = dims
+        log.info("%s's inputs mark %d sizes dynamic: captured once with them symbolic in %.2f s, every shape "
+                 "specialized from it", type(self.model).__name__, len(dims), time.perf_counter() - started)
         return symbolic
 
     def forward(self, *args, **kwargs):

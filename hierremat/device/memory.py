@@ -195,6 +195,7 @@ class CpuAllocatorMeter:
     """
 
     def __enter__(self) -> "CpuAllocatorMeter":
+        check_no_profiler("measure the CPU allocator's peak")
         self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
         self.peak_bytes = 0
@@ -209,6 +210,23 @@ class CpuAllocatorMeter:
         for _, nbytes in changes:
             live += nbytes
             self.peak_bytes = max(self.peak_bytes, live)
+
+
+def profiler_active() -> bool:
+    """Whether a torch.profiler (autograd profiler) session runs in this process."""
+    return torch._C._autograd._profiler_enabled()
+
+
+def check_no_profiler(what: str) -> None:
+    """Raise where a torch.profiler session runs: a second one inside it ends the first (its events lost: an
+    allocator meter around a step read 0 B where block options were built inside it), so what measures the CPU
+    allocator with one (``what``) cannot run then."""
+    if profiler_active():
+        raise RuntimeError(
+            f"hierremat cannot {what} while a torch.profiler session runs (a second session would end it, its events "
+            "lost): plan outside it (call hierremat.plan/remat, and the model at each new input shape, before the "
+            "profiler starts); a RematModule itself builds no block options while one runs"
+        )
 
 
 def cpu_allocator_changes(events) -> list[tuple[int, int]]:

@@ -18,6 +18,7 @@ gets None, and the caller exports at that shape alone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -245,6 +246,48 @@ def varying_dims(calls: list[tuple[tuple, dict]]) -> frozenset[tuple[str, int]]:
     return frozenset(dim for dim, values in sizes.items() if len(values) > 1 and last[dim] > 1)
 
 
+#: What torch._dynamo.mark_dynamic and its kin set on a tensor (what torch.export reads, and clears after it).
+DYNAMO_MARKS = (
+    "_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_static_indices",
+    "_dynamo_unbacked_indices", "_dynamo_propagated_dynamic_indices", "_has_dynamo_dim_marking",
+)
+
+
+@contextlib.contextmanager
+def unmarked(inputs):
+    """The tensors among ``inputs`` without their dynamic-size marks (DYNAMO_MARKS) while in the block, as the
+    caller marked them after: an export reads marks as sizes that must stay symbolic (an export at one shape
+    raised where a marked length was specialized; hierremat says which sizes are symbolic itself:
+    :func:`capture_symbolic`) and deletes them after."""
+    saved = []
+    for leaf in pytree.tree_leaves(inputs):
+        marks = {a: getattr(leaf, a) for a in DYNAMO_MARKS if isinstance(leaf, torch.Tensor) and hasattr(leaf, a)}
+        for attr in marks:
+            delattr(leaf, attr)
+        saved.append((leaf, marks))
+    try:
+        yield
+    finally:
+        for leaf, marks in saved:
+            for attr, value in marks.items():
+                setattr(leaf, attr, value)
+
+
+def marked_dims(args: tuple, kwargs: dict) -> frozenset[tuple[str, int]]:
+    """The input dimensions marked dynamic (``torch._dynamo.mark_dynamic`` or ``maybe_mark_dynamic``, as for
+    torch.compile and torchtitan's sequence dimension), in :func:`varying_dims`' form: what a symbolic capture at
+    a call's first shape makes symbolic. A mark on a dimension of one input holds for that dimension of every
+    input of its shape (marking ``input_ids``' sequence marks the attention mask's and the labels' too: a length
+    symbolic in one input and fixed in another is one export specializes). Sizes 0 and 1 are left out, as there."""
+    leaves = [(pytree.keystr(path), leaf) for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
+              if isinstance(leaf, torch.Tensor)]
+    marked = {(tuple(leaf.shape), d) for _, leaf in leaves
+              for d in (*getattr(leaf, "_dynamo_dynamic_indices", ()), *getattr(leaf, "_dynamo_weak_dynamic_indices", ()))
+              if 0 <= d < leaf.dim()}
+    return frozenset((key, d) for key, leaf in leaves for d in range(leaf.dim())
+                     if (tuple(leaf.shape), d) in marked and leaf.shape[d] > 1)
+
+
 def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
                      dims: frozenset[tuple[str, int]] | None = None) -> SymbolicCapture | None:
     """Export ``model(*args, **kwargs)`` with the input dimensions ``dims`` (:func:`varying_dims`; None: every
@@ -266,7 +309,7 @@ def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
     dynamic = pytree.tree_map_with_path(spec, (args, kwargs))
     register_cache_pytrees(model)
     try:
-        with eager_mask_decisions(model):
+        with eager_mask_decisions(model), unmarked((args, kwargs)):
             exported = torch.export.export(
                 model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic), strict=False
             )

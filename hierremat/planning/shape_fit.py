@@ -259,7 +259,7 @@ def memory_sizes_to_sample(
     needed = SAMPLED_SHAPES + 1 - len(sizes)
     if needed <= 0 or size > max(sizes) * MEMORY_EXTRAPOLATION:
         return None
-    shortest = [sizes[0] // 4, sizes[0] // 8, sizes[0] * 3 // 16] if steps is not None else []
+    shortest = _short_sizes(sizes[0]) if steps is not None else []
     values: list[int] = []
     while len(values) < needed:
         known = sorted({*sizes, *values})
@@ -269,6 +269,30 @@ def memory_sizes_to_sample(
             break
         values.append(v)
     return (tuple(differing), tuple(values)) if values else None
+
+
+def _short_sizes(size: int) -> list[int]:
+    """A quarter, an eighth and three sixteenths of ``size``: where memory alone is measured for a fit
+    (memory_sizes_to_sample, memory_sizes_ahead)."""
+    return [size // 4, size // 8, size * 3 // 16]
+
+
+def memory_sizes_ahead(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """At a family's first shape, captured with its sizes marked dynamic (hierremat.graphs.symbolic.marked_dims:
+    the caller says the shapes will vary), the sizes to measure memory alone at now (memory_sizes_to_sample's
+    three shortest, each at least MIN_SAMPLED_SIZE): with the shape measured, the four shapes a memory fit over one
+    varying size needs, so that the next shapes' memory is fitted with no run of the model (their times from the
+    training steps' and the shapes measured). (the symbols, all of one value: export may give one length several;
+    the values), or None where the symbols are of different values (two sizes vary: the second shape chooses), the
+    samples have no memory trace (CUDA) or are not this shape's alone."""
+    target = {str(k): int(v) for k, v in bindings.items()}
+    if not target or len(set(target.values())) != 1 or len(samples) != 1 or dict(samples[0].bindings) != target:
+        return None
+    if samples[0].profile is None or samples[0].profile.memory_trace is None:
+        return None
+    size = next(iter(target.values()))
+    values = tuple(dict.fromkeys(v for v in _short_sizes(size) if MIN_SAMPLED_SIZE <= v < size))
+    return (tuple(sorted(target)), values) if values else None
 
 
 def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
