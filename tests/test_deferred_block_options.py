@@ -121,6 +121,27 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
         assert all(peak <= budget for peak in _peaks(module, _batch(length))), length
 
 
+def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles(monkeypatch):
+    """remat(..., defer_block_options=False) called and trained inside the caller's torch.profiler session: the
+    shape is planned without block options (building them measures the CPU allocator with a session of its own,
+    which would end the caller's), the caller's events kept, and they are built at the first step after it; bitwise
+    gradients and the budget throughout. hr.plan there raises (docs/errors.md)."""
+    traced = []
+    trace_joint = menus.trace_joint
+    monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
+    monkeypatch.setattr(menus, "_SOLVED_IN_PROCESS", {})
+    model, budget = _model_and_budget()
+    reference = copy.deepcopy(model)
+    with torch.profiler.profile() as profile:
+        module = hr.remat(model, (), _batch(64), budget=budget, cache=False, defer_block_options=False)
+        _step(module, reference, model, _batch(64), 0)
+    assert profile.key_averages() and not traced and not module.plans[-1].menus
+    assert "block options not built yet" in module.plans[-1].times
+    _step(module, reference, model, _batch(64), 1)
+    assert traced and module.plans[-1].menus and module.plans[-1].options_solves > 0
+    assert all(peak <= budget for peak in _peaks(module, _batch(64)))
+
+
 def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_needs_them(tmp_path):
     """A cache that built this shape's menus before: remat uses them at construction (a lookup, no ILP solve),
     and the shorter lengths it measures at the second shape, whose menus that cache lacks, are measured without

@@ -185,7 +185,7 @@ CASES = [
     # shapes
     Case("shape", "a new input shape with `on_new_shape=\"error\"`", _new_shape_with_error_mode, ValueError,
          "shape"),
-    Case("shape", "`hr.plan` on CPU inside a `torch.profiler` session (its block options measure the allocator)",
+    Case("profiler", "`hr.plan` on CPU inside a `torch.profiler` session (its block options measure the allocator)",
          _plan_in_a_profiler_session, RuntimeError, "while a torch.profiler session runs"),
     # devices
     Case("device", "`checkpoint_sequential` on the `meta` device",

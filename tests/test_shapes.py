@@ -832,9 +832,11 @@ def test_sizes_marked_dynamic_are_captured_at_the_first_shape_and_the_second_len
 
     monkeypatch.undo()
     monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: measured.append(a[-1]))  # (fails)
+    torch._dynamo.mark_dynamic(first["input_ids"], 0)  # (the batch too: marked, never varied)
     module = hr.remat(copy.deepcopy(model), (), first, budget="1GiB", cache=False)
     assert module.plans[0].capture_kind == "exported" and len(measured) == 1
-    module(**batch)
+    assert ("[1]['labels']", 0) in measured[0] and marked_dims((), first) == measured[0]  # (kept through the export)
+    module(**batch)  # (the second shape: the sizes that differ alone, not the marked batch)
     assert measured[1] == {("[1]['input_ids']", 1), ("[1]['attention_mask']", 1), ("[1]['labels']", 1)}
 
 

@@ -663,7 +663,7 @@ def _profile_and_solve(
     chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
     fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, output_copies_bytes: int = 0,
-    defer: bool = False, one_run: bool = False,
+    defer: bool = False, one_run: bool = False, profiling: bool = False,
 ) -> tuple[_ProfiledChain, SequentialPlan, bool]:
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
@@ -682,10 +682,16 @@ def _profile_and_solve(
     a menu traces, profiles and runs each distinct stage again, and solves its ILP; _ProfiledChain.build_estimate;
     profiled with ``one_run``, the timed runs skipped counted in: _ProfiledChain.skipped_seconds).
     Where a stage's menu was built at this shape with this cache before (_ProfiledChain.menus_cached), they are
-    built at once (a lookup)."""
+    built at once (a lookup).
+
+    profiling: the caller's torch.profiler session runs (RematModule): on CPU, where the budget does not need them,
+    block options are neither built nor re-costed at this shape (that measures the CPU allocator with a session of
+    its own, which would end the caller's: hierremat.device.memory.check_no_profiler); RematModule builds them at a
+    step after the session, at its first where they were to be built now."""
     compiling = resolve_compile(settings.compile, x0.device)
-    lazy = (fitted is not None or defer) and settings.block_options == "ilp" and settings.strategy == "optimal" \
-        and not compiling
+    profiling = profiling and x0.device.type == "cpu"
+    lazy = (fitted is not None or defer or profiling) and settings.block_options == "ilp" \
+        and settings.strategy == "optimal" and not compiling
     profiled = replace(_ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
                                          blocks=not lazy, one_run=one_run),
                        output_copies_bytes=output_copies_bytes)
@@ -698,15 +704,22 @@ def _profile_and_solve(
         except InfeasibleBudgetError:
             chain_plan = None
         gain = profiled.block_options_gain(chain_plan) if chain_plan is not None else None
+        if profiling and chain_plan is not None and gain is None:
+            gain = chain_plan.predicted_step_time  # (no bound without tracing the stages: at most the step)
         if gain is not None:
             noise = gain <= NOISE_MARGIN * (chain_plan.predicted_step_time - gain)
-            if noise or (recost_seconds is not None and gain < recost_seconds):
+            if noise or profiling or (recost_seconds is not None and gain < recost_seconds):
                 what = "re-costed" if fitted is not None else "built"
+                later = " (after the torch.profiler session running now)" if profiling else \
+                    f" ({what} after steps that lose about {recost_seconds:.2f} s)"
                 log.info("block options not %s at this shape: they could save at most %.1f ms of the plan's "
                          "predicted %.1f ms a step%s", what, gain * 1e3, chain_plan.predicted_step_time * 1e3,
-                         "" if noise else f" ({what} after steps that lose about {recost_seconds:.2f} s)")
+                         "" if noise else later)
+                build = recost_seconds if fitted is None else None
+                if profiling and not defer and fitted is None:
+                    build = 0.0  # (they were to be built now: at the first step after the session)
                 deferred = replace(profiled, blocks_not_recosted=True, block_gain=0.0 if noise else gain,
-                                   build_estimate=recost_seconds if fitted is None else None)
+                                   build_estimate=build)
                 return deferred, chain_plan, False
     if lazy:
         profiled = replace(profiled.with_block_menus(settings.deadline(started)), menus_from_cache=cached)
@@ -727,7 +740,7 @@ def _compile(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, upcasts: bool = False,
-    defer: bool = False, steps_time: bool = False,
+    defer: bool = False, steps_time: bool = False, profiling: bool = False,
 ) -> _Compiled:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
@@ -739,7 +752,8 @@ def _compile(
     output_released: how the caller used the output at the inputs' other shapes (_ProfiledChain.solve).
     recost_seconds: what re-costing block options at a fitted shape takes (_profile_and_solve). upcasts: the caller
     copies the fp16/bf16 outputs to fp32 (hierremat.graphs.hf.upcasts_outputs): the copies are planned for.
-    defer: a measured shape may be planned without block options, none built yet (_profile_and_solve)."""
+    defer: a measured shape may be planned without block options, none built yet (_profile_and_solve). profiling:
+    the caller's torch.profiler session runs: block options are put off where the budget allows (_profile_and_solve)."""
     started = time.perf_counter()
     model = uncompiled(model)
     if is_sharded(model) and not shards:
@@ -774,7 +788,7 @@ def _compile(
             profiled, chain_plan, compiled = _profile_and_solve(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
                 output_released, recost_seconds, chain.half_outputs_in_fp32_bytes if upcasts else 0, defer,
-                one_run=steps_time and fitted is None,
+                one_run=steps_time and fitted is None, profiling=profiling,
             )
         if fitted is None:
             sample = profiled.sample()
@@ -1000,7 +1014,8 @@ class RematModule(nn.Module):
                 compiled = _compile(self.model, args, kwargs, budget_bytes, plan, settings, symbolic,
                                     [*samples, *self._step_samples_of(family)], shards, self._released_output(family),
                                     self._recost_seconds if defer_blocks else None, upcasts_outputs(self),
-                                    defer_blocks and self._deferring(settings), steps_time=from_steps)
+                                    defer_blocks and self._deferring(settings), steps_time=from_steps,
+                                    profiling=profiler_active())
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -1024,7 +1039,7 @@ class RematModule(nn.Module):
             clear_fake_tensor_cache()
         if compiled.sample is not None and compiled.bindings:
             add_sample(samples, compiled.sample.bound(compiled.bindings))
-            if first:  # (captured symbolically at once: its sizes were marked dynamic)
+            if first and from_steps:  # (captured at its first shape: marked dynamic; memory_sizes_ahead: that alone)
                 self._sample_memory_ahead(symbolic, args, kwargs, samples)
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
             self._per_padding = True
@@ -1297,7 +1312,7 @@ class RematModule(nn.Module):
         try:
             with recorded_sources() as sources:
                 sample = _sample_at(self.model, *narrowed, self.settings, symbolic, timed=timed,
-                                    blocks=timed and not self._deferring(self.settings),
+                                    blocks=timed and not self._deferring(self.settings) and not profiler_active(),
                                     cached_blocks=self.settings.defer_block_options and not self._blocks_pay,
                                     ) if narrowed else None
         except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
@@ -1343,8 +1358,8 @@ class RematModule(nn.Module):
         that (or while no size differs: a shape planned again), or where the model has none. A later call that
         varies another size has the model exported again with that one symbolic too, kept where it takes every
         shape the one before took (its samples rebound to it), else the one before stays and this shape is
-        exported on its own; a size whose capture failed is not tried again (those marked at the first shape are,
-        with the sizes that differ, at the second)."""
+        exported on its own; a size whose capture failed is not tried again (where the first shape's marked capture
+        failed, the second captures with the sizes that differ alone, as unmarked)."""
         if is_sharded(self.model):  # FSDP2 shards (export cannot run them)
             return None
         family = _family_key(args, kwargs)
@@ -1352,8 +1367,8 @@ class RematModule(nn.Module):
         if family in self._symbolic and (earlier is None or earlier.bindings(args, kwargs) is not None):
             return earlier
         shapes = [c.skeleton for c in self._compiled.values() if c.family == family]
-        if not shapes:  # the family's first shape: symbolic at once where sizes are marked dynamic
-            return self._marked_capture(family, args, kwargs)
+        if not shapes:  # the family's first shape: symbolic at once where sizes are marked dynamic (and shapes planned)
+            return self._marked_capture(family, args, kwargs) if self.on_new_shape == "replan" else None
         dims = varying_dims([*shapes, (args, kwargs)]) | self._symbolic_dims.get(family, frozenset())
         if not dims or (earlier is not None and dims <= self._symbolic_dims[family]):
             # (no size varies yet: another padding state of a shape seen; or the capture does not hold here for

@@ -213,7 +213,8 @@ class CpuAllocatorMeter:
 
 
 def profiler_active() -> bool:
-    """Whether a torch.profiler (autograd profiler) session runs in this process."""
+    """Whether a torch.profiler (autograd profiler) session records in this thread (a scheduled profiler's wait and
+    warm-up steps are not seen)."""
     return torch._C._autograd._profiler_enabled()
 
 
@@ -225,7 +226,7 @@ def check_no_profiler(what: str) -> None:
         raise RuntimeError(
             f"hierremat cannot {what} while a torch.profiler session runs (a second session would end it, its events "
             "lost): plan outside it (call hierremat.plan/remat, and the model at each new input shape, before the "
-            "profiler starts); a RematModule itself builds no block options while one runs"
+            "profiler starts); a RematModule puts block options off while one runs, where the budget allows"
         )
 
 
