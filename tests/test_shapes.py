@@ -187,7 +187,8 @@ _FLAT = {"a": lambda s: 1.0, "b": lambda s: 1.0}  # (samples whose own times the
 
 def test_times_are_fitted_from_fewer_shapes_where_the_training_steps_time_them():
     """ShapeFit.of's ``reduced`` (a family timed in its training steps): from one shape timed, each time is scaled by
-    the tokens; from two, a line in them; from three, the fit in full. A shape's times come from its steps where it
+    the tokens; from two, a line in them (scaled by the tokens too where they are nearer than SPACING); from three,
+    the fit in full. A shape's times come from its steps where it
     has them, not its profile; memory from the shapes profiled alone; node times and generated code's speeds from
     as many shapes profiled with their times as the monomials (else measured)."""
     linear = {"a": lambda s: 1e-3 + 2e-5 * 4 * s, "b": lambda s: 5e-4 + 1e-5 * 4 * s}
@@ -212,6 +213,13 @@ def test_times_are_fitted_from_fewer_shapes_where_the_training_steps_time_them()
     assert fit.time_columns == (0, 1) and fitted(fit)[:3] == pytest.approx([f(431) for f in (
         linear["a"], lambda s: 2 * linear["a"](s), lambda s: 3 * linear["a"](s))])
     assert "a line in the tokens from 2 shapes timed (1 in the training steps)" in fit.describe()
+    # two shapes nearer than SPACING (512 and 448): each time scaled by the tokens, least squares through both (a
+    # line through them extrapolates their timing noise), between the two scaled alone
+    fit = ShapeFit.of([profiled, *memory_only, in_steps(448)], {"b": 4, "s": 300}, (0, 1), reduced=True)
+    assert fit.time_columns == (1,) and "scaled by the tokens from 2 shapes timed" in fit.describe()
+    for got, at_512, at_448 in zip(fitted(fit), *([t * 300 / n for st in _sample(linear, n).stage_times for t in st]
+                                                  for n in (512, 448))):
+        assert min(at_512, at_448) <= got <= max(at_512, at_448)
     # the steps' times at 512 (twice the profile's) replace its profile's; its memory stays
     fit = ShapeFit.of([profiled, *memory_only, in_steps(512, 2.0)], target, (0, 1), reduced=True)
     assert len(fit.timed) == 1 and fit.timed[0].from_steps and fit.memory_samples == (profiled, *memory_only)
@@ -622,8 +630,8 @@ def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
 def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_them(caplog, precision):
     """On CPU, with block options built once they pay (remat's default), no length is profiled for times alone:
     the first is timed from one run each and solved again from its first step's times, then its first three's;
-    the second length's times are the first's scaled by the tokens, the third's a line through two lengths timed in
-    the steps, the fourth's a fit through three, and the lengths planned from fewer are planned again then. Every
+    the second length's times are the first's scaled by the tokens, the third's scaled by the tokens through two
+    lengths timed in the steps (64 and 48, nearer than SPACING: no line through them), the fourth's a fit through three, and the lengths planned from fewer are planned again then. Every
     step bitwise equal to plain autograd's, both meters' peaks within the budget (bf16: the tracker's, the one the
     budget counts on CPU), in fp32 and under bf16 autocast."""
     def autocast():
@@ -664,7 +672,7 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     assert times[64][1].startswith("measured; times from its first 1 training steps")
     assert times[64][-1].startswith("measured; times from its first 3 training steps")
     assert "times scaled by the tokens from 1 shape timed (1 in the training steps)" in times[48][0]
-    assert "times a line in the tokens from 2 shapes timed (2 in the training steps)" in times[40][0]
+    assert "times scaled by the tokens from 2 shapes timed (2 in the training steps)" in times[40][0]  # (64, 48)
     assert "times from 3 shapes timed (3 in the training steps)" in times[56][0]
     assert "times from 4 shapes timed (4 in the training steps)" in times[48][-1]  # (planned again)
     # (48 at its second call; 40, a line through two, when called again for its peaks)

@@ -50,7 +50,9 @@ from ..runtime.stage_cost_cache import ExecutorSpeeds
 log = logging.getLogger(__name__)
 
 #: Bump when what is fitted, or how, changes (part of a saved plan's hierremat.planning.menus.cost_model_version).
-FIT_VERSION = "fit-3"  # 3: times from the training steps, from fewer shapes than the monomials (ShapeFit.of)
+#: 3: times from the training steps, from fewer shapes than the monomials (ShapeFit.of); 4: two shapes timed nearer
+#: than SPACING scale each time by the tokens, not a line through them.
+FIT_VERSION = "fit-4"
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
 #: How far outside the measured sizes times are fitted (a factor on either side); a shape farther out is measured.
@@ -324,9 +326,13 @@ class ShapeFit:
         monomials = len(self._target)
         #: the monomials the stage times are fitted over: all where the shapes timed are as many, else (one
         #: varying size, ShapeFit.of ``reduced``) the tokens alone from one shape (each time scaled by their ratio),
-        #: a line in them from two
+        #: a line in them from two at least SPACING apart; two nearer each other give the tokens alone too (least
+        #: squares through both: a line through 512 and 431 tokens, each timed from a few noisy steps, put 308
+        #: tokens' step at 1.58x the measured, extrapolating its slope's error)
+        tokens = self._time_rows[:, 1] if len(self.timed) else np.ones(1)
+        spread = float(tokens.max() / tokens.min()) >= SPACING
         self.time_columns = tuple(range(monomials)) if len(self.timed) >= monomials else \
-            ((1,) if len(self.timed) == 1 else (0, 1))
+            ((0, 1) if len(self.timed) == 2 and spread else (1,))
         self.unfitted_memory: frozenset[int] | None = None  # set by profile(): stages whose memory is measured
         #: whether memory may be fitted here (ShapeFit.of: one shape more than the monomials, to check a fit
         #: is exact, and the target near the shapes measured); else profile() leaves it measured
