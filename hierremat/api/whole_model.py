@@ -710,11 +710,10 @@ def _profile_and_solve(
             noise = gain <= NOISE_MARGIN * (chain_plan.predicted_step_time - gain)
             if noise or profiling or (recost_seconds is not None and gain < recost_seconds):
                 what = "re-costed" if fitted is not None else "built"
-                later = " (after the torch.profiler session running now)" if profiling else \
-                    f" ({what} after steps that lose about {recost_seconds:.2f} s)"
+                later = "" if noise else " (after the torch.profiler session running now)" if profiling else \
+                    f" ({what} after steps that lose about {recost_seconds:.2f} s)"  # (None only where noise)
                 log.info("block options not %s at this shape: they could save at most %.1f ms of the plan's "
-                         "predicted %.1f ms a step%s", what, gain * 1e3, chain_plan.predicted_step_time * 1e3,
-                         "" if noise else later)
+                         "predicted %.1f ms a step%s", what, gain * 1e3, chain_plan.predicted_step_time * 1e3, later)
                 build = recost_seconds if fitted is None else None
                 if profiling and not defer and fitted is None:
                     build = 0.0  # (they were to be built now: at the first step after the session)
