@@ -402,6 +402,11 @@ def test_fitted_memory_equals_the_measured_memory_at_unmeasured_lengths():
             assert [getattr(a.options[0], f) for f in figures] == [getattr(b.options[0], f) for f in figures], length
 
 
+def _autocast(precision: str):
+    """bf16 autocast on CPU for "bf16", else no autocast (the tests run in both)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+
 def _peaks(step) -> tuple[int, int]:
     peaks = []
     for meter in (LiveTensorTracker(), CpuAllocatorMeter()):
@@ -414,14 +419,11 @@ def _peaks(step) -> tuple[int, int]:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the_budget(tmp_path, precision):
     """Six dynamically padded lengths, in fp32 and under bf16 autocast (planned and trained under it)."""
-    def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     longest = _batch(64, pad=5)
-    with autocast():
+    with _autocast(precision):
         plain = hr.plan(model, (), longest, budget="64GiB", strategy="none", cache=str(tmp_path)).predicted_peak_bytes
         budget = int(0.6 * plain)
         # (told the recipe of the steps below, the backward after the autocast context: planned for it from the
@@ -434,11 +436,11 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
             for p in m.parameters():
                 p.grad = None
         torch.manual_seed(step)
-        with autocast():
+        with _autocast(precision):
             loss = module(**batch).loss
         loss.backward()
         torch.manual_seed(step)
-        with autocast():
+        with _autocast(precision):
             loss = reference(**batch).loss
         loss.backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), length
@@ -446,7 +448,7 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
             p.grad = None
 
         def step_once():
-            with autocast():
+            with _autocast(precision):
                 loss = module(**batch).loss
             loss.backward()
 
@@ -634,14 +636,11 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     lengths timed in the steps (64 and 48, nearer than SPACING: no line through them), the fourth's a fit through three, and the lengths planned from fewer are planned again then. Every
     step bitwise equal to plain autograd's, both meters' peaks within the budget (bf16: the tracker's, the one the
     budget counts on CPU), in fp32 and under bf16 autocast."""
-    def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-
     caplog.set_level(logging.INFO, logger="hierremat")
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    with autocast():
+    with _autocast(precision):
         plain = hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
         budget = int(0.6 * plain)
         module = hr.remat(model, (), _batch(64), budget=budget, cache=False, backward_autocast=False)
@@ -653,7 +652,7 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
         reference.zero_grad(set_to_none=True)
         for net in (module, reference):
             torch.manual_seed(step)
-            with autocast():
+            with _autocast(precision):
                 loss = net(**batch).loss
             loss.backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), step
@@ -661,7 +660,7 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
         times.setdefault(length, []).append(plan.times)
 
     def step_at(length: int) -> None:
-        with autocast():
+        with _autocast(precision):
             loss = module(**_batch(length)).loss
         loss.backward()
 
@@ -813,15 +812,12 @@ def test_sizes_marked_dynamic_are_captured_at_the_first_shape_and_the_second_len
     counts on CPU)."""
     from hierremat.api import whole_model
 
-    def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     first = _batch(128, pad=3)
     torch._dynamo.mark_dynamic(first["input_ids"], 1)
-    with autocast():
+    with _autocast(precision):
         plain = hr.plan(model, (), _batch(128), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
         budget = int(0.6 * plain)
         module = hr.remat(model, (), first, budget=budget, cache=False, backward_autocast=False)
@@ -837,7 +833,7 @@ def test_sizes_marked_dynamic_are_captured_at_the_first_shape_and_the_second_len
 
     def step(net):
         torch.manual_seed(1)
-        with autocast():
+        with _autocast(precision):
             loss = net(**batch).loss
         loss.backward()
 

@@ -1275,13 +1275,11 @@ class RematModule(nn.Module):
         bindings = symbolic.bindings(args, kwargs)
         if not bindings:
             return
-        wanted = sizes_to_sample(samples, bindings) if not from_steps else None
-        for value in wanted[1] if wanted is not None else ():
-            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=True)
+        self._sample_at_lengths(symbolic, args, kwargs, samples,
+                                sizes_to_sample(samples, bindings) if not from_steps else None, timed=True)
         family = _family_key(args, kwargs)
         wanted = memory_sizes_to_sample(samples, bindings, self._step_samples_of(family) if from_steps else None)
-        for value in wanted[1] if wanted is not None else ():
-            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=False)
+        self._sample_at_lengths(symbolic, args, kwargs, samples, wanted, timed=False)
 
     def _sample_memory_ahead(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                              samples: list[ShapeSample]) -> None:
@@ -1290,8 +1288,14 @@ class RematModule(nn.Module):
         so that the shapes after it are planned from fits alone, none measured (the cost of a second shape, paid
         at the first where the caller said shapes will vary)."""
         wanted = memory_sizes_ahead(samples, symbolic.bindings(args, kwargs) or {})
+        self._sample_at_lengths(symbolic, args, kwargs, samples, wanted, timed=False)
+
+    def _sample_at_lengths(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, samples: list[ShapeSample],
+                           wanted: tuple[tuple[str, ...], tuple[int, ...]] | None, timed: bool) -> None:
+        """_sample_at_length at each of ``wanted``'s values (its sizes, its values: planning.shape_fit's
+        sizes_to_sample and kin; None: none)."""
         for value in wanted[1] if wanted is not None else ():
-            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=False)
+            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=timed)
 
     def _sample_at_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, samples: list[ShapeSample],
                           names: tuple[str, ...], value: int, timed: bool) -> None:
