@@ -10,12 +10,13 @@ each batch dynamically padded (rows of random lengths up to the batch's, padding
 AdamW, PyTorch's default ``optimizer.zero_grad()``. Methods, each on the same weights and batches:
   plain       eager autograd;
   hf          Hugging Face gradient checkpointing (``gradient_checkpointing_enable()``);
-  hierremat   ``hierremat.remat`` at 0.5x plain's allocator peak at the longest length, planned at it
-              with a fresh cache; block options built once they pay (``defer_block_options``, remat's default;
-              ``--eager``: built at once, at the first shape).
-  hierremat marked   the same, the example's sequence dimension marked dynamic (``torch._dynamo.mark_dynamic``,
-              as torchtitan marks it): captured symbolically at the first shape, its memory measured at three
-              shorter lengths there too, so that no later length is measured; a cache of its own.
+  hierremat   ``hierremat.remat`` at 0.5x plain's allocator peak at the longest length, planned at it (a batch
+              padded as the loop's are) with a fresh cache, remat's defaults: the padded attention mask says the
+              lengths will vary, so the model is captured symbolically at the first shape and its memory measured at
+              three shorter lengths there too (no later length is measured); block options built once they pay
+              (``defer_block_options``; ``--eager``: built at once, at the first shape).
+  hierremat unpadded example   the same, planned at an unpadded batch of that length (nothing says the lengths
+              will vary): the sizes that vary are captured symbolically at the second length; a cache of its own.
 Steps are interleaved: at every step each method runs once, in a seeded shuffled order; a method's wall
 time is the sum of its steps (hierremat's includes its planning). Per length: planning seconds (the plan's
 capture + profile + block options + DP), the new length's whole cost to hierremat ("new-length s": its first
@@ -130,7 +131,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
     plain_peak = C.allocator_peak_bytes(lambda: probe(**longest).loss.backward())
     budget = plain_peak // 2
     methods = []
-    for name in ("plain", "hf", "hierremat", "hierremat marked"):
+    for name in ("plain", "hf", "hierremat", "hierremat unpadded example"):
         model = copy.deepcopy(base)
         module = model
         if name == "hf":  # (transformers 5 renamed it; the old name warns)
@@ -140,10 +141,9 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         started = time.perf_counter()
         if name.startswith("hierremat"):  # a fresh cache (every block menu solved in this run), or one an earlier
-            example = dict(longest)  # run filled; "marked": the sequence dimension marked dynamic, as torchtitan does
-            if name == "hierremat marked":
-                example["input_ids"] = example["input_ids"].clone()
-                torch._dynamo.mark_dynamic(example["input_ids"], 1)
+            example = dict(longest)  # run filled
+            if name == "hierremat unpadded example":  # (every row the full length: nothing says lengths vary)
+                example.update(attention_mask=torch.ones_like(longest["input_ids"]), labels=longest["input_ids"])
             module = hr.remat(model, (), example, budget=budget, cache=f"{cache}/{name.replace(' ', '-')}",
                               defer_block_options=not eager)  # (a cache of its own: neither fills the other's)
         method = Method(name, model, module, torch.optim.AdamW(model.parameters(), lr=1e-4))

@@ -165,6 +165,8 @@ CASES = [
     Case("mode", "`slots=0`", lambda: hr.checkpoint_sequential(_mlp(), "64MiB", _x(), slots=0), ValueError, "slots must be a positive int"),
     Case("mode", "`on_new_shape=\"ignore\"`", lambda: _remat_mlp(budget="64MiB", on_new_shape="ignore"), ValueError,
          "on_new_shape"),
+    Case("mode", "`dynamic=\"yes\"`", lambda: _remat_mlp(budget="64MiB", dynamic="yes"), ValueError,
+         "dynamic must be None"),
     Case("mode", "a plan made without autocast, used under bf16 autocast", _plan_under_other_autocast, ValueError,
          "autocast"),
     Case("mode", "`outputs=3`", lambda: _remat_mlp(budget="64MiB", outputs=3), ValueError, "outputs must be None"),

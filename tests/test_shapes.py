@@ -10,6 +10,7 @@ CPU allocator meter) within the budget.
 
 import contextlib
 import copy
+import inspect
 import logging
 import math
 from dataclasses import replace
@@ -23,7 +24,7 @@ import hierremat as hr
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter
 from hierremat.graphs.capture import capture
-from hierremat.graphs.symbolic import capture_symbolic, marked_dims
+from hierremat.graphs.symbolic import capture_symbolic, every_dim, marked_dims, padded_dims
 from hierremat.graphs.joint import to_block_graph, trace_joint
 from hierremat.ilp.options import recost_options, simulate_option, solve_menu
 from hierremat.plans.block_graph import BlockGraph
@@ -428,7 +429,9 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
         budget = int(0.6 * plain)
         # (told the recipe of the steps below, the backward after the autocast context: planned for it from the
         # first shape on, GPT-2's blocks with block options; test_mixed_precision learns it from the first backward)
-        module = hr.remat(model, (), _batch(40, pad=5), budget=budget, cache=str(tmp_path), backward_autocast=False,
+        # (an unpadded first batch: the sizes that vary made symbolic at the second shape; a padded one is captured
+        # symbolically at once: test_a_first_batch_that_says_lengths_vary_is_captured_symbolically_at_once...)
+        module = hr.remat(model, (), _batch(40), budget=budget, cache=str(tmp_path), backward_autocast=False,
                           defer_block_options=False)  # (menus solved at the first shape, re-costed at the others)
     for step, length in enumerate((40, 64, 23, 51, 40, 30)):
         batch = _batch(length, pad=step % 3)
@@ -609,7 +612,7 @@ def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(64, pad=3), budget="1GiB", cache=False)
+    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False)  # (unpadded: the sizes said by the second)
     batch = _batch(56, pad=2)
     for net in (module, reference):
         torch.manual_seed(1)
@@ -801,11 +804,13 @@ def test_a_mark_holds_for_every_input_of_the_marked_ones_shape_and_memory_ahead_
     assert memory_sizes_ahead([first, first], {"s0": 128, "s1": 128}) is None
 
 
+@pytest.mark.parametrize("said", ["marked", "padded"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_sizes_marked_dynamic_are_captured_at_the_first_shape_and_the_second_length_measures_nothing(
-        monkeypatch, precision):
-    """A first batch whose sequence dimension is marked dynamic (torch._dynamo.mark_dynamic, as torchtitan marks it)
-    is captured symbolically at once, and its memory measured alone at three shorter lengths there: the second
+def test_a_first_batch_that_says_lengths_vary_is_captured_symbolically_at_once_and_the_second_length_measures_nothing(
+        monkeypatch, precision, said):
+    """A first batch that says its lengths will vary, its sequence dimension marked dynamic (torch._dynamo.mark_dynamic,
+    as torchtitan marks it) or its attention mask padding a row (a collator's dynamic padding, unmarked), is captured
+    symbolically at once, and its memory measured alone at three shorter lengths there: the second
     length (112) then runs no part of the model to be planned (no export, no sample), its times the first's scaled
     by the tokens and its memory fitted from the four, and trains bitwise as plain, at a budget that makes it
     recompute, with the peaks within it (both meters in fp32; under bf16 autocast the tracker's, the one the budget
@@ -815,14 +820,15 @@ def test_sizes_marked_dynamic_are_captured_at_the_first_shape_and_the_second_len
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    first = _batch(128, pad=3)
-    torch._dynamo.mark_dynamic(first["input_ids"], 1)
+    first = _batch(128, pad=3 if said == "padded" else 0)
+    if said == "marked":
+        torch._dynamo.mark_dynamic(first["input_ids"], 1)
     with _autocast(precision):
         plain = hr.plan(model, (), _batch(128), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
         budget = int(0.6 * plain)
         module = hr.remat(model, (), first, budget=budget, cache=False, backward_autocast=False)
     assert module.plans[0].capture_kind == "specialized"
-    assert marked_dims((), first)  # (the caller's marks kept: torch.export deletes those it reads)
+    assert bool(marked_dims((), first)) == (said == "marked")  # (the caller's marks kept: export deletes those it reads)
     samples = next(iter(module._samples.values()))
     assert sorted((v, s.times_measured) for s in samples for _, v in s.bindings[:1]) == [
         (16, False), (24, False), (32, False), (128, True)]
@@ -849,10 +855,70 @@ def test_sizes_marked_dynamic_are_captured_at_the_first_shape_and_the_second_len
     assert tracker <= budget and (precision == "bf16" or allocator <= budget), (tracker, allocator)
 
 
+def test_a_padded_attention_mask_or_dynamic_true_says_which_sizes_vary_at_the_first_shape():
+    """padded_dims: the length of a 2-D attention mask that holds a 0, by keyword or by position, held by every input
+    of its shape; none for a mask of ones, a float one or a 4-D one. every_dim: every size over 1. remat's dynamic:
+    True captures every size symbolic at the first shape (a batch of another size and length then specialized from
+    it, bitwise as plain), False makes no symbolic capture (each shape exported, padded or not), anything else is a
+    ValueError that names it."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
+    padded = _batch(64, pad=3)
+    lengths = {("[1]['input_ids']", 1), ("[1]['attention_mask']", 1), ("[1]['labels']", 1)}
+    assert padded_dims(model, (), _batch(64)) == frozenset() and padded_dims(model, (), padded) == lengths
+    at = list(inspect.signature(model.forward).parameters).index("attention_mask")
+    positional = (padded["input_ids"], *[None] * (at - 1), padded["attention_mask"])
+    assert padded_dims(model, positional, {}) == {("[0][0]", 1), (f"[0][{at}]", 1)}
+    for mask in (padded["attention_mask"].float(), padded["attention_mask"][:, None, None, :]):
+        assert padded_dims(model, (), {**padded, "attention_mask": mask}) == frozenset()
+    assert every_dim((), _batch(64)) == {(key, d) for key, _ in lengths for d in (0, 1)}
+    assert every_dim((), _batch(64, batch=1)) == lengths
+
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False, dynamic=True)
+    assert module.plans[0].capture_kind == "specialized"
+    assert sorted(d for _, d in next(iter(module._symbolic.values())).symbolic_dims) == [0, 0, 0, 1, 1, 1]
+    for net in (module, reference):
+        torch.manual_seed(1)
+        net(**_batch(40, batch=3, pad=2)).loss.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert [p.capture_kind for p in module.plans] == ["specialized", "specialized"]
+    static = hr.remat(model, (), padded, budget="1GiB", cache=False, dynamic=False)
+    static(**_batch(40, pad=2))
+    assert static._symbolic == {} and [p.capture_kind for p in static.plans] == ["exported", "exported"]
+    with pytest.raises(ValueError, match="dynamic must be None"):
+        hr.remat(model, (), padded, budget="1GiB", cache=False, dynamic="yes")
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_model_planned_with_one_tensor_as_two_arguments_reads_each_argument_at_every_call(dynamic):
+    """Planned at ``model(input_ids=ids, labels=ids)`` (Hugging Face's way to train a causal LM), exported at that
+    shape (dynamic None) or symbolically (True): torch.export takes one tensor passed twice as one input, and the plan
+    read every later call's labels as its input ids, so a call with other labels trained on the wrong targets (other
+    labels) or raised (-100 embedded). Captured from a clone of the repeat, each call is plain autograd's, bitwise."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 32))
+    module = hr.remat(model, (), {"input_ids": ids, "labels": ids}, budget="1GiB", cache=False, dynamic=dynamic)
+    for labels in (ids.roll(1, dims=1), ids.masked_fill(torch.arange(32) >= 20, -100), ids):
+        losses = []
+        for net in (module, reference):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            loss = net(input_ids=ids, labels=labels).loss
+            loss.backward()
+            losses.append(loss)
+        assert torch.equal(*losses)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert len(module.plans) == 1
+
+
 def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that_differ(monkeypatch):
     """Where the capture with the marked sizes symbolic fails, the first shape is exported at its shape (the
     caller's marks kept through that export too) and the second captures with the sizes that differ, not the
-    marked batch that never varied."""
+    marked batch that never varied; where the family's plans were all dropped since, its first shape comes again
+    without that capture tried again."""
     from hierremat.api import whole_model
 
     captured = []
@@ -864,6 +930,13 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     assert ("[1]['labels']", 0) in captured[0] and marked_dims((), first) == captured[0]  # (kept through the export)
     module(**_batch(56))
     assert captured[1] == {("[1]['input_ids']", 1), ("[1]['attention_mask']", 1), ("[1]['labels']", 1)}
+    # its plans all dropped (max_shapes=1: a call of another structure planned since), the shape is planned again
+    # without the failed capture tried again
+    module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB", cache=False, max_shapes=1)
+    tried = len(captured)
+    module(input_ids=first["input_ids"], labels=first["labels"])  # (another family: its own first-shape capture)
+    module(**first)
+    assert len(captured) == tried + 1 and len(module.plans) == 1
 
 
 def test_a_second_shape_asks_for_shorter_lengths_and_narrowing_keeps_each_rows_prefix_or_padding():

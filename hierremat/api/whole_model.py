@@ -28,7 +28,7 @@ from ..graphs.fake_weights import weights_faked_on
 from ..graphs.eager_masks import has_value_branch, padding_key
 from ..graphs.hf import call_kwargs, upcasts_outputs
 from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
-from ..graphs.symbolic import SymbolicCapture, capture_symbolic, marked_dims, varying_dims
+from ..graphs.symbolic import SymbolicCapture, capture_symbolic, every_dim, marked_dims, padded_dims, varying_dims
 from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from ..budget import format_bytes, parse_budget
 from ..dp.solve import DEFAULT_SLOTS
@@ -934,20 +934,26 @@ class RematModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings,
-                 max_shapes: int = DEFAULT_MAX_SHAPES):
+                 max_shapes: int = DEFAULT_MAX_SHAPES, dynamic: bool | None = None):
         super().__init__()
         if on_new_shape not in ("replan", "error"):
             raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
+        if dynamic not in (None, True, False):
+            raise ValueError(f"dynamic must be None (sizes marked dynamic or a padded attention_mask make them "
+                             f"symbolic at the first shape, the sizes that vary at the second), True (every size "
+                             f"symbolic at the first shape) or False (each shape captured on its own), got {dynamic!r}")
         if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
             raise ValueError(f"max_shapes must be a positive int (how many input shapes' plans are kept), got {max_shapes!r}")
         self.model = uncompiled(model)
         self.budget_bytes = budget_bytes
         self.on_new_shape = on_new_shape
+        self.dynamic = dynamic
         self.settings = settings
         self.max_shapes = max_shapes
         self._compiled: OrderedDict[tuple, _Compiled] = OrderedDict()  # least recently used first
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
         self._symbolic_dims: dict[tuple, frozenset] = {}  # per _family_key: the dimensions its capture made symbolic
+        self._first_capture_failed: set[tuple] = set()  # per _family_key: its first shape's symbolic capture failed
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
         #: per _family_key whose times the training steps give (_times_from_steps): the shapes timed there
         self._step_samples: dict[tuple, list[ShapeSample]] = {}
@@ -1038,7 +1044,7 @@ class RematModule(nn.Module):
             clear_fake_tensor_cache()
         if compiled.sample is not None and compiled.bindings:
             add_sample(samples, compiled.sample.bound(compiled.bindings))
-            if first and from_steps:  # (captured at its first shape: marked dynamic; memory_sizes_ahead: that alone)
+            if first and from_steps:  # (captured at its first shape: sizes said to vary; memory_sizes_ahead: that alone)
                 self._sample_memory_ahead(symbolic, args, kwargs, samples)
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
             self._per_padding = True
@@ -1283,7 +1289,7 @@ class RematModule(nn.Module):
 
     def _sample_memory_ahead(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                              samples: list[ShapeSample]) -> None:
-        """At a family's first shape, captured symbolically because its sizes were marked dynamic: measure its
+        """At a family's first shape, captured symbolically because its sizes were said to vary: measure its
         memory alone at shorter lengths cut from these inputs now (hierremat.planning.shape_fit.memory_sizes_ahead),
         so that the shapes after it are planned from fits alone, none measured (the cost of a second shape, paid
         at the first where the caller said shapes will vary)."""
@@ -1363,15 +1369,15 @@ class RematModule(nn.Module):
         shape the one before took (its samples rebound to it), else the one before stays and this shape is
         exported on its own; a size whose capture failed is not tried again (where the first shape's marked capture
         failed, the second captures with the sizes that differ alone, as unmarked)."""
-        if is_sharded(self.model):  # FSDP2 shards (export cannot run them)
+        if is_sharded(self.model) or self.dynamic is False:  # FSDP2 shards (export cannot run them)
             return None
         family = _family_key(args, kwargs)
         earlier = self._symbolic.get(family)
         if family in self._symbolic and (earlier is None or earlier.bindings(args, kwargs) is not None):
             return earlier
         shapes = [c.skeleton for c in self._compiled.values() if c.family == family]
-        if not shapes:  # the family's first shape: symbolic at once where sizes are marked dynamic (and shapes planned)
-            return self._marked_capture(family, args, kwargs) if self.on_new_shape == "replan" else None
+        if not shapes:  # the family's first shape: symbolic at once where sizes are said to vary (and shapes planned)
+            return self._first_shape_capture(family, args, kwargs) if self.on_new_shape == "replan" else None
         dims = varying_dims([*shapes, (args, kwargs)]) | self._symbolic_dims.get(family, frozenset())
         if not dims or (earlier is not None and dims <= self._symbolic_dims[family]):
             # (no size varies yet: another padding state of a shape seen; or the capture does not hold here for
@@ -1403,24 +1409,37 @@ class RematModule(nn.Module):
                      len(symbolic.symbolic_dims), time.perf_counter() - started)
         return symbolic
 
-    def _marked_capture(self, family: tuple, args: tuple, kwargs: dict) -> SymbolicCapture | None:
-        """The symbolic capture at a family's first shape with the sizes its inputs mark dynamic symbolic
-        (_symbolic_capture), or None where none is marked or the capture fails (logged; the second shape then
-        captures with the sizes that differ, as for inputs unmarked)."""
-        dims = marked_dims(args, kwargs)
-        if not dims:
+    def _first_shape_capture(self, family: tuple, args: tuple, kwargs: dict) -> SymbolicCapture | None:
+        """The symbolic capture at a family's first shape, with the sizes said to vary symbolic
+        (_dims_said_to_vary), or None where none is or the capture fails (logged; the second shape then captures
+        with the sizes that differ, as where none is said to vary)."""
+        dims, why = self._dims_said_to_vary(args, kwargs)
+        if not dims or family in self._first_capture_failed:  # (not tried again where its plans were all dropped)
             return None
         started = time.perf_counter()
         symbolic = capture_symbolic(self.model, args, kwargs, dims)
         if symbolic is None:
-            log.info("%s's inputs mark sizes dynamic, and no capture with them symbolic holds: captured at this "
-                     "shape, symbolically at the second", type(self.model).__name__)
+            self._first_capture_failed.add(family)
+            log.info("%s's %s, and no capture with them symbolic holds: captured at this shape, symbolically at the "
+                     "second", type(self.model).__name__, why)
             return None
         self._symbolic[family] = symbolic
         self._symbolic_dims[family] = dims
-        log.info("%s's inputs mark %d sizes dynamic: captured once with them symbolic in %.2f s, every shape "
-                 "specialized from it", type(self.model).__name__, len(dims), time.perf_counter() - started)
+        log.info("%s's %s: captured once with %d sizes symbolic in %.2f s, every shape specialized from it",
+                 type(self.model).__name__, why, len(symbolic.symbolic_dims), time.perf_counter() - started)
         return symbolic
+
+    def _dims_said_to_vary(self, args: tuple, kwargs: dict) -> tuple[frozenset, str]:
+        """The input dimensions a first shape is captured with symbolic, and why: every one with ``dynamic=True``
+        (graphs.symbolic.every_dim); else those its inputs mark dynamic (marked_dims: ``torch._dynamo.mark_dynamic``)
+        and the length of a padded ``attention_mask`` (padded_dims: a batch padded to its longest row says the
+        lengths will vary)."""
+        if self.dynamic:
+            return every_dim(args, kwargs), "sizes are all dynamic (dynamic=True)"
+        marked, padded = marked_dims(args, kwargs), padded_dims(self.model, args, kwargs)
+        why = " and ".join(([] if not marked else ["inputs mark sizes dynamic"])
+                           + ([] if not padded else ["attention_mask pads its rows (lengths will vary)"]))
+        return marked | padded, why
 
     def forward(self, *args, **kwargs):
         orchestrator, kwargs = self._orchestrator(args, kwargs)
@@ -1742,6 +1761,7 @@ def remat(
     offload_limit: int | str | None = None,
     backward_autocast: bool | None = None,
     defer_block_options: bool = True,
+    dynamic: bool | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
@@ -1759,6 +1779,14 @@ def remat(
     offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.
     backward_autocast: as for hierremat.plan; None (default): seen at the first backward, a shape planned before
     then is planned again at its next call where that gives blocks options.
+    dynamic: which input sizes are captured symbolic at the first shape, as torch.compile's ``dynamic``. None
+    (default): those the example inputs mark dynamic (``torch._dynamo.mark_dynamic``, as for torch.compile), and
+    the length where a 2-D ``attention_mask`` pads a row (a batch padded to its longest row: the lengths will vary);
+    with none, the sizes that differ are made symbolic at the second shape (a model called at one shape never pays
+    for the symbolic capture). Captured at the first shape, that shape also measures three shorter lengths' memory,
+    so that every later length is planned from fits alone (GPT-2, 4 layers: 0.1 s a new length, against 3 s at the
+    second length captured then). True: every size symbolic at the first shape (those the model lets vary). False:
+    no symbolic capture; each shape is captured and measured on its own.
     defer_block_options: True (default): block options are built once they pay (rent or buy). A shape is first
     planned without them, where they could save less per step than building them costs: at the first shape, with
     none built yet, what capturing and profiling it took (building them traces, profiles and runs each distinct
@@ -1787,6 +1815,6 @@ def remat(
         slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
         None if device is None else str(device), offload, offload_limit, backward_autocast, defer_block_options,
     )
-    module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes)
+    module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes, dynamic)
     module._add(args, example_kwargs or {}, plan)
     return module

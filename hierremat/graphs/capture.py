@@ -27,7 +27,7 @@ from .variants.embedding import use_grad_in_place_embeddings
 from .causal_attention import restore_causal_attention
 from .eager_masks import restore_unpadded_bias_masks
 from .hf import eager_mask_decisions, register_cache_pytrees
-from .symbolic import SymbolicCapture, unmarked
+from .symbolic import SymbolicCapture, distinct_inputs, unmarked
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ def capture(
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     """The unlifted module of ``model``'s program exported at these inputs' shapes."""
     register_cache_pytrees(model)
+    args, kwargs = distinct_inputs((args, kwargs))
     try:
         with eager_mask_decisions(model), unmarked((args, kwargs)):
             exported = torch.export.export(model, args, kwargs, strict=False)

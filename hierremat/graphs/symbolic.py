@@ -253,6 +253,24 @@ DYNAMO_MARKS = (
 )
 
 
+def distinct_inputs(inputs):
+    """``inputs`` (a pytree of a call's arguments) with each tensor that is the same object as one before it cloned.
+    torch.export takes one tensor passed as two arguments as one input: its program reads the last of them wherever
+    either is used, so a model captured at ``model(input_ids=ids, labels=ids)`` would read every later call's
+    labels as its input ids (an embedding of -100, or a loss against the wrong targets)."""
+    seen: set[int] = set()
+
+    def once(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.clone()
+        seen.add(id(leaf))
+        return leaf
+
+    return pytree.tree_map(once, inputs)
+
+
 @contextlib.contextmanager
 def unmarked(inputs):
     """The tensors among ``inputs`` without their dynamic-size marks (DYNAMO_MARKS) while in the block, as the
@@ -279,13 +297,47 @@ def marked_dims(args: tuple, kwargs: dict) -> frozenset[tuple[str, int]]:
     a call's first shape makes symbolic. A mark on a dimension of one input holds for that dimension of every
     input of its shape (marking ``input_ids``' sequence marks the attention mask's and the labels' too: a length
     symbolic in one input and fixed in another is one export specializes). Sizes 0 and 1 are left out, as there."""
+    return _held_by_same_shapes(args, kwargs, lambda path, leaf: (
+        *getattr(leaf, "_dynamo_dynamic_indices", ()), *getattr(leaf, "_dynamo_weak_dynamic_indices", ())))
+
+
+#: The argument name of a padding mask (Hugging Face's: 1 for a token, 0 for padding), by name or by position
+PADDING_MASK = "attention_mask"
+
+
+def padded_dims(model: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset[tuple[str, int]]:
+    """The length dimension of a call whose 2-D ``attention_mask`` (by keyword, or by position in the model's
+    forward) pads some row (holds a 0), in :func:`varying_dims`' form and held by every input of the mask's shape
+    (:func:`marked_dims`' rule): a batch padded to its longest row (Hugging Face's ``DataCollatorWithPadding``,
+    TRL's collators) says the lengths will vary from batch to batch, as a ``mark_dynamic`` would."""
+    mask = kwargs.get(PADDING_MASK)
+    if mask is None and args:
+        try:
+            mask = inspect.signature(model.forward).bind_partial(*args).arguments.get(PADDING_MASK)
+        except (TypeError, ValueError):  # (a forward that takes no such argument, or no signature)
+            mask = None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point() or mask.device.type == "meta":
+        return frozenset()
+    if not bool((mask == 0).any()):
+        return frozenset()
+    return _held_by_same_shapes(args, kwargs, lambda path, leaf: (1,) if leaf is mask else ())
+
+
+def every_dim(args: tuple, kwargs: dict) -> frozenset[tuple[str, int]]:
+    """Every dimension of every tensor input (sizes 0 and 1 left out), in :func:`varying_dims`' form: what
+    ``dynamic=True`` makes symbolic at a call's first shape, as torch.compile's ``dynamic=True`` does (export
+    keeps symbolic those the model lets be, ``Dim.AUTO``)."""
+    return _held_by_same_shapes(args, kwargs, lambda path, leaf: range(leaf.dim()))
+
+
+def _held_by_same_shapes(args: tuple, kwargs: dict, chosen) -> frozenset[tuple[str, int]]:
+    """The dimensions ``chosen(path, tensor)`` names of the call's tensor inputs, each held for that dimension of
+    every input of the same shape (:func:`marked_dims`), sizes 0 and 1 left out."""
     leaves = [(pytree.keystr(path), leaf) for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
               if isinstance(leaf, torch.Tensor)]
-    marked = {(tuple(leaf.shape), d) for _, leaf in leaves
-              for d in (*getattr(leaf, "_dynamo_dynamic_indices", ()), *getattr(leaf, "_dynamo_weak_dynamic_indices", ()))
-              if 0 <= d < leaf.dim()}
+    held = {(tuple(leaf.shape), d) for key, leaf in leaves for d in chosen(key, leaf) if 0 <= d < leaf.dim()}
     return frozenset((key, d) for key, leaf in leaves for d in range(leaf.dim())
-                     if (tuple(leaf.shape), d) in marked and leaf.shape[d] > 1)
+                     if (tuple(leaf.shape), d) in held and leaf.shape[d] > 1)
 
 
 def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
@@ -298,7 +350,8 @@ def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
     Only the sizes that vary are made symbolic: a 4-layer GPT-2 exported with its sequence length alone symbolic
     made 25% fewer Python calls than with its batch too (4.2 million against 5.3-5.8; shape guards reasoned about
     for one symbol, not two)."""
-    kwargs = {k: kwargs[k] for k in sorted(kwargs)}
+    register_cache_pytrees(model)
+    args, kwargs = distinct_inputs((args, {k: kwargs[k] for k in sorted(kwargs)}))
 
     def spec(path, v):
         if not isinstance(v, torch.Tensor):
@@ -307,7 +360,6 @@ def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
         return wanted or None
 
     dynamic = pytree.tree_map_with_path(spec, (args, kwargs))
-    register_cache_pytrees(model)
     try:
         with eager_mask_decisions(model), unmarked((args, kwargs)):
             exported = torch.export.export(
