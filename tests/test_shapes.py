@@ -901,6 +901,7 @@ def test_a_model_planned_with_one_tensor_as_two_arguments_reads_each_argument_at
     reference = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (2, 32))
     module = hr.remat(model, (), {"input_ids": ids, "labels": ids}, budget="1GiB", cache=False, dynamic=dynamic)
+    assert module.plans[0].capture_kind == ("specialized" if dynamic else "exported")
     for labels in (ids.roll(1, dims=1), ids.masked_fill(torch.arange(32) >= 20, -100), ids):
         losses = []
         for net in (module, reference):
@@ -918,7 +919,8 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     """Where the capture with the marked sizes symbolic fails, the first shape is exported at its shape (the
     caller's marks kept through that export too) and the second captures with the sizes that differ, not the
     marked batch that never varied; where the family's plans were all dropped since, its first shape comes again
-    without that capture tried again."""
+    without that capture tried again; and a padded first batch's failed capture is not tried again at the second
+    length, whose differing sizes are the ones it tried."""
     from hierremat.api import whole_model
 
     captured = []
@@ -933,10 +935,17 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     # its plans all dropped (max_shapes=1: a call of another structure planned since), the shape is planned again
     # without the failed capture tried again
     module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB", cache=False, max_shapes=1)
+    family = next(iter(module._compiled.values())).family
     tried = len(captured)
     module(input_ids=first["input_ids"], labels=first["labels"])  # (another family: its own first-shape capture)
+    assert len(module._first_capture_failed) == 2 and all(c.family != family for c in module._compiled.values())
     module(**first)
     assert len(captured) == tried + 1 and len(module.plans) == 1
+    # a padded first batch whose capture fails: the second length, varying the same sizes, does not try again
+    padded = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), _batch(64, pad=3), budget="1GiB", cache=False)
+    tried = len(captured)
+    padded(**_batch(56, pad=2))
+    assert len(captured) == tried and [p.capture_kind for p in padded.plans] == ["exported", "exported"]
 
 
 def test_a_second_shape_asks_for_shorter_lengths_and_narrowing_keeps_each_rows_prefix_or_padding():

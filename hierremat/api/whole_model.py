@@ -938,7 +938,7 @@ class RematModule(nn.Module):
         super().__init__()
         if on_new_shape not in ("replan", "error"):
             raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
-        if dynamic not in (None, True, False):
+        if not (dynamic is None or isinstance(dynamic, bool)):
             raise ValueError(f"dynamic must be None (sizes marked dynamic or a padded attention_mask make them "
                              f"symbolic at the first shape, the sizes that vary at the second), True (every size "
                              f"symbolic at the first shape) or False (each shape captured on its own), got {dynamic!r}")
@@ -953,7 +953,8 @@ class RematModule(nn.Module):
         self._compiled: OrderedDict[tuple, _Compiled] = OrderedDict()  # least recently used first
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
         self._symbolic_dims: dict[tuple, frozenset] = {}  # per _family_key: the dimensions its capture made symbolic
-        self._first_capture_failed: set[tuple] = set()  # per _family_key: its first shape's symbolic capture failed
+        #: per _family_key whose first shape's symbolic capture failed: the dimensions it tried (not tried again)
+        self._first_capture_failed: dict[tuple, frozenset] = {}
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
         #: per _family_key whose times the training steps give (_times_from_steps): the shapes timed there
         self._step_samples: dict[tuple, list[ShapeSample]] = {}
@@ -1362,23 +1363,27 @@ class RematModule(nn.Module):
     def _symbolic_capture(self, args: tuple, kwargs: dict) -> SymbolicCapture | None:
         """The symbolic capture for calls like this one (hierremat.graphs.symbolic), made when a second
         shape of them comes (a model called at one shape never pays for it), with the sizes that differ between
-        the shapes seen symbolic (graphs.symbolic.varying_dims); at the first shape already where its inputs mark
-        sizes dynamic (graphs.symbolic.marked_dims: ``torch._dynamo.mark_dynamic``), those symbolic; None before
-        that (or while no size differs: a shape planned again), or where the model has none. A later call that
-        varies another size has the model exported again with that one symbolic too, kept where it takes every
-        shape the one before took (its samples rebound to it), else the one before stays and this shape is
-        exported on its own; a size whose capture failed is not tried again (where the first shape's marked capture
-        failed, the second captures with the sizes that differ alone, as unmarked)."""
-        if is_sharded(self.model) or self.dynamic is False:  # FSDP2 shards (export cannot run them)
+        the shapes seen symbolic (graphs.symbolic.varying_dims); at the first shape already where its inputs say
+        sizes vary (_dims_said_to_vary: marked dynamic, a padded attention mask, ``dynamic=True``), those symbolic;
+        None before that (or while no size differs: a shape planned again), with ``dynamic=False``, or where the
+        model has none. A later call that varies another size has the model exported again with that one symbolic
+        too, kept where it takes every shape the one before took (its samples rebound to it), else the one before
+        stays and this shape is exported on its own; dimensions whose capture failed are not tried again (where
+        the first shape's failed, the second tries the sizes that differ where those are others)."""
+        if is_sharded(self.model) or self.dynamic is False:  # (FSDP2 shards: export cannot run them)
             return None
         family = _family_key(args, kwargs)
         earlier = self._symbolic.get(family)
         if family in self._symbolic and (earlier is None or earlier.bindings(args, kwargs) is not None):
             return earlier
         shapes = [c.skeleton for c in self._compiled.values() if c.family == family]
-        if not shapes:  # the family's first shape: symbolic at once where sizes are said to vary (and shapes planned)
+        if not shapes and family not in self._symbolic:  # the family's first shape: symbolic at once where sizes
+            # are said to vary (and shapes planned; not again where its plans were all dropped since)
             return self._first_shape_capture(family, args, kwargs) if self.on_new_shape == "replan" else None
         dims = varying_dims([*shapes, (args, kwargs)]) | self._symbolic_dims.get(family, frozenset())
+        if dims and self._first_capture_failed.get(family) == dims:  # (failed at the first shape with these)
+            self._symbolic[family], self._symbolic_dims[family] = None, dims
+            return None
         if not dims or (earlier is not None and dims <= self._symbolic_dims[family]):
             # (no size varies yet: another padding state of a shape seen; or the capture does not hold here for
             # another reason, or failed with these dimensions before: this shape is exported on its own)
@@ -1413,13 +1418,15 @@ class RematModule(nn.Module):
         """The symbolic capture at a family's first shape, with the sizes said to vary symbolic
         (_dims_said_to_vary), or None where none is or the capture fails (logged; the second shape then captures
         with the sizes that differ, as where none is said to vary)."""
+        if family in self._first_capture_failed:  # (not tried again where its plans were all dropped since)
+            return None
         dims, why = self._dims_said_to_vary(args, kwargs)
-        if not dims or family in self._first_capture_failed:  # (not tried again where its plans were all dropped)
+        if not dims:
             return None
         started = time.perf_counter()
         symbolic = capture_symbolic(self.model, args, kwargs, dims)
         if symbolic is None:
-            self._first_capture_failed.add(family)
+            self._first_capture_failed[family] = dims
             log.info("%s's %s, and no capture with them symbolic holds: captured at this shape, symbolically at the "
                      "second", type(self.model).__name__, why)
             return None
@@ -1502,6 +1509,7 @@ class RematModule(nn.Module):
         self._drop_plans(keep_lent=True)
         self._symbolic.clear()
         self._symbolic_dims.clear()
+        self._first_capture_failed.clear()
         self._samples.clear()
         self._step_samples.clear()
         self._recost_seconds, self._blocks_built, self._lost_without_blocks = None, False, 0.0  # (another device's)
@@ -1784,8 +1792,8 @@ def remat(
     the length where a 2-D ``attention_mask`` pads a row (a batch padded to its longest row: the lengths will vary);
     with none, the sizes that differ are made symbolic at the second shape (a model called at one shape never pays
     for the symbolic capture). Captured at the first shape, that shape also measures three shorter lengths' memory,
-    so that every later length is planned from fits alone (GPT-2, 4 layers: 0.1 s a new length, against 3 s at the
-    second length captured then). True: every size symbolic at the first shape (those the model lets vary). False:
+    so that every later length is planned from fits alone (a 4-layer GPT-2 on 2 CPU cores: 0.04-0.58 s a new
+    length, against 2.8-4.8 s at the second length captured then; the first shape pays 2-6 s more). True: every size symbolic at the first shape (those the model lets vary). False:
     no symbolic capture; each shape is captured and measured on its own.
     defer_block_options: True (default): block options are built once they pay (rent or buy). A shape is first
     planned without them, where they could save less per step than building them costs: at the first shape, with

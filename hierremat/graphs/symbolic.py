@@ -257,14 +257,18 @@ def distinct_inputs(inputs):
     """``inputs`` (a pytree of a call's arguments) with each tensor that is the same object as one before it cloned.
     torch.export takes one tensor passed as two arguments as one input: its program reads the last of them wherever
     either is used, so a model captured at ``model(input_ids=ids, labels=ids)`` would read every later call's
-    labels as its input ids (an embedding of -100, or a loss against the wrong targets)."""
+    labels as its input ids (an embedding of -100, or a loss against the wrong targets). ``inputs`` itself where
+    no tensor repeats."""
+    tensors = [id(leaf) for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
+    if len(set(tensors)) == len(tensors):
+        return inputs
     seen: set[int] = set()
 
     def once(leaf):
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if id(leaf) in seen:
-            return leaf.clone()
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
         seen.add(id(leaf))
         return leaf
 
@@ -318,7 +322,11 @@ def padded_dims(model: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset[
             mask = None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point() or mask.device.type == "meta":
         return frozenset()
-    if not bool((mask == 0).any()):
+    try:
+        padded = bool((mask == 0).any())
+    except Exception:  # (a fake tensor's values are unknown: nothing said)
+        return frozenset()
+    if not padded:
         return frozenset()
     return _held_by_same_shapes(args, kwargs, lambda path, leaf: (1,) if leaf is mask else ())
 
