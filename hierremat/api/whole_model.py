@@ -1793,8 +1793,9 @@ def remat(
     with none, the sizes that differ are made symbolic at the second shape (a model called at one shape never pays
     for the symbolic capture). Captured at the first shape, that shape also measures three shorter lengths' memory,
     so that every later length is planned from fits alone (a 4-layer GPT-2 on 2 CPU cores: 0.04-0.58 s a new
-    length, against 2.8-4.8 s at the second length captured then; the first shape pays 2-6 s more). True: every size symbolic at the first shape (those the model lets vary). False:
-    no symbolic capture; each shape is captured and measured on its own.
+    length, against 2.8-4.8 s at the second length captured then; the first shape pays 2-6 s more). True: every
+    size symbolic at the first shape (those the model lets vary). False: no symbolic capture; each shape is
+    captured and measured on its own.
     defer_block_options: True (default): block options are built once they pay (rent or buy). A shape is first
     planned without them, where they could save less per step than building them costs: at the first shape, with
     none built yet, what capturing and profiling it took (building them traces, profiles and runs each distinct
