@@ -1444,8 +1444,8 @@ class RematModule(nn.Module):
         if self.dynamic:
             return every_dim(args, kwargs), "sizes are all dynamic (dynamic=True)"
         marked, padded = marked_dims(args, kwargs), padded_dims(self.model, args, kwargs)
-        why = " and ".join(([] if not marked else ["inputs mark sizes dynamic"])
-                           + ([] if not padded else ["attention_mask pads its rows (lengths will vary)"]))
+        why = " and ".join(text for dims, text in ((marked, "inputs mark sizes dynamic"),
+                                                   (padded, "attention_mask pads its rows (lengths will vary)")) if dims)
         return marked | padded, why
 
     def forward(self, *args, **kwargs):

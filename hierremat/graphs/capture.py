@@ -26,8 +26,7 @@ from .variants.cross_entropy import use_row_blocked_cross_entropy
 from .variants.embedding import use_grad_in_place_embeddings
 from .causal_attention import restore_causal_attention
 from .eager_masks import restore_unpadded_bias_masks
-from .hf import eager_mask_decisions, register_cache_pytrees
-from .symbolic import SymbolicCapture, distinct_inputs, unmarked
+from .symbolic import SymbolicCapture, export_call
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +144,8 @@ def capture(
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     """The unlifted module of ``model``'s program exported at these inputs' shapes."""
-    register_cache_pytrees(model)
-    args, kwargs = distinct_inputs((args, kwargs))
     try:
-        with eager_mask_decisions(model), unmarked((args, kwargs)):
-            exported = torch.export.export(model, args, kwargs, strict=False)
+        exported = export_call(model, args, kwargs)
     except Exception as err:  # torch raises many types here; all mean "cannot capture"
         raise UnsupportedModelError(
             f"hierremat could not capture {type(model).__name__} as one graph with torch.export: {_explain(err)} "

@@ -275,6 +275,18 @@ def distinct_inputs(inputs):
     return pytree.tree_map(once, inputs)
 
 
+def export_call(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes=None) -> torch.export.ExportedProgram:
+    """``torch.export.export(model, args, kwargs, dynamic_shapes=..., strict=False)`` as both captures run it (at
+    one shape, graphs.capture; symbolically, :func:`capture_symbolic`): Hugging Face caches registered as pytrees,
+    a tensor passed twice exported from a clone (:func:`distinct_inputs`), mask decisions made on shapes alone
+    (graphs.hf.eager_mask_decisions) and the caller's dynamic-size marks off while it runs (:func:`unmarked`).
+    Raises what export raises."""
+    register_cache_pytrees(model)
+    args, kwargs = distinct_inputs((args, kwargs))
+    with eager_mask_decisions(model), unmarked((args, kwargs)):
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+
 @contextlib.contextmanager
 def unmarked(inputs):
     """The tensors among ``inputs`` without their dynamic-size marks (DYNAMO_MARKS) while in the block, as the
@@ -301,7 +313,7 @@ def marked_dims(args: tuple, kwargs: dict) -> frozenset[tuple[str, int]]:
     a call's first shape makes symbolic. A mark on a dimension of one input holds for that dimension of every
     input of its shape (marking ``input_ids``' sequence marks the attention mask's and the labels' too: a length
     symbolic in one input and fixed in another is one export specializes). Sizes 0 and 1 are left out, as there."""
-    return _held_by_same_shapes(args, kwargs, lambda path, leaf: (
+    return _held_by_same_shapes(args, kwargs, lambda leaf: (
         *getattr(leaf, "_dynamo_dynamic_indices", ()), *getattr(leaf, "_dynamo_weak_dynamic_indices", ())))
 
 
@@ -328,22 +340,22 @@ def padded_dims(model: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset[
         return frozenset()
     if not padded:
         return frozenset()
-    return _held_by_same_shapes(args, kwargs, lambda path, leaf: (1,) if leaf is mask else ())
+    return _held_by_same_shapes(args, kwargs, lambda leaf: (1,) if leaf is mask else ())
 
 
 def every_dim(args: tuple, kwargs: dict) -> frozenset[tuple[str, int]]:
     """Every dimension of every tensor input (sizes 0 and 1 left out), in :func:`varying_dims`' form: what
     ``dynamic=True`` makes symbolic at a call's first shape, as torch.compile's ``dynamic=True`` does (export
     keeps symbolic those the model lets be, ``Dim.AUTO``)."""
-    return _held_by_same_shapes(args, kwargs, lambda path, leaf: range(leaf.dim()))
+    return _held_by_same_shapes(args, kwargs, lambda leaf: range(leaf.dim()))
 
 
 def _held_by_same_shapes(args: tuple, kwargs: dict, chosen) -> frozenset[tuple[str, int]]:
-    """The dimensions ``chosen(path, tensor)`` names of the call's tensor inputs, each held for that dimension of
-    every input of the same shape (:func:`marked_dims`), sizes 0 and 1 left out."""
+    """The dimensions ``chosen(tensor)`` names of the call's tensor inputs, each held for that dimension of every
+    input of the same shape (:func:`marked_dims`), sizes 0 and 1 left out."""
     leaves = [(pytree.keystr(path), leaf) for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
               if isinstance(leaf, torch.Tensor)]
-    held = {(tuple(leaf.shape), d) for key, leaf in leaves for d in chosen(key, leaf) if 0 <= d < leaf.dim()}
+    held = {(tuple(leaf.shape), d) for _, leaf in leaves for d in chosen(leaf) if 0 <= d < leaf.dim()}
     return frozenset((key, d) for key, leaf in leaves for d in range(leaf.dim())
                      if (tuple(leaf.shape), d) in held and leaf.shape[d] > 1)
 
@@ -358,8 +370,7 @@ def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
     Only the sizes that vary are made symbolic: a 4-layer GPT-2 exported with its sequence length alone symbolic
     made 25% fewer Python calls than with its batch too (4.2 million against 5.3-5.8; shape guards reasoned about
     for one symbol, not two)."""
-    register_cache_pytrees(model)
-    args, kwargs = distinct_inputs((args, {k: kwargs[k] for k in sorted(kwargs)}))
+    kwargs = {k: kwargs[k] for k in sorted(kwargs)}
 
     def spec(path, v):
         if not isinstance(v, torch.Tensor):
@@ -369,10 +380,7 @@ def capture_symbolic(model: torch.nn.Module, args: tuple, kwargs: dict,
 
     dynamic = pytree.tree_map_with_path(spec, (args, kwargs))
     try:
-        with eager_mask_decisions(model), unmarked((args, kwargs)):
-            exported = torch.export.export(
-                model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic), strict=False
-            )
+        exported = export_call(model, args, kwargs, _dynamic_shapes(model, args, kwargs, dynamic))
     except Exception as err:  # many types; each means "no symbolic capture"
         log.info("%s has no symbolic capture (%s: %s): each input shape is exported on its own",
                  type(model).__name__, type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")

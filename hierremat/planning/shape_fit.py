@@ -280,9 +280,9 @@ def _short_sizes(size: int) -> list[int]:
 
 
 def memory_sizes_ahead(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
-    """At a family's first shape, captured with the sizes said to vary symbolic (marked dynamic, a padded attention
-    mask: hierremat.api.whole_model RematModule._dims_said_to_vary), the sizes to measure memory alone at now (memory_sizes_to_sample's
-    three shortest, each at least MIN_SAMPLED_SIZE): with the shape measured, the four shapes a memory fit over one
+    """At a family's first shape, captured with the sizes the caller said vary symbolic (marked dynamic, a padded
+    attention mask, ``dynamic=True``), the sizes to measure memory alone at now (memory_sizes_to_sample's three
+    shortest, each at least MIN_SAMPLED_SIZE): with the shape measured, the four shapes a memory fit over one
     varying size needs, so that the next shapes' memory is fitted with no run of the model (their times from the
     training steps' and the shapes measured). (the symbols, all of one value: export may give one length several;
     the values), or None where the symbols are of different values (two sizes vary: the second shape chooses), the
