@@ -37,13 +37,21 @@ new length at that size).
     python benchmarks/bench_shapes.py --warm        # the same loop, its cache filled by an earlier process
     python benchmarks/bench_shapes.py --eager       # the same loop, block options built at the first shape
     python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2)
+    python benchmarks/bench_shapes.py --accuracy    # each length's first plan: predicted step and peak, measured
 
 ``--warm``: a training script run a second time on the machine. The loop first runs in a child process that fills a
 fresh cache (block menus, stage costs: hierremat.store.cache), then in this one with it; nothing else carries over
 (the plans, the samples to fit from and the symbolic capture are per process).
 
 Writes benchmarks/results/bench_shapes.md (``--model gpt2-12``: bench_shapes_gpt2-12.md; ``--warm``: with a ``_warm``
-suffix, ``--eager``: ``_eager``; the ``--rss`` table to bench_shapes_rss.md).
+suffix, ``--eager``: ``_eager``; the ``--rss`` table to bench_shapes_rss.md, ``--accuracy``'s to
+bench_shapes_accuracy.md).
+
+``--accuracy`` (issue 35: "on lengths never profiled, the fitted model predicts step time within 10% and peak at or
+above the measured one"): hierremat alone, each length's first plan against that plan's own steps (run_accuracy),
+the prediction's miss split in two: the same schedule priced with the stage times its own steps recorded
+("predicted/own times": what the fit missed) and those over the measured step ("own times/measured": what a step
+costs beyond its stages' ops); then how each stage's own time grows with the length.
 """
 
 from __future__ import annotations
@@ -63,12 +71,15 @@ import torch
 import common as C
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
+from hierremat.plans.simulate import simulate
 
 RSS_RESULTS = C.RESULTS_DIR / "bench_shapes_rss.md"
 SEED = 1234
 BATCH = 4
 #: Steps timed per length after the loop, their median the measured step (this CPU: one step in three can be 30% off)
 STEADY_STEPS = 5
+#: Steps timed per length in run_accuracy (after one untimed), their median the measured step
+ACCURACY_STEPS = 5
 #: --model: (layers, width, vocabulary, shortest length, longest length)
 MODELS = {"gpt2-4": (4, 256, 8192, 64, 512), "gpt2-12": (12, 768, 50257, 160, 256)}
 
@@ -121,14 +132,21 @@ def _loop_lengths(steps: int, count: int, shortest: int = 64, longest: int = 512
     return schedule
 
 
-def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: bool = False) -> str:
-    layers, width, vocab, low, high = MODELS[model]
+def _model_at_longest(model: str) -> tuple[torch.nn.Module, dict, int]:
+    """(the seeded GPT-2 of ``--model``, a padded batch at its longest length, plain autograd's allocator peak
+    there in bytes: what the budget is a share of)."""
+    layers, width, vocab, _, high = MODELS[model]
     torch.manual_seed(SEED)
     base = _gpt2(layers, width, vocab, high)
-    schedule = _loop_lengths(steps, count, low, high)
     longest = padded_batch(high, vocab, SEED)
     probe = copy.deepcopy(base)
-    plain_peak = C.allocator_peak_bytes(lambda: probe(**longest).loss.backward())
+    return base, longest, C.allocator_peak_bytes(lambda: probe(**longest).loss.backward())
+
+
+def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: bool = False) -> str:
+    layers, width, vocab, low, high = MODELS[model]
+    base, longest, plain_peak = _model_at_longest(model)
+    schedule = _loop_lengths(steps, count, low, high)
     budget = plain_peak // 2
     methods = []
     for name in ("plain", "hf", "hierremat", "hierremat unpadded example"):
@@ -247,6 +265,77 @@ def _fitted(times: str) -> str:
     return "times+memory fitted"
 
 
+def run_accuracy(count: int, cache: str, model: str = "gpt2-4") -> str:
+    """Each length's first plan (its costs fitted from the lengths run before it, or measured) against that same
+    plan's steps: its predicted step time and peak over the median of ACCURACY_STEPS steps and the allocator's peak.
+    hierremat alone in the process, remat's defaults, planned at the longest length padded (as run_loop's
+    "hierremat"); the lengths of run_loop's schedule in its order, each run ACCURACY_STEPS + 1 times in a row (its
+    first step untimed: the first run of its generated code) by the orchestrator its first call got, so that no
+    step runs a plan made again at the length (solved again from its own steps, block options built or re-costed)."""
+    layers, width, vocab, low, high = MODELS[model]
+    base, longest, plain_peak = _model_at_longest(model)
+    budget = plain_peak // 2
+    module = hr.remat(base, (), dict(longest), budget=budget, cache=cache)
+    order = list(dict.fromkeys([high, *_loop_lengths(count * 3, count, low, high)]))
+    rows, fitted_ratios, stage_times = [], [], {}
+    for i, length in enumerate(order):
+        batch = padded_batch(length, vocab, SEED + i)
+        orchestrator, kwargs = module._orchestrator((), dict(batch))  # (the plan this length's first call gets)
+        plan = module.plans[-1]
+        predicted_seconds, predicted_peak, times = plan.predicted_step_time, plan.predicted_peak_bytes, plan.times
+        chain, planned = plan.chain, next(reversed(module._compiled.values())).chain_module.planned
+
+        def step():
+            base.zero_grad()  # (PyTorch's default: gradients made in the step)
+            orchestrator(**kwargs).loss.backward()
+
+        step()
+        seconds = []
+        for _ in range(ACCURACY_STEPS):
+            started = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - started)
+        peak = C.allocator_peak_bytes(step)
+        measured = statistics.median(seconds)
+        # the same schedule priced with the stage times its own steps recorded (hierremat.runtime.step_times): what
+        # the fit missed, apart from what a step costs beyond its stages' ops
+        own = planned.step_times.stage_times([(st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)
+                                              for st in chain.costs.stages])
+        own_seconds = simulate(chain.costs.with_autograd_times(own), chain.schedule).time
+        stage_times[length] = [fwd + bwd for _, fwd, bwd in own]
+        if not times.startswith("measured"):
+            fitted_ratios.append(predicted_seconds / measured)
+        rows.append([str(length), _fitted(times), C.fmt(predicted_seconds * 1e3, ".0f"), C.fmt(measured * 1e3, ".0f"),
+                     C.fmt(predicted_seconds / measured, ".2f"), C.fmt(predicted_seconds / own_seconds, ".2f"),
+                     C.fmt(own_seconds / measured, ".2f"),
+                     C.fmt((max(seconds) - min(seconds)) / measured, ".2f"), C.fmt(predicted_peak / C.MIB),
+                     C.fmt(peak / C.MIB), C.fmt(predicted_peak / peak, ".3f"), C.fmt(peak / budget, ".3f")])
+    base.zero_grad()
+    table = C.markdown_table(
+        ["length", "costs", "predicted ms", "measured ms (median)", "predicted/measured", "predicted/own times",
+         "own times/measured", "spread of steps",
+         "predicted peak MiB", "alloc peak MiB", "predicted/measured peak", "peak/budget"], rows)
+    # how each stage's own time (forward + backward under autograd, as its steps recorded them) grows with the
+    # length, over the longest's, beside the tokens' ratio and its square (a time linear in the tokens, a time
+    # all attention): what a fit over 1, n and n * s has to follow
+    blocks = range(1, len(stage_times[high]) - 1)
+    growth = C.markdown_table(
+        ["length", "tokens / longest's", "(tokens / longest's)^2", "block stages' time / longest's",
+         "LM head stage's time / longest's"],
+        [[str(n), C.fmt(n / high, ".2f"), C.fmt((n / high) ** 2, ".2f"),
+          " ".join(C.fmt(stage_times[n][i] / stage_times[high][i], ".2f") for i in blocks),
+          C.fmt(stage_times[n][-1] / stage_times[high][-1], ".2f")] for n in sorted(stage_times)])
+    within = sum(abs(r - 1) <= 0.10 for r in fitted_ratios)
+    return (f"GPT-2 {layers} layers, {width} wide, vocabulary {vocab}, batch {BATCH}; budget {budget / C.MIB:.1f} MiB "
+            f"= 0.5 x plain's allocator peak at {high}; hierremat alone, remat's defaults, planned at {high} padded; "
+            f"each length's first plan over the median of its {ACCURACY_STEPS} steps (spread: (slowest - fastest) / "
+            f"median); \"own times\": the same schedule priced with the stage times its own steps recorded; lengths "
+            f"in the loop's order\n\n{table}\n\n"
+            f"Fitted lengths predicted within 10%: {within} of {len(fitted_ratios)} (predicted/measured "
+            f"{min(fitted_ratios):.2f}-{max(fitted_ratios):.2f}, median {statistics.median(fitted_ratios):.2f}).\n\n"
+            f"Each stage's own time over the longest length's (its steps' medians):\n\n{growth}")
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -288,6 +377,8 @@ def main() -> None:
                         help="block options built at once at the first shape (defer_block_options=False)")
     parser.add_argument("--fill-cache", metavar="DIR", help=argparse.SUPPRESS)  # (--warm's child: the loop, no table)
     parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="instead: each length's first plan's predicted step time and peak against its steps")
     args = parser.parse_args()
     if args.fill_cache:
         run_loop(args.steps, args.lengths, args.fill_cache, args.model, args.eager)
@@ -297,6 +388,12 @@ def main() -> None:
     if args.rss:
         text = run_rss(args.rss)
         command, path = f"--rss {args.rss}", RSS_RESULTS
+    elif args.accuracy:
+        with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
+            text = run_accuracy(args.lengths, cache, args.model)
+        suffix = "" if args.model == "gpt2-4" else f"_{args.model}"
+        command = f"--accuracy --lengths {args.lengths}" + (f" --model {args.model}" if suffix else "")
+        path = C.RESULTS_DIR / f"bench_shapes_accuracy{suffix}.md"
     else:
         loop = ["--steps", str(args.steps), "--lengths", str(args.lengths), "--model", args.model] \
             + (["--eager"] if args.eager else [])

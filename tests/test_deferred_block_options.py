@@ -19,7 +19,7 @@ import torch
 import hierremat as hr
 from hierremat.api import whole_model
 from hierremat.device import LiveTensorTracker
-from hierremat.device.memory import CpuAllocatorMeter
+from hierremat.device.memory import CpuAllocatorMeter, profiler_active
 from hierremat.errors import InfeasibleBudgetError
 from hierremat.planning import menus
 
@@ -121,21 +121,29 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
         assert all(peak <= budget for peak in _peaks(module, _batch(length))), length
 
 
-def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles(monkeypatch):
+@pytest.mark.parametrize("scheduled", [False, True], ids=["recording", "scheduled"])
+def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles(monkeypatch, scheduled):
     """remat(..., defer_block_options=False) called and trained inside the caller's torch.profiler session: the
     shape is planned without block options (building them measures the CPU allocator with a session of its own,
     which would end the caller's), the caller's events kept, and they are built at the first step after it; bitwise
-    gradients and the budget throughout. hr.plan there raises (docs/errors.md)."""
+    gradients and the budget throughout. hr.plan there raises (docs/errors.md). ``scheduled``: a profiler with a
+    schedule, remat called in its warm-up step (Kineto prepared, not recording: a session of ours started there ended
+    the caller's, and the process crashed when it stopped) and the step trained in its recording one."""
     traced = []
     trace_joint = menus.trace_joint
     monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
     monkeypatch.setattr(menus, "_SOLVED_IN_PROCESS", {})
     model, budget = _model_and_budget()
     reference = copy.deepcopy(model)
-    with torch.profiler.profile() as profile:
+    traces = []
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1) if scheduled else None
+    with torch.profiler.profile(schedule=schedule, on_trace_ready=traces.append) as profile:
         module = hr.remat(model, (), _batch(64), budget=budget, cache=False, defer_block_options=False)
+        profile.step()  # (scheduled: from warm-up to recording)
         _step(module, reference, model, _batch(64), 0)
-    assert profile.key_averages() and not traced and not module.plans[-1].menus
+        profile.step()
+    assert not traced and not module.plans[-1].menus and not profiler_active()
+    assert any(e.name.startswith("aten::") for e in (traces[0] if scheduled else profile).events())
     assert "block options not built yet" in module.plans[-1].times
     _step(module, reference, model, _batch(64), 1)
     assert traced and module.plans[-1].menus and module.plans[-1].options_solves > 0

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.profiler.profiler import PROFILER_STEP_NAME
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -213,9 +214,14 @@ class CpuAllocatorMeter:
 
 
 def profiler_active() -> bool:
-    """Whether a torch.profiler (autograd profiler) session records in this thread (a scheduled profiler's wait and
-    warm-up steps are not seen)."""
-    return torch._C._autograd._profiler_enabled()
+    """Whether a torch.profiler (autograd profiler) session records in this thread, or a ``torch.profiler.profile``
+    is open: from its construction to its ``__exit__``, its schedule's wait and warm-up steps included (torch's
+    KinetoStepTracker counts its steps in that span; a session of ours started in a warm-up step, which has Kineto
+    prepared but not recording, ended the caller's and crashed the process when it stopped: a segmentation fault).
+    A profile started and stopped by hand (``start()``, ``stop()``) counts until its ``__exit__`` too: torch keeps
+    its step count until then."""
+    return torch._C._autograd._profiler_enabled() or PROFILER_STEP_NAME in getattr(
+        torch.autograd.profiler.KinetoStepTracker, "_step_dict", ())
 
 
 def check_no_profiler(what: str) -> None:
@@ -224,9 +230,10 @@ def check_no_profiler(what: str) -> None:
     allocator with one (``what``) cannot run then."""
     if profiler_active():
         raise RuntimeError(
-            f"hierremat cannot {what} while a torch.profiler session runs (a second session would end it, its events "
-            "lost): plan outside it (call hierremat.plan/remat, and the model at each new input shape, before the "
-            "profiler starts); a RematModule puts block options off while one runs, where the budget allows"
+            f"hierremat cannot {what} while a torch.profiler session runs, its schedule's wait and warm-up steps "
+            "included (a second session would end it, its events lost): plan outside it (call hierremat.plan/remat, "
+            "and the model at each new input shape, before the profiler starts); a RematModule puts block options "
+            "off while one runs, where the budget allows"
         )
 
 
