@@ -235,6 +235,13 @@ def test_times_are_fitted_from_fewer_shapes_where_the_training_steps_time_them()
     fit = ShapeFit.of([profiled, *memory_only], {"b": 4, "s": 200}, (0, 1), reduced=True)
     assert fit.memory_fits and fitted(fit) == pytest.approx([t * 200 / 512 for st in profiled.stage_times for t in st])
     assert ShapeFit.of([profiled, *memory_only], {"b": 4, "s": 40}, (0, 1), reduced=True) is None  # (memory: 1.6x)
+    # timed at 268, 431 and 512 (a fixed cost and a term in the tokens): within twice of them the fit itself; farther,
+    # the nearest one's time scaled by the tokens (a fixed cost fitted to a few close lengths not carried that far)
+    stepped = [in_steps(n) for n in (268, 431, 512)]
+    near = ShapeFit.of([profiled, *memory_only, *stepped], {"b": 4, "s": 150}, (0, 1), reduced=True)
+    assert fitted(near)[:3] == pytest.approx([k * linear["a"](150) for k in (1, 2, 3)])
+    far = ShapeFit.of([profiled, *memory_only, *stepped], {"b": 4, "s": 105}, (0, 1), reduced=True)
+    assert fitted(far)[:3] == pytest.approx([k * linear["a"](268) * 105 / 268 for k in (1, 2, 3)])
 
 
 def test_times_fitted_outside_the_measured_lengths_stay_within_what_a_growing_cost_allows():
