@@ -150,6 +150,38 @@ def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles
     assert all(peak <= budget for peak in _peaks(module, _batch(64)))
 
 
+def test_a_session_of_ours_is_refused_in_a_scheduled_profilers_warm_up_step_alone():
+    """A torch.profiler.profile counts as open (profiler_active: block options wait) from its construction to its
+    exit; the CPU allocator meter, a session of its own, is refused while the caller's records and in its warm-up
+    steps (Kineto prepared: a session of ours there crashed the process when the caller's stopped), and runs in its
+    wait steps (the caller's trace comes out whole, the caller's profile still counted open after it) and after a
+    profile stopped by hand."""
+    traces: list = []
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=1, repeat=1)
+    with torch.profiler.profile(schedule=schedule, on_trace_ready=traces.append) as profile:
+        for phase in ("wait", "warm-up", "recording"):
+            assert profiler_active(), phase
+            if phase == "wait":
+                with CpuAllocatorMeter() as meter:
+                    torch.ones(1024)
+                assert meter.peak_bytes >= 4096
+            else:
+                with pytest.raises(RuntimeError, match="warm-up"):
+                    CpuAllocatorMeter().__enter__()
+            torch.ones(8) @ torch.ones(8)
+            profile.step()
+    assert not profiler_active() and traces and any(e.name.startswith("aten::") for e in traces[0].events())
+    by_hand = torch.profiler.profile()
+    by_hand.start()
+    by_hand.stop()
+    assert profiler_active()  # (until its __exit__: torch keeps its step count)
+    with CpuAllocatorMeter() as meter:
+        torch.ones(1024)
+    assert meter.peak_bytes >= 4096
+    by_hand.__exit__(None, None, None)
+    assert not profiler_active()
+
+
 def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_needs_them(tmp_path):
     """A cache that built this shape's menus before: remat uses them at construction (a lookup, no ILP solve),
     and the shorter lengths it measures at the second shape, whose menus that cache lacks, are measured without

@@ -15,6 +15,7 @@ logits) are invisible to it; such an operator hands them to :func:`track_hidden`
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from contextlib import contextmanager
@@ -197,14 +198,15 @@ class CpuAllocatorMeter:
 
     def __enter__(self) -> "CpuAllocatorMeter":
         check_no_profiler("measure the CPU allocator's peak")
-        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
+        self._session = cpu_memory_profile()
+        self._profile = self._session.__enter__()
         self.peak_bytes = 0
         return self
 
     def __exit__(self, *exc) -> None:
         profile, self._profile = self._profile, None
-        profile.__exit__(*exc)
+        self._session.__exit__(*exc)
+        self._session = None
         changes = cpu_allocator_changes(profile.profiler.kineto_results.events())
         del profile  # the profiler's results are not kept past this point
         live = 0
@@ -215,20 +217,57 @@ class CpuAllocatorMeter:
 
 def profiler_active() -> bool:
     """Whether a torch.profiler (autograd profiler) session records in this thread, or a ``torch.profiler.profile``
-    is open: from its construction to its ``__exit__``, its schedule's wait and warm-up steps included (torch's
-    KinetoStepTracker counts its steps in that span; a session of ours started in a warm-up step, which has Kineto
-    prepared but not recording, ended the caller's and crashed the process when it stopped: a segmentation fault).
-    A profile started and stopped by hand (``start()``, ``stop()``) counts until its ``__exit__`` too: torch keeps
-    its step count until then."""
-    return torch._C._autograd._profiler_enabled() or PROFILER_STEP_NAME in getattr(
-        torch.autograd.profiler.KinetoStepTracker, "_step_dict", ())
+    is open in the process: from its construction to its ``__exit__``, its schedule's wait and warm-up steps
+    included (torch's KinetoStepTracker counts its steps in that span; a session of ours started in a warm-up step,
+    which has Kineto prepared but not recording, ended the caller's and crashed the process when it stopped: a
+    segmentation fault). A profile started and stopped by hand (``start()``, ``stop()``) counts until its
+    ``__exit__`` too: torch keeps its step count until then. What may wait for the caller's profiler (a
+    RematModule's block options) waits while this holds; check_no_profiler raises only where a session of ours
+    would do harm."""
+    return torch._C._autograd._profiler_enabled() or _profile_open()
+
+
+def _profile_open() -> bool:
+    """Whether torch's KinetoStepTracker counts a ``torch.profiler.profile``'s steps (one constructed, not exited)."""
+    return PROFILER_STEP_NAME in getattr(torch.autograd.profiler.KinetoStepTracker, "_step_dict", ())
+
+
+def _profiler_warming_up() -> bool:
+    """Whether a ``torch.profiler.profile`` is in a warm-up step of its schedule (Kineto prepared, not recording),
+    found among the live objects (``gc.get_objects``: 0.1 s; looked for only while one is open, _profile_open).
+    In a wait step a session of ours does no harm (the caller's trace came out whole); one stopped by hand in a
+    warm-up step counts."""
+    if not _profile_open():
+        return False
+    warmup = torch.profiler.ProfilerAction.WARMUP
+    return any(isinstance(o, torch.profiler.profile) and getattr(o, "current_action", None) == warmup
+               for o in gc.get_objects())
+
+
+@contextmanager
+def cpu_memory_profile() -> Iterator[torch.profiler.profile]:
+    """A torch.profiler session recording the CPU allocator's events while in the block (its events read after).
+    torch's KinetoStepTracker keeps one step count for every ``torch.profiler.profile``: ours, on exit (or on a
+    failed start), would delete the caller's (a profile in a wait step, where a session of ours may run:
+    check_no_profiler), which is put back as it was."""
+    steps = getattr(torch.autograd.profiler.KinetoStepTracker, "_step_dict", {})
+    callers = steps.get(PROFILER_STEP_NAME)
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    try:
+        with profile:
+            yield profile
+    finally:
+        torch.autograd.profiler.KinetoStepTracker.erase_step_count(PROFILER_STEP_NAME)
+        if callers is not None:
+            steps[PROFILER_STEP_NAME] = callers
 
 
 def check_no_profiler(what: str) -> None:
-    """Raise where a torch.profiler session runs: a second one inside it ends the first (its events lost: an
-    allocator meter around a step read 0 B where block options were built inside it), so what measures the CPU
-    allocator with one (``what``) cannot run then."""
-    if profiler_active():
+    """Raise where a torch.profiler session records, or a scheduled one is in a warm-up step: a second one then ends
+    the first (its events lost: an allocator meter around a step read 0 B where block options were built inside it;
+    in a warm-up step the process crashed when the caller's stopped), so what measures the CPU allocator with one
+    (``what``) cannot run then."""
+    if torch._C._autograd._profiler_enabled() or _profiler_warming_up():
         raise RuntimeError(
             f"hierremat cannot {what} while a torch.profiler session runs, its schedule's wait and warm-up steps "
             "included (a second session would end it, its events lost): plan outside it (call hierremat.plan/remat, "

@@ -28,8 +28,8 @@ exact, the shapes measured are only as many as the monomials (nothing checks a f
 shape is farther than MEMORY_EXTRAPOLATION from them, the shape's memory is measured (the stage
 profile's memory runs, single and untimed) and its times still fitted: times are fitted from as many
 shapes as the monomials and up to EXTRAPOLATION outside them (a time only steers the plan; a byte
-count is the budget's promise), or, where the training steps time the shapes and the memory fits, however far
-outside them. Block options are re-costed on the shape's own joint graph (exact).
+count is the budget's promise), or, where the training steps time the shapes and the memory is to be fitted,
+however far outside them (scaled from the nearest shape timed). Block options are re-costed on the shape's own joint graph (exact).
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ def memory_sizes_to_sample(
 
     steps: the shapes timed in the training steps, where the family's times are fitted from those
     (ShapeFit.of's ``reduced``): this shape's times are then fitted wherever it is within EXTRAPOLATION of a
-    shape timed (else it is measured in full; its memory is beyond MEMORY_EXTRAPOLATION of those with memory: it
+    shape timed (else it is measured in full, unless its memory is to be fitted, from more shapes than this counts
+    for: ShapeFit.of's ``beyond_timed``; its memory is beyond MEMORY_EXTRAPOLATION of those with memory: it
     counts then too), and the sizes measured for memory are a quarter, an eighth and
     three sixteenths of the shortest measured first (the second length needs three at once: 0.3-0.4 s each at those
     lengths of the 4-layer GPT-2, against 0.6 s at half of 512; at a sixteenth, 32 tokens, its embedding backward's
@@ -340,6 +341,10 @@ class ShapeFit:
         #: whether memory may be fitted here (ShapeFit.of: one shape more than the monomials, to check a fit
         #: is exact, and the target near the shapes measured); else profile() leaves it measured
         self.memory_fits = True
+        #: whether a size of the target is beyond EXTRAPOLATION of the shapes timed (ShapeFit.of: where the training
+        #: steps time the family and the memory is to be fitted): its stage times then scaled from the nearest
+        #: shape timed (_extrapolation_bounds' ``far``), not the fit's value
+        self.beyond_timed = False
         self._least_block: dict[int, float | None] = {}  # least_block_time by the first stage of each structure
 
     def _rows_of(self, samples: Sequence[ShapeSample], scale: dict) -> np.ndarray:
@@ -369,7 +374,8 @@ class ShapeFit:
         measured). reduced: with one varying size, times are fitted from fewer shapes timed, down to one
         (``time_columns``): a family whose times the training steps add to (hierremat.runtime.step_times), so
         that its second length is planned without a shape profiled for times apart from the training; and, where
-        the memory fits at ``bindings`` (``memory_fits``), times fitted beyond EXTRAPOLATION of the shapes timed."""
+        the memory is to be fitted at ``bindings`` (``memory_fits``: a figure that then fits no polynomial is still
+        measured), times fitted beyond EXTRAPOLATION of the shapes timed (``beyond_timed``)."""
         samples = [s for s in samples if s.pattern == pattern and s.bindings]
         if not samples:
             return None
@@ -404,9 +410,10 @@ class ShapeFit:
             len({s.bindings for s in fit.memory_samples}) > monomials and np.linalg.matrix_rank(fit._rows) == monomials
             and within(memory, MEMORY_EXTRAPOLATION)
         )
-        if not within(timed, EXTRAPOLATION) and not (reduced and fit.memory_fits):
+        fit.beyond_timed = not within(timed, EXTRAPOLATION)
+        if fit.beyond_timed and not (reduced and fit.memory_fits):
             return None  # far outside: measured (a sample more); but where the training steps time the family and
-            # its memory fits here, its times are fitted however far (within the bounds a growing cost allows): a
+            # its memory is to be fitted here, its times are fitted however far (_extrapolation_bounds' ``far``): a
             # time only steers the plan, solved again from this shape's own steps after TIMED_STEPS of them, where
             # measuring it took a run of every stage (105 tokens, below half of every length timed: 0.4-0.6 s)
         return fit
@@ -441,7 +448,9 @@ class ShapeFit:
             fitted = float(self._target @ coefficients)
             if times:
                 low, high, far = self._extrapolation_bounds(column, coefficients, rows, nearest)
-                fitted = far if far is not None else min(max(fitted, low), high)
+                beyond = self.beyond_timed and not profiled and far is not None  # (stage times alone: a node's
+                # fixed cost, its kernel's overhead, is real where a stage's fitted through a few steps is noise)
+                fitted = far if beyond else min(max(fitted, low), high)
             out.append(max(0.0, fitted))
         return out
 
@@ -465,13 +474,14 @@ class ShapeFit:
         step predicted at 5% of the measured at a length half the shortest measured (bench_shapes, 4-layer
         GPT-2 at 64 tokens fitted from 128 up).
 
-        The third figure: where the target's tokens are more than EXTRAPOLATION from that sample's (a family timed
-        in its training steps fits its times however far where its memory fits: ShapeFit.of), the time there, t
+        The third figure: where the target's tokens are more than EXTRAPOLATION from that sample's, the time there
         scaled term by term as if it had no fixed cost, t * ((1 - q) * r_n + q * r_v) (the smallest r_v below the
-        sample, the largest above): a fixed cost the fit gives a few close lengths is their timing noise as often as
-        not, and far below them it is the whole time (the 4-layer GPT-2's 105 and 64 tokens, fitted from 268 tokens
-        up, were predicted at 2.1-2.2x their steps; a step at 64 tokens took 0.074 of one at 512, the tokens 0.125).
-        Else None."""
+        sample: the lowest bound; the largest above), else None; used for the stage times of a target beyond
+        EXTRAPOLATION of the shapes timed (``beyond_timed``: a family timed in its training steps fits its times
+        however far where its memory is to be fitted, ShapeFit.of), in place of the fit: a fixed cost the fit gives
+        a few close lengths is their timing noise as often as not, and far below them it is the whole time (the
+        4-layer GPT-2's 105 and 64 tokens, fitted from 268 tokens up, were predicted at 2.1-2.2x their steps; a step
+        at 64 tokens took 0.074 of one at 512, the tokens 0.125)."""
         if nearest_outside is None:
             return -math.inf, math.inf, None
         nearest, ratios = nearest_outside

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..device.autocast import AutocastState
-from ..device.memory import allocated_bytes, check_no_profiler, cpu_allocator_changes
+from ..device.memory import allocated_bytes, check_no_profiler, cpu_allocator_changes, cpu_memory_profile
 from ..graphs.joint import JointGraph, is_view_node, joint_inputs, overwritten_argument
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
@@ -166,7 +166,7 @@ def _cpu_workspaces(gm: fx.GraphModule, args: list) -> dict[str, int]:
     result's new bytes (module docstring)."""
     check_no_profiler("measure the CPU workspaces of a block's operators")
     interpreter = _CpuWorkspaces(gm)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         interpreter.run(*args, enable_io_processing=False)
     events = list(prof.profiler.kineto_results.events())
     changes = cpu_allocator_changes(events)
