@@ -331,9 +331,10 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4") -> str:
             f"each length's first plan over the median of its {ACCURACY_STEPS} steps (spread: (slowest - fastest) / "
             f"median); \"own times\": the same schedule priced with the stage times its own steps recorded; lengths "
             f"in the loop's order\n\n{table}\n\n"
-            f"Fitted lengths predicted within 10%: {within} of {len(fitted_ratios)} (predicted/measured "
-            f"{min(fitted_ratios):.2f}-{max(fitted_ratios):.2f}, median {statistics.median(fitted_ratios):.2f}).\n\n"
-            f"Each stage's own time over the longest length's (its steps' medians):\n\n{growth}")
+            + (f"Fitted lengths predicted within 10%: {within} of {len(fitted_ratios)} (predicted/measured "
+               f"{min(fitted_ratios):.2f}-{max(fitted_ratios):.2f}, median {statistics.median(fitted_ratios):.2f}).\n\n"
+               if fitted_ratios else "No length fitted.\n\n")
+            + f"Each stage's own time over the longest length's (its steps' medians):\n\n{growth}")
 
 
 def _rss_bytes() -> int:
