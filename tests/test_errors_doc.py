@@ -188,7 +188,7 @@ CASES = [
     Case("shape", "a new input shape with `on_new_shape=\"error\"`", _new_shape_with_error_mode, ValueError,
          "shape"),
     Case("profiler", "`hr.plan` on CPU inside a `torch.profiler` session (its block options measure the allocator)",
-         _plan_in_a_profiler_session, RuntimeError, "while a torch.profiler session runs"),
+         _plan_in_a_profiler_session, RuntimeError, "while a torch.profiler session records"),
     # devices
     Case("device", "`checkpoint_sequential` on the `meta` device",
          lambda: hr.checkpoint_sequential(_mlp().to("meta"), "64MiB", torch.randn(16, 32, device="meta")),

@@ -269,10 +269,10 @@ def check_no_profiler(what: str) -> None:
     (``what``) cannot run then."""
     if torch._C._autograd._profiler_enabled() or _profiler_warming_up():
         raise RuntimeError(
-            f"hierremat cannot {what} while a torch.profiler session runs, its schedule's wait and warm-up steps "
-            "included (a second session would end it, its events lost): plan outside it (call hierremat.plan/remat, "
+            f"hierremat cannot {what} while a torch.profiler session records or a scheduled one is in a warm-up "
+            "step (a second session would end it, its events lost): plan outside it (call hierremat.plan/remat, "
             "and the model at each new input shape, before the profiler starts); a RematModule puts block options "
-            "off while one runs, where the budget allows"
+            "off while one is open, where the budget allows"
         )
 
 
