@@ -125,6 +125,16 @@ class Method:
         return elapsed
 
 
+def _step_seconds(step, count: int) -> list[float]:
+    """Wall seconds of each of ``count`` calls of ``step`` in a row."""
+    seconds = []
+    for _ in range(count):
+        started = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 def _loop_lengths(steps: int, count: int, shortest: int = 64, longest: int = 512) -> list[int]:
     lengths = [shortest + round(i * (longest - shortest) / (count - 1)) for i in range(count)]
     schedule = [lengths[i % count] for i in range(steps)]
@@ -212,12 +222,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
             step()
         row["tracker"] = tracker.peak_bytes
         row["final"] = remat.module.plans[-1]  # (the plan this length runs now: block options re-costed since?)
-        timed = []
-        for _ in range(STEADY_STEPS):
-            started = time.perf_counter()
-            step()
-            timed.append(time.perf_counter() - started)
-        row["steady"] = statistics.median(timed)
+        row["steady"] = statistics.median(_step_seconds(step, STEADY_STEPS))
         remat.optimizer.zero_grad()
     hf_seconds = methods[1].seconds
     summary = C.markdown_table(
@@ -283,25 +288,20 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4") -> str:
         orchestrator, kwargs = module._orchestrator((), dict(batch))  # (the plan this length's first call gets)
         plan = module.plans[-1]
         predicted_seconds, predicted_peak, times = plan.predicted_step_time, plan.predicted_peak_bytes, plan.times
-        chain, planned = plan.chain, next(reversed(module._compiled.values())).chain_module.planned
+        compiled = next(reversed(module._compiled.values()))
 
         def step():
             base.zero_grad()  # (PyTorch's default: gradients made in the step)
             orchestrator(**kwargs).loss.backward()
 
         step()
-        seconds = []
-        for _ in range(ACCURACY_STEPS):
-            started = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - started)
+        seconds = _step_seconds(step, ACCURACY_STEPS)
         peak = C.allocator_peak_bytes(step)
         measured = statistics.median(seconds)
         # the same schedule priced with the stage times its own steps recorded (hierremat.runtime.step_times): what
         # the fit missed, apart from what a step costs beyond its stages' ops
-        own = planned.step_times.stage_times([(st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)
-                                              for st in chain.costs.stages])
-        own_seconds = simulate(chain.costs.with_autograd_times(own), chain.schedule).time
+        own = module._observed_times(compiled)
+        own_seconds = simulate(plan.chain.costs.with_autograd_times(own), plan.chain.schedule).time
         stage_times[length] = [fwd + bwd for _, fwd, bwd in own]
         if not times.startswith("measured"):
             fitted_ratios.append(predicted_seconds / measured)

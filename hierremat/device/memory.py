@@ -227,9 +227,14 @@ def profiler_active() -> bool:
     return torch._C._autograd._profiler_enabled() or _profile_open()
 
 
+def _kineto_steps() -> dict:
+    """torch's KinetoStepTracker step counts by requester (``torch.profiler.profile``'s: PROFILER_STEP_NAME)."""
+    return getattr(torch.autograd.profiler.KinetoStepTracker, "_step_dict", {})
+
+
 def _profile_open() -> bool:
     """Whether torch's KinetoStepTracker counts a ``torch.profiler.profile``'s steps (one constructed, not exited)."""
-    return PROFILER_STEP_NAME in getattr(torch.autograd.profiler.KinetoStepTracker, "_step_dict", ())
+    return PROFILER_STEP_NAME in _kineto_steps()
 
 
 def _profiler_warming_up() -> bool:
@@ -250,7 +255,7 @@ def cpu_memory_profile() -> Iterator[torch.profiler.profile]:
     torch's KinetoStepTracker keeps one step count for every ``torch.profiler.profile``: ours, on exit (or on a
     failed start), would delete the caller's (a profile in a wait step, where a session of ours may run:
     check_no_profiler), which is put back as it was."""
-    steps = getattr(torch.autograd.profiler.KinetoStepTracker, "_step_dict", {})
+    steps = _kineto_steps()
     callers = steps.get(PROFILER_STEP_NAME)
     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     try:

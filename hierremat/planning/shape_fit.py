@@ -29,7 +29,8 @@ shape is farther than MEMORY_EXTRAPOLATION from them, the shape's memory is meas
 profile's memory runs, single and untimed) and its times still fitted: times are fitted from as many
 shapes as the monomials and up to EXTRAPOLATION outside them (a time only steers the plan; a byte
 count is the budget's promise), or, where the training steps time the shapes and the memory is to be fitted,
-however far outside them (scaled from the nearest shape timed). Block options are re-costed on the shape's own joint graph (exact).
+however far outside them (scaled from the nearest shape timed). Block options are re-costed on the shape's own
+joint graph (exact).
 """
 
 from __future__ import annotations
@@ -439,6 +440,9 @@ class ShapeFit:
         columns = list(range(len(self._target))) if profiled else list(self.time_columns)
         values = np.array(values, dtype=float)
         nearest = self._nearest_outside(rows) if times else None
+        # (beyond the shapes timed, stage times alone are scaled from the nearest: a node's fixed cost, its kernel's
+        # overhead, is real where a stage's fitted through a few steps is noise)
+        scaled_far = self.beyond_timed and not profiled
         out = []
         for column in values.T:
             weights = 1.0 / np.maximum(np.abs(column), max(float(np.abs(column).max()) * 1e-6, 1e-12))
@@ -448,9 +452,7 @@ class ShapeFit:
             fitted = float(self._target @ coefficients)
             if times:
                 low, high, far = self._extrapolation_bounds(column, coefficients, rows, nearest)
-                beyond = self.beyond_timed and not profiled and far is not None  # (stage times alone: a node's
-                # fixed cost, its kernel's overhead, is real where a stage's fitted through a few steps is noise)
-                fitted = far if beyond else min(max(fitted, low), high)
+                fitted = far if scaled_far and far is not None else min(max(fitted, low), high)
             out.append(max(0.0, fitted))
         return out
 
@@ -488,12 +490,15 @@ class ShapeFit:
         measured = float(column[nearest])
         quadratic = float(rows[nearest, 2:] @ coefficients[2:])
         share = min(max(quadratic / measured, 0.0), 1.0) if measured > 0 else 0.0
-        low = measured * ((1 - share) * min(1.0, float(ratios[0])) + share * float(ratios[1:].min()))
-        tokens = float(ratios[0])
+        tokens, least, most = float(ratios[0]), float(ratios[1:].min()), float(ratios[1:].max())
+
+        def scaled(linear_ratio: float, quadratic_ratio: float) -> float:  # (t, its two shares scaled apart)
+            return measured * ((1 - share) * linear_ratio + share * quadratic_ratio)
+
         far = None
         if not 1 / EXTRAPOLATION <= tokens <= EXTRAPOLATION:
-            far = measured * ((1 - share) * tokens + share * float(ratios[1:].min() if tokens < 1 else ratios[1:].max()))
-        return low, measured * max(1.0, float(ratios.max())), far
+            far = scaled(tokens, least if tokens < 1 else most)
+        return scaled(min(1.0, tokens), least), measured * max(1.0, float(ratios.max())), far
 
     def _nearest_outside(self, rows: np.ndarray) -> tuple[int, np.ndarray] | None:
         """For a target outside the sizes measured (``rows``: the shapes' monomials), (the sample nearest it, in
