@@ -35,7 +35,7 @@ from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu
 from hierremat.ilp.solve import BlockIlp
 from hierremat.runtime.block_exec import OptionExecutor, OptionTape
 from hierremat.planning.menus import stage_inputs
-from hierremat.api.whole_model import chain_inputs
+from hierremat.api.compiled_shape import chain_inputs
 
 RESULTS = C.RESULTS_DIR / "bench_block_exec.md"
 

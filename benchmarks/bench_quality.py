@@ -62,7 +62,7 @@ from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu  #
 from hierremat.ilp.solve import BlockIlp  # noqa: E402
 from hierremat.plans.simulate import simulate  # noqa: E402
 from hierremat.planning.menus import resident_positions, stage_arguments, stage_inputs  # noqa: E402
-from hierremat.api.whole_model import chain_inputs  # noqa: E402
+from hierremat.api.compiled_shape import chain_inputs  # noqa: E402
 
 SLOTS = 2000
 

@@ -20,9 +20,9 @@ _TORCH_NAMES = {
     "checkpoint_sequential": "api.sequential",
     "plan_sequential": "api.sequential",
     "plan_cache": "api.sequential",
-    "plan": "api.whole_model",
-    "explore": "api.whole_model",
-    "BudgetExplorer": "api.whole_model",
+    "plan": "api.explore",
+    "explore": "api.explore",
+    "BudgetExplorer": "api.explore",
     "remat": "api.whole_model",
     "RematModule": "api.whole_model",
 }

@@ -7,7 +7,7 @@ from torch import nn
 from hierremat.graphs.capture import capture
 from hierremat.graphs.segment import build_chain_graph
 from hierremat.planning.menus import stage_inputs
-from hierremat.api.whole_model import chain_inputs
+from hierremat.api.compiled_shape import chain_inputs
 
 
 def stage_of(model: nn.Module, args: tuple, kwargs: dict, name: str):

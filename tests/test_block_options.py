@@ -32,7 +32,7 @@ from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
 from hierremat.graphs.capture import capture
 from hierremat.graphs.segment import build_chain_graph
-from hierremat.api.whole_model import chain_inputs
+from hierremat.api.compiled_shape import chain_inputs
 
 from models import TinyResNet, tiny_gpt2
 from stages import stage_of

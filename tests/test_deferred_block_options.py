@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.api import whole_model
+from hierremat.api import shape_planning
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter, profiler_active
 from hierremat.errors import InfeasibleBudgetError
@@ -72,7 +72,7 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
     traced = []
     trace_joint = menus.trace_joint
     monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
-    monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.0)  # (the decision under test, not this machine's noise)
+    monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 0.0)  # (the decision under test, not this machine's noise)
     monkeypatch.setattr(menus, "_SOLVED_IN_PROCESS", {})  # (no menu an earlier test solved to re-cost, cache=False)
     caplog.set_level(logging.INFO, logger="hierremat")
     model, budget = _model_and_budget()

@@ -518,7 +518,7 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     assert all(p.capture_kind == "specialized" for p in plans)
     assert all(p.options_solves == 0 for p in plans)  # menus re-costed, never solved again
     # the second shape's menus re-costed; from the third on (times fitted), only where block options could pay
-    # (hierremat.api.whole_model._profile_and_solve: the next test)
+    # (hierremat.api.shape_planning.profile_and_solve: the next test)
     assert any(m.get("recosted") for m in plans[0].menus.values()) and "re-costed" in plans[0].summary()
     assert all(any(m.get("recosted") for m in p.menus.values()) != ("block options not re-costed" in p.times)
                for p in plans[1:])
@@ -543,7 +543,7 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     the timing noise there); a length near the budget re-costs them on its traced graphs and its plan
     runs them, at once where that costs less than the time they save in a step, else once the steps
     without them have lost what re-costing takes. Gradients equal plain autograd's at every step."""
-    from hierremat.api import whole_model
+    from hierremat.api import shape_planning
     from hierremat.planning import menus
 
     traced = []
@@ -553,7 +553,7 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     # generated code may save where everything is kept (about 3% on this tiny model, measured alone; more on a
     # loaded machine), then none at 60 tokens, where the plan without block options recomputes (its step longer
     # than keeping everything, which bounds any plan's)
-    monkeypatch.setattr(whole_model, "NOISE_MARGIN", 10.0)
+    monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 10.0)
     caplog.set_level(logging.INFO, logger="hierremat")
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
@@ -562,7 +562,7 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     module = hr.remat(model, (), _batch(40), budget=budget, cache=False, defer_block_options=False)  # (solved here)
     for step, length in enumerate((40, 64, 23, 30, 60, 56, 56, 56, 56)):
         if length == 60:
-            monkeypatch.setattr(whole_model, "NOISE_MARGIN", 0.0)
+            monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 0.0)
         if length == 56 and step == 5:  # re-costing as dear as a million steps' gain: not at the first call
             module._recost_seconds = 1e6
         if length == 56 and step == 6:  # then as dear as 1.5 steps' gain: at the third call, after two without
@@ -882,7 +882,7 @@ def test_a_first_batch_that_says_lengths_vary_is_captured_symbolically_at_once_a
         (16, False), (24, False), (32, False), (128, True)]
     measured = []
     monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: measured.append("export"))
-    monkeypatch.setattr(whole_model, "_sample_at", lambda *a, **k: measured.append("sample"))
+    monkeypatch.setattr(whole_model, "sample_at", lambda *a, **k: measured.append("sample"))
     batch = _batch(112, pad=2)
 
     def step(net):

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.utils import _pytree as pytree
 
-    from .whole_model import explore
+    from .explore import explore
 
     if args.hf:
         model, example_args, example_kwargs = hf_model(args.hf, config_overrides(args.set), args.batch, args.seq)
