@@ -38,6 +38,7 @@ new length at that size).
     python benchmarks/bench_shapes.py --eager       # the same loop, block options built at the first shape
     python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2)
     python benchmarks/bench_shapes.py --accuracy    # each length's first plan: predicted step and peak, measured
+    python benchmarks/bench_shapes.py --accuracy --model gpt2-12 --lengths 6
 
 ``--warm``: a training script run a second time on the machine. The loop first runs in a child process that fills a
 fresh cache (block menus, stage costs: hierremat.store.cache), then in this one with it; nothing else carries over
@@ -51,7 +52,9 @@ bench_shapes_accuracy.md).
 above the measured one"): hierremat alone, each length's first plan against that plan's own steps (run_accuracy),
 the prediction's miss split in two: the same schedule priced with the stage times its own steps recorded
 ("predicted/own times": what the fit missed) and those over the measured step ("own times/measured": what a step
-costs beyond its stages' ops); then how each stage's own time grows with the length.
+costs beyond its stages' ops); its steps measured twice, in a row and in ``--rounds`` interleaved rounds over every
+length (the host's drift between lengths cancelled), and each fit made again from the interleaved rounds' medians
+("quiet fit": the fit's own miss where its inputs are quiet); then how each stage's own time grows with the length.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ BATCH = 4
 STEADY_STEPS = 5
 #: Steps timed per length in run_accuracy (after one untimed), their median the measured step
 ACCURACY_STEPS = 5
+#: Rounds over every length in run_accuracy's interleaved phase (one step of each a round, in a shuffled order)
+ACCURACY_ROUNDS = 7
 #: --model: (layers, width, vocabulary, shortest length, longest length)
 MODELS = {"gpt2-4": (4, 256, 8192, 64, 512), "gpt2-12": (12, 768, 50257, 160, 256)}
 
@@ -270,54 +275,97 @@ def _fitted(times: str) -> str:
     return "times+memory fitted"
 
 
-def run_accuracy(count: int, cache: str, model: str = "gpt2-4") -> str:
+def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = ACCURACY_ROUNDS) -> str:
     """Each length's first plan (its costs fitted from the lengths run before it, or measured) against that same
-    plan's steps: its predicted step time and peak over the median of ACCURACY_STEPS steps and the allocator's peak.
-    hierremat alone in the process, remat's defaults, planned at the longest length padded (as run_loop's
-    "hierremat"); the lengths of run_loop's schedule in its order, each run ACCURACY_STEPS + 1 times in a row (its
-    first step untimed: the first run of its generated code) by the orchestrator its first call got, so that no
-    step runs a plan made again at the length (solved again from its own steps, block options built or re-costed)."""
+    plan's steps: its predicted step time and peak over the measured step and the allocator's peak. hierremat alone
+    in the process, remat's defaults, planned at the longest length padded (as run_loop's "hierremat"). Two phases:
+
+    1. the lengths of run_loop's schedule in its order, each run ACCURACY_STEPS + 1 times in a row (its first step
+       untimed: the first run of its generated code) by the orchestrator its first call got, so that no step runs a
+       plan made again at the length (solved again from its own steps, block options built or re-costed); the fit of
+       each length is made from the steps of the lengths before it, as in a training loop;
+    2. ``rounds`` rounds over every length in a seeded shuffled order, one step each through the same orchestrators,
+       each stage's times recorded (hierremat.runtime.step_times): per length the median step over the rounds
+       ("interleaved": the host's drift between lengths cancelled), and the fit of phase 1 made again from these
+       rounds' stage times at the same lengths it had ("quiet fit": how far a fit over 1, n and n * s is from a
+       length's own times where its inputs are medians of interleaved rounds, not a few steps in a row)."""
     layers, width, vocab, low, high = MODELS[model]
     base, longest, plain_peak = _model_at_longest(model)
     budget = plain_peak // 2
     module = hr.remat(base, (), dict(longest), budget=budget, cache=cache)
     order = list(dict.fromkeys([high, *_loop_lengths(count * 3, count, low, high)]))
-    rows, fitted_ratios, stage_times = [], [], {}
+    runs, rows, fitted_ratios = {}, [], []
     for i, length in enumerate(order):
         batch = padded_batch(length, vocab, SEED + i)
+        before = {family: list(samples) for family, samples in module._samples.items()}  # (as this plan had them)
         orchestrator, kwargs = module._orchestrator((), dict(batch))  # (the plan this length's first call gets)
         plan = module.plans[-1]
-        predicted_seconds, predicted_peak, times = plan.predicted_step_time, plan.predicted_peak_bytes, plan.times
         compiled = next(reversed(module._compiled.values()))
+        profiled = before.get(compiled.family, [])
 
-        def step():
+        def step(orchestrator=orchestrator, kwargs=kwargs):
             base.zero_grad()  # (PyTorch's default: gradients made in the step)
             orchestrator(**kwargs).loss.backward()
 
         step()
         seconds = _step_seconds(step, ACCURACY_STEPS)
+        recorder = compiled.chain_module.planned.step_times  # (the meter's step, slower under its profiler: not timed)
+        wanted, recorder.wanted = recorder.wanted, min(recorder.wanted, recorder.steps)
         peak = C.allocator_peak_bytes(step)
-        measured = statistics.median(seconds)
-        # the same schedule priced with the stage times its own steps recorded (hierremat.runtime.step_times): what
-        # the fit missed, apart from what a step costs beyond its stages' ops
-        own = module._observed_times(compiled)
-        own_seconds = simulate(plan.chain.costs.with_autograd_times(own), plan.chain.schedule).time
-        stage_times[length] = [fwd + bwd for _, fwd, bwd in own]
-        if not times.startswith("measured"):
-            fitted_ratios.append(predicted_seconds / measured)
-        rows.append([str(length), _fitted(times), C.fmt(predicted_seconds * 1e3, ".0f"), C.fmt(measured * 1e3, ".0f"),
-                     C.fmt(predicted_seconds / measured, ".2f"), C.fmt(predicted_seconds / own_seconds, ".2f"),
-                     C.fmt(own_seconds / measured, ".2f"),
-                     C.fmt((max(seconds) - min(seconds)) / measured, ".2f"), C.fmt(predicted_peak / C.MIB),
-                     C.fmt(peak / C.MIB), C.fmt(predicted_peak / peak, ".3f"), C.fmt(peak / budget, ".3f")])
+        recorder.wanted = wanted
+        runs[length] = {"step": step, "plan": plan, "compiled": compiled, "seconds": seconds, "profiled": profiled,
+                        "peak": peak, "own": module._observed_times(compiled)}
+    # phase 2: every length's stages timed afresh, over interleaved rounds
+    for run in runs.values():
+        planned = run["compiled"].chain_module.planned
+        planned.step_times = None
+        planned.time_steps(rounds)
+        run["interleaved"] = []
+    rng = random.Random(SEED)
+    for _ in range(rounds):
+        for length in rng.sample(order, len(order)):
+            run = runs[length]
+            started = time.perf_counter()
+            run["step"]()
+            run["interleaved"].append(time.perf_counter() - started)
+    quiet = {length: module._observed_times(run["compiled"]) for length, run in runs.items()}
     base.zero_grad()
+    for i, length in enumerate(order):
+        run = runs[length]
+        plan, compiled = run["plan"], run["compiled"]
+        schedule, costs = plan.chain.schedule, plan.chain.costs
+        measured = statistics.median(run["seconds"])
+        interleaved = statistics.median(run["interleaved"])
+
+        def priced(times) -> float:
+            return simulate(costs.with_autograd_times(times), schedule).time
+
+        own, own_quiet = priced(run["own"]), priced(quiet[length])
+        quiet_fit = _quiet_fit(run["profiled"], [(runs[n]["compiled"], quiet[n]) for n in order[:i]], compiled, costs)
+        quiet_seconds = simulate(quiet_fit, schedule).time if quiet_fit is not None else None
+        fitted = not plan.times.startswith("measured")
+        if fitted:
+            fitted_ratios.append((plan.predicted_step_time / measured, plan.predicted_step_time / interleaved,
+                                  quiet_seconds / interleaved if quiet_seconds else None,
+                                  quiet_seconds / own_quiet if quiet_seconds else None))
+        rows.append([str(length), _fitted(plan.times), C.fmt(plan.predicted_step_time * 1e3, ".0f"),
+                     C.fmt(measured * 1e3, ".0f"), C.fmt(plan.predicted_step_time / measured, ".2f"),
+                     C.fmt(plan.predicted_step_time / own, ".2f"), C.fmt(own / measured, ".2f"),
+                     C.fmt(interleaved * 1e3, ".0f"), C.fmt(plan.predicted_step_time / interleaved, ".2f"),
+                     C.fmt(quiet_seconds / interleaved, ".2f") if quiet_seconds and fitted else "",
+                     C.fmt(quiet_seconds / own_quiet, ".2f") if quiet_seconds and fitted else "",
+                     C.fmt(own_quiet / interleaved, ".2f"),
+                     C.fmt(plan.predicted_peak_bytes / C.MIB), C.fmt(run["peak"] / C.MIB),
+                     C.fmt(plan.predicted_peak_bytes / run["peak"], ".3f"), C.fmt(run["peak"] / budget, ".3f")])
     table = C.markdown_table(
-        ["length", "costs", "predicted ms", "measured ms (median)", "predicted/measured", "predicted/own times",
-         "own times/measured", "spread of steps",
-         "predicted peak MiB", "alloc peak MiB", "predicted/measured peak", "peak/budget"], rows)
-    # how each stage's own time (forward + backward under autograd, as its steps recorded them) grows with the
+        ["length", "costs", "predicted ms", "in a row: measured ms", "predicted/measured", "predicted/own times",
+         "own times/measured", "interleaved: measured ms", "predicted/measured", "quiet fit/measured",
+         "quiet fit/own times", "own times/measured", "predicted peak MiB", "alloc peak MiB",
+         "predicted/measured peak", "peak/budget"], rows)
+    # how each stage's own time (forward + backward under autograd, over the interleaved rounds) grows with the
     # length, over the longest's, beside the tokens' ratio and its square (a time linear in the tokens, a time
     # all attention): what a fit over 1, n and n * s has to follow
+    stage_times = {n: [fwd + bwd for _, fwd, bwd in quiet[n]] for n in order}
     blocks = range(1, len(stage_times[high]) - 1)
     growth = C.markdown_table(
         ["length", "tokens / longest's", "(tokens / longest's)^2", "block stages' time / longest's",
@@ -325,16 +373,42 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4") -> str:
         [[str(n), C.fmt(n / high, ".2f"), C.fmt((n / high) ** 2, ".2f"),
           " ".join(C.fmt(stage_times[n][i] / stage_times[high][i], ".2f") for i in blocks),
           C.fmt(stage_times[n][-1] / stage_times[high][-1], ".2f")] for n in sorted(stage_times)])
-    within = sum(abs(r - 1) <= 0.10 for r in fitted_ratios)
+    lines = []
+    for k, what in enumerate(("predicted over the steps in a row", "predicted over the interleaved steps",
+                              "the quiet fit over the interleaved steps", "the quiet fit over its own times")):
+        ratios = [r[k] for r in fitted_ratios if r[k] is not None]
+        if ratios:
+            lines.append(f"- {what}: {sum(abs(r - 1) <= 0.10 for r in ratios)} of {len(ratios)} within 10% "
+                         f"({min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f})")
     return (f"GPT-2 {layers} layers, {width} wide, vocabulary {vocab}, batch {BATCH}; budget {budget / C.MIB:.1f} MiB "
             f"= 0.5 x plain's allocator peak at {high}; hierremat alone, remat's defaults, planned at {high} padded; "
-            f"each length's first plan over the median of its {ACCURACY_STEPS} steps (spread: (slowest - fastest) / "
-            f"median); \"own times\": the same schedule priced with the stage times its own steps recorded; lengths "
-            f"in the loop's order\n\n{table}\n\n"
-            + (f"Fitted lengths predicted within 10%: {within} of {len(fitted_ratios)} (predicted/measured "
-               f"{min(fitted_ratios):.2f}-{max(fitted_ratios):.2f}, median {statistics.median(fitted_ratios):.2f}).\n\n"
-               if fitted_ratios else "No length fitted.\n\n")
-            + f"Each stage's own time over the longest length's (its steps' medians):\n\n{growth}")
+            f"lengths in the loop's order. Each length's first plan (predicted) over: the median of its "
+            f"{ACCURACY_STEPS} steps in a row after its first (\"in a row\"), and the median of {rounds} steps in "
+            f"rounds over every length in a shuffled order (\"interleaved\"); \"own times\": the same schedule priced "
+            f"with the stage times those steps recorded; \"quiet fit\": the fit the length was planned with, made "
+            f"again from the interleaved rounds' stage times at the lengths it was fitted from\n\n{table}\n\n"
+            + ("Fitted lengths:\n" + "\n".join(lines) + "\n\n" if lines else "No length fitted.\n\n")
+            + f"Each stage's own time over the longest length's (medians of the interleaved rounds):\n\n{growth}")
+
+
+def _quiet_fit(profiled: list, before: list, compiled, costs):
+    """The stage costs a length's fit would give (hierremat.planning.shape_fit.ShapeFit, as its first plan was
+    fitted: from the family's ``profiled`` samples as they were when it was planned and the lengths timed before it,
+    at most STEP_SAMPLES of them as there), its lengths' stage times those of the interleaved rounds (``before``:
+    (CompiledShape, their stage times) of each length run before it); None where no fit takes the length (a length
+    measured has no fit either: the caller skips those)."""
+    from hierremat.api.whole_model import STEP_SAMPLES
+    from hierremat.planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern
+
+    if compiled.bindings is None:
+        return None
+    pattern = chain_pattern([info.signature for info in compiled.chain.infos])
+    steps: list = []
+    for shape, times in before:
+        if shape.bindings is not None and times is not None:
+            add_sample(steps, ShapeSample.from_step_times(shape.bindings, pattern, times), STEP_SAMPLES)
+    fit = ShapeFit.of([*profiled, *steps], compiled.bindings, pattern, reduced=True)
+    return fit.stage_costs(costs) if fit is not None else None
 
 
 def _rss_bytes() -> int:
@@ -380,6 +454,8 @@ def main() -> None:
     parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
     parser.add_argument("--accuracy", action="store_true",
                         help="instead: each length's first plan's predicted step time and peak against its steps")
+    parser.add_argument("--rounds", type=int, default=ACCURACY_ROUNDS,
+                        help="--accuracy's interleaved rounds (a step of every length each)")
     args = parser.parse_args()
     if args.fill_cache:
         run_loop(args.steps, args.lengths, args.fill_cache, args.model, args.eager)
@@ -391,9 +467,10 @@ def main() -> None:
         command, path = f"--rss {args.rss}", RSS_RESULTS
     elif args.accuracy:
         with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
-            text = run_accuracy(args.lengths, cache, args.model)
+            text = run_accuracy(args.lengths, cache, args.model, args.rounds)
         suffix = "" if args.model == "gpt2-4" else f"_{args.model}"
-        command = f"--accuracy --lengths {args.lengths}" + (f" --model {args.model}" if suffix else "")
+        command = f"--accuracy --lengths {args.lengths}" + (f" --model {args.model}" if suffix else "") \
+            + (f" --rounds {args.rounds}" if args.rounds != ACCURACY_ROUNDS else "")
         path = C.RESULTS_DIR / f"bench_shapes_accuracy{suffix}.md"
     else:
         loop = ["--steps", str(args.steps), "--lengths", str(args.lengths), "--model", args.model] \

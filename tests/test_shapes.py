@@ -733,6 +733,58 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     assert sorted(v for s in steps for _, v in s.bindings) == [40, 48, 56, 64]
 
 
+def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them():
+    """A length's stage times are recorded over its first SAMPLED_STEPS steps, not its first TIMED_STEPS alone: its
+    plan is solved again from the medians of its first 3 steps, not at each step after them, and again once all 9
+    are recorded; a plan made again at the length in between (block options built, say) is solved again from the
+    steps recorded at once; the sample later lengths are fitted from is the medians of every step recorded so far
+    (fits from the medians of more steps miss less: bench_shapes.py --accuracy's "quiet fit"). Every step bitwise
+    equal to plain autograd's, and both meters' peaks within the budget."""
+    from hierremat.api.whole_model import SAMPLED_STEPS, TIMED_STEPS
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    plain = hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
+    budget = int(0.6 * plain)
+    batch = _batch(64, pad=1)  # (padded: captured symbolically at once, so its steps make samples)
+    module = hr.remat(model, (), batch, budget=budget, cache=False)
+    module._recost_seconds = 1e6  # (no block options built in these steps: the plans made again here are the test's)
+    key = next(iter(module._compiled))
+    recorder = module._compiled[key].chain_module.planned.step_times
+    family = module._compiled[key].family
+    again = TIMED_STEPS + 2  # (after this many steps, the length planned again)
+    times = []
+    for step in range(SAMPLED_STEPS + 2):
+        if step == again:
+            module._plan_again(key, (), batch)
+        for net in (module, reference):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            net(**batch).loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), step
+        compiled = module._compiled[key]
+        assert compiled.chain_module.planned.step_times is recorder  # (one recorder across the plans made again)
+        times.append(compiled.plan.times)
+        (sample,) = module._step_samples_of(family)  # the length's sample: the medians of its steps so far
+        assert sample.stage_times == module._observed_times(compiled), step
+    assert recorder.steps == SAMPLED_STEPS and not recorder.recording
+    # (the plan after each step: solved again after its first step, timed from one run each, after its third, at
+    # once when made again after its fifth, and after its ninth)
+    solved_from = [t.split("times from its first ")[1].split(" ")[0] if "times from its first" in t else None
+                   for t in times]
+    assert solved_from == [None, "1", "1", *["3"] * (again - TIMED_STEPS), *[str(again)] * (SAMPLED_STEPS - again),
+                           str(SAMPLED_STEPS), str(SAMPLED_STEPS)], solved_from
+    assert module._compiled[key].plan.predicted_peak_bytes <= budget
+
+    def step_at() -> None:
+        module(**batch).loss.backward()
+
+    model.zero_grad(set_to_none=True)
+    tracker, allocator = _peaks(step_at)
+    assert tracker <= budget and allocator <= budget, (tracker, allocator, budget)
+
+
 def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept():
     """The symbolic capture makes symbolic only the sizes that differ between the shapes seen: the sequence length
     here, the batch static (a quarter fewer Python calls in a 4-layer GPT-2's export). A later shape with another batch is

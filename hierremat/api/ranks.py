@@ -1,4 +1,4 @@
-"""Every rank on one plan: under DDP/FSDP2 each rank runs the same schedule (its collectives in the
+"""Every rank on one plan: under FSDP2 each rank runs the same schedule (its collectives in the
 schedule's order), so rank 0's planning outcome is broadcast (``rank0s``) and the ranks' input keys are checked
 to agree before any of them plans (``ranks_plan``)."""
 

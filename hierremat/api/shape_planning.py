@@ -150,8 +150,8 @@ def lending_device(model: nn.Module, args: tuple, kwargs: dict, device: str | No
 
 
 def captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, autocast: AutocastState,
-                    started: float, symbolic: SymbolicCapture | None = None, lent_to: torch.device | None = None,
-                    export: bool = True):
+                   started: float, symbolic: SymbolicCapture | None = None, lent_to: torch.device | None = None,
+                   export: bool = True):
     """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds,
     whether the capture was specialized from ``symbolic``). lent_to: a model without weights is captured as on
     this device (hierremat.graphs.fake_weights), its chain inputs computed there with lent weights. export:
@@ -433,7 +433,7 @@ def profile_and_solve(
     lazy = (fitted is not None or defer or profiling) and settings.block_options == "ilp" \
         and settings.strategy == "optimal" and not compiling
     profiled = replace(ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
-                                         blocks=not lazy, one_run=one_run),
+                                        blocks=not lazy, one_run=one_run),
                        output_copies_bytes=output_copies_bytes)
     cached = lazy and fitted is None and profiled.menus_cached()  # (built at once: a lookup)
     if lazy and fitted is None and not cached and recost_seconds is None:  # (what capturing and profiling it took)
@@ -604,7 +604,7 @@ def compile_shape(
 
 
 def sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, symbolic: SymbolicCapture,
-               blocks: bool = True, timed: bool = True, cached_blocks: bool = False) -> ShapeSample | None:
+              blocks: bool = True, timed: bool = True, cached_blocks: bool = False) -> ShapeSample | None:
     """The costs measured in full at these inputs (times and memory, no plan solved), captured from
     ``symbolic`` (never exported on their own), bound to their sizes; None where the capture does not take
     them, or ``timed`` is False (memory alone, in single runs: a sample for memory fits) and the meter recorded

@@ -51,9 +51,16 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SHAPES = 64
 
 
-#: Steps per shape whose stage times are recorded (hierremat.runtime.step_times), for a family whose times are fitted
-#: from its training steps (RematModule._times_from_steps): the median of a shape's first three steps.
+#: Steps per shape whose stage times its plan is first solved again from (RematModule._retime), for a family whose
+#: times are fitted from its training steps (RematModule._times_from_steps): the medians of a shape's first three steps.
 TIMED_STEPS = 3
+#: Steps per shape whose stage times are recorded (hierremat.runtime.step_times): the shape's sample, that later
+#: shapes' times are fitted from, follows the medians of its steps up to this many (a length seen again is timed
+#: again), and its plan is solved again from them once they are all recorded. Fits from the medians of 7 interleaved
+#: steps per length were within 10% of each length's own step at 9 of 11 lengths of the 4-layer GPT-2's loop and
+#: 5 of 5 of the 12-layer's, those from its first 3 steps in a row at 7 of 11 and 2 of 5, from up to 6 (this) at
+#: 8-9 of 11 and 5 of 5 (benchmarks/bench_shapes.py --accuracy; docs/results.md).
+SAMPLED_STEPS = 9
 
 
 #: Shapes timed in the training steps kept per family to fit from (spread over the sizes: add_sample).
@@ -188,10 +195,10 @@ class RematModule(nn.Module):
         try:
             with recorded_sources() as sources:
                 compiled = compile_shape(self.model, args, kwargs, budget_bytes, plan, settings, symbolic,
-                                    [*samples, *self._step_samples_of(family)], shards, self._released_output(family),
-                                    self._recost_seconds if defer_blocks else None, upcasts_outputs(self),
-                                    defer_blocks and self._deferring(settings), steps_time=from_steps,
-                                    profiling=profiler_active())
+                                         [*samples, *self._step_samples_of(family)], shards,
+                                         self._released_output(family), self._recost_seconds if defer_blocks else None,
+                                         upcasts_outputs(self), defer_blocks and self._deferring(settings),
+                                         steps_time=from_steps, profiling=profiler_active())
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -200,7 +207,7 @@ class RematModule(nn.Module):
         if from_steps:  # (a shape planned again goes on with the steps timed before)
             before = self._compiled.get(key)
             earlier = before.chain_module.planned.step_times if before is not None and carry_steps else None
-            compiled.chain_module.planned.time_steps(TIMED_STEPS, earlier)  # (the plan before's go on, same chain)
+            compiled.chain_module.planned.time_steps(SAMPLED_STEPS, earlier)  # (the plan before's go on, same chain)
             self._retime(compiled)
         recosted = any(m.get("recosted") for m in compiled.plan.menus.values())
         if recosted and not compiled.plan.times.startswith("measured"):
@@ -236,10 +243,10 @@ class RematModule(nn.Module):
         for times as before: those samples carry the node times that re-cost block options at the shapes fitted).
         ``elsewhere``: this shape is planned elsewhere (FSDP2's shards, a saved plan, a model without weights): no.
 
-        Every shape of such a family records its first TIMED_STEPS steps; a shape measured is timed from one
-        run each (ProfiledChain.of's ``one_run``) and solved again from its steps' times once they are recorded; a
-        shape fitted is fitted from the shapes timed so far however few (ShapeFit.of's ``reduced``: the second
-        length's times are the first's scaled by the tokens) and planned again whenever more are timed
+        Every shape of such a family records its first SAMPLED_STEPS steps (its sample follows them); a shape measured
+        is timed from one run each (ProfiledChain.of's ``one_run``) and solved again from its steps' times once they
+        are recorded; a shape fitted is fitted from the shapes timed so far however few (ShapeFit.of's ``reduced``:
+        the second length's times are the first's scaled by the tokens) and planned again whenever more are timed
         (``_refreshed``); every shape is solved again from its own steps' times once they are recorded (_retime); no
         shape is profiled for times alone (sizes_to_sample)."""
         shapes = {_shapes(c.skeleton) for c in self._compiled.values() if c.family == family}
@@ -286,14 +293,15 @@ class RematModule(nn.Module):
 
     def _retime(self, compiled: CompiledShape) -> None:
         """Solve a shape's plan again (the chain DP alone) from its training steps' times once its TIMED_STEPS steps
-        are recorded (their medians: _times_from_steps), and, where it was measured from one timed run each, after
-        its first step too: the times it runs with are then what its own steps took, whatever it was planned from
-        (a fit from other lengths' single steps, one of them a noisy step, had predicted a 268-token step at 2.8x
-        the measured)."""
+        are recorded (their medians: _times_from_steps) and again once all its SAMPLED_STEPS are, and, where it was
+        measured from one timed run each, after its first step too: the times it runs with are then what its own
+        steps took, whatever it was planned from (a fit from other lengths' single steps, one of them a noisy step,
+        had predicted a 268-token step at 2.8x the measured)."""
         step_times = compiled.chain_module.planned.step_times
         steps = step_times.steps if step_times is not None else 0
         early = compiled.one_run and not compiled.retimed_steps  # (after its first step)
-        if steps == compiled.retimed_steps or (step_times.recording and not early):
+        first = steps >= TIMED_STEPS > compiled.retimed_steps  # (its first TIMED_STEPS, or a plan made again since)
+        if steps == compiled.retimed_steps or (step_times.recording and not early and not first):
             return
         times = self._observed_times(compiled)
         if times is None:
@@ -492,9 +500,9 @@ class RematModule(nn.Module):
         try:
             with recorded_sources() as sources:
                 sample = sample_at(self.model, *narrowed, self.settings, symbolic, timed=timed,
-                                    blocks=timed and not self._deferring(self.settings) and not profiler_active(),
-                                    cached_blocks=self.settings.defer_block_options and not self._blocks_pay,
-                                    ) if narrowed else None
+                                   blocks=timed and not self._deferring(self.settings) and not profiler_active(),
+                                   cached_blocks=self.settings.defer_block_options and not self._blocks_pay,
+                                   ) if narrowed else None
         except Exception as err:  # noqa: BLE001 - a length the model rejects: not a sample, nothing else
             log.info("%s not measured at %s=%d (%s: %s)", type(self.model).__name__, name, value,
                      type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")

@@ -553,7 +553,7 @@ def build_menus(
     (hierremat.planning.shape_fit): node times and executor speeds come from it, not measured
     (on CPU, where node workspace is not seen anyway), where it has them for a stage.
     blocks: False builds the output stage's fused head alone (no stage traced: where block options
-    cannot pay, hierremat.api.whole_model).
+    cannot pay, hierremat.api.shape_planning.profile_and_solve).
     backward_autocast: under autocast, whether the caller runs the backward under it too (None: not known;
     stages whose backward it changes then get no menu, ChainMenus.recipe_dependent: exact_under_autocast).
     arguments: the stages' arguments as stage_arguments gives them for ``signatures``, where computed already.
