@@ -324,10 +324,7 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = AC
     rng = random.Random(SEED)
     for _ in range(rounds):
         for length in rng.sample(order, len(order)):
-            run = runs[length]
-            started = time.perf_counter()
-            run["step"]()
-            run["interleaved"].append(time.perf_counter() - started)
+            runs[length]["interleaved"] += _step_seconds(runs[length]["step"], 1)
     quiet = {length: module._observed_times(run["compiled"]) for length, run in runs.items()}
     base.zero_grad()
     for i, length in enumerate(order):
