@@ -21,6 +21,7 @@ from torch import nn
 
 import hierremat as hr
 from hierremat.device import LiveTensorTracker, memory_meter
+from hierremat.planning import menus
 
 from models import random_mlp_chain, same_bits, tiny_gpt2, tiny_llama
 
@@ -154,6 +155,39 @@ def test_gpt2_bf16_block_options_follow_the_recipe_seen_at_the_first_backward(re
         for _ in range(2):  # a saved plan for the other recipe: warned about at its second call
             _step(wrong, ids, recipe, torch.bfloat16)
         assert caplog.text.count("the saved plan's block options were traced for the backward") == 1
+
+
+def test_block_options_are_refused_under_autocast_where_a_replay_is_not_known_bitwise(monkeypatch, caplog):
+    """On a device type outside menus.AUTOCAST_EXACT_DEVICE_TYPES (CUDA: its bf16 gradients with block options were
+    not plain's, docs/results.md), a stage under autocast keeps option 0, recomputed whole: here CPU taken out of
+    it. The plan still recomputes, gradients bitwise plain's, the peak within the budget; without autocast the
+    same blocks get block options."""
+    monkeypatch.setattr(menus, "AUTOCAST_EXACT_DEVICE_TYPES", ())
+    torch.manual_seed(0)
+    model = tiny_llama(n_layer=2)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 48))
+    kwargs = {"labels": ids, "use_cache": False}
+    _, grads_ref, plain_peak = _step(reference, ids, "fresh", torch.bfloat16)
+    for p in model.parameters():  # (as _step has them: allocated before the step)
+        p.grad = torch.zeros_like(p)
+    with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level(logging.INFO, logger="hierremat"):
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan(model, (ids,), kwargs, budget="1KiB", cache=False, backward_autocast=False)
+        budget = (err.value.min_budget_bytes + plain_peak) // 2
+        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=False, defer_block_options=False,
+                          backward_autocast=False)
+    (plan,) = module.plans
+    blocks = plan.stages[1].signature
+    assert blocks not in plan.menus and "all[" not in plan.summary().split("schedule:")[-1]
+    assert "a replayed graph is not known to give eager autocast's gradients bitwise" in caplog.text
+    assert not plan.chain.schedule.keeps_everything
+    for _ in range(2):
+        _, grads, peak = _step(module, ids, "fresh", torch.bfloat16)
+        assert all(same_bits(a, b) for a, b in zip(grads, grads_ref))
+        assert peak <= budget, (peak, budget)
+    fp32 = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", cache=False)
+    assert fp32.stages[1].signature in fp32.menus
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -22,7 +22,7 @@ import torch
 
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
-from hierremat.device.memory import CpuAllocatorMeter
+from hierremat.device.memory import CpuAllocatorMeter, CudaPeakMeter
 from hierremat.graphs.capture import capture
 from hierremat.graphs.symbolic import capture_symbolic, every_dim, marked_dims, padded_dims
 from hierremat.graphs.joint import to_block_graph, trace_joint
@@ -38,7 +38,7 @@ from hierremat.planning.shape_fit import (
 from hierremat.runtime.profile import ChainProfile
 from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
-from models import tiny_gpt2
+from models import same_bits, tiny_gpt2
 
 VOCAB = 512
 
@@ -535,6 +535,59 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     assert {v for s in samples for _, v in s.bindings} == {40, 64, 16, 28}
     assert [v for s in samples if not s.times_measured for _, v in s.bindings] == [28]
     assert "times and memory fitted over" in plans[-1].summary() and "(memory only)" in plans[-1].summary()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_dynamic_padding_trains_every_length_within_the_budget_with_gradients_made_in_the_step(tmp_path, precision):
+    """The test above on CUDA, every step starting from ``zero_grad()``'s default (``.grad`` None: the gradients
+    made in the step, planned for). Gradients within 1e-6 of plain autograd's where two plain runs agree bitwise,
+    within their dtype's tolerance where they do not (CUDA's embedding backward accumulates with atomics); the
+    allocator's peak of a step after the one that planned the length within the budget (blocks rounded to 512
+    bytes). Every length is checked before the test fails, so that one run says each length's figures."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB).to(device)
+    reference = copy.deepcopy(model)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def on_device(batch: dict) -> dict:
+        return {name: value.to(device) for name, value in batch.items()}
+
+    with autocast:
+        plain = hr.plan(model, (), on_device(_batch(64, pad=5)), budget="64GiB", strategy="none",
+                        cache=str(tmp_path)).predicted_peak_bytes
+        budget = int(0.6 * plain)
+        module = hr.remat(model, (), on_device(_batch(40)), budget=budget, cache=str(tmp_path),
+                          backward_autocast=False)
+
+    def step(m, batch: dict, seed: int) -> list:
+        m.zero_grad()  # (set_to_none=True, PyTorch's default)
+        torch.manual_seed(seed)
+        with autocast:
+            loss = m(**batch).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in m.parameters()]
+
+    problems = []
+    for index, length in enumerate((40, 64, 23, 51, 40, 30)):
+        batch = on_device(_batch(length, pad=index % 3))
+        expected, again = step(reference, batch, index), step(reference, batch, index)
+        got = step(module, batch, index)  # (the first step at a length plans it)
+        for a, b, c in zip(got, expected, again):
+            close = (dict(rtol=1e-6, atol=1e-7) if same_bits(b, c) else {})
+            try:
+                torch.testing.assert_close(a, b, **close)
+            except AssertionError as err:
+                problems.append((length, "gradient", str(err).splitlines()[0]))
+                break
+        with CudaPeakMeter(device) as meter:
+            step(module, batch, index)
+        plan = module.plans[-1]
+        if not (plan.predicted_peak_bytes <= budget and meter.peak_bytes <= budget + 512 * 64):
+            problems.append((length, "peak", meter.peak_bytes, plan.predicted_peak_bytes, budget, plan.times))
+    assert not problems, problems
+    assert any("fitted" in p.times for p in module.plans), [p.times for p in module.plans]
 
 
 def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(monkeypatch, caplog):

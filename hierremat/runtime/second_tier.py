@@ -16,12 +16,13 @@ interface, :class:`SecondTier`:
   on close, on error and at exit. Writes and read-ahead run in order on one background thread.
 
 Every tier: ``offload(key, tensor)`` starts moving a value out and holds it until the copy is done (the
-caller drops its own reference: the device memory is freed then; ``wait_offloaded(key)`` waits for that;
-the caller must not change the value in place before); ``prefetch(key)`` starts bringing it back;
-``fetch(key)`` returns it on the device with its strides (a channels-last value stays one), waiting for
-the copy. A write or read that does not move every byte raises :class:`OffloadError` (a step never goes
-on with a partial value). ``close()`` drops what the tier holds. ``held_bytes`` and ``peak_bytes`` are
-the tier's own use (for the disk, :attr:`DiskTier.file_bytes` are the files' sizes).
+caller drops its own reference: the device memory is freed then; ``wait_offloaded(key)`` waits for that,
+on CUDA by making the compute stream wait, not the host; the caller must not change the value in place
+before); ``prefetch(key)`` starts bringing it back; ``fetch(key)`` returns it on the device with its
+strides (a channels-last value stays one), waiting for the copy. A write or read that does not move
+every byte raises :class:`OffloadError` (a step never goes on with a partial value). ``close()`` drops
+what the tier holds. ``held_bytes`` and ``peak_bytes`` are the tier's own use (for the disk,
+:attr:`DiskTier.file_bytes` are the files' sizes).
 """
 
 from __future__ import annotations
@@ -362,7 +363,9 @@ class HostMemoryTier(SecondTier):
     back (a backward fetches in the reverse order of the forward's offloads), an empty tier starts at 0.
     On CUDA every copy, out and back, runs on the one side stream: out after the compute stream's work that
     made the value, back ahead of the backward, which waits for its copy's event; a slot is reused only by
-    a copy queued after the one reading it, on that stream (so the reuse is safe)."""
+    a copy queued after the one reading it, on that stream (so the reuse is safe). Nothing in a step waits
+    on the host: ``wait_offloaded`` makes the stream the value was offloaded from wait for its copy out
+    before the value is freed (so the host keeps queueing work ahead of the GPU)."""
 
     kind = "host memory"
 
@@ -382,6 +385,7 @@ class HostMemoryTier(SecondTier):
         self._events: dict[object, object] = {}
         self._fetched: dict[object, tuple[torch.Tensor, object]] = {}
         self._sources: dict[object, torch.Tensor] = {}  # values whose copy out may still run (CUDA)
+        self._compute_streams: dict[object, object] = {}  # the stream each of them was offloaded from (CUDA)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
 
     def _slot(self, nbytes: int) -> tuple[int, int]:
@@ -408,15 +412,19 @@ class HostMemoryTier(SecondTier):
                 event = torch.cuda.Event()
                 event.record(self._stream)
             self._events[key] = event
-            # the source is held until the copy is done (wait_offloaded), not recorded on the side stream:
-            # record_stream would delay its reuse past later copies queued there, beyond the plan's peak
+            # the source is held until the compute stream waits for its copy (wait_offloaded), not recorded on the
+            # side stream: record_stream would delay its reuse past later copies queued there, beyond the plan's peak
             self._sources[key] = data
+            self._compute_streams[key] = torch.cuda.current_stream(self.device)
         self._slots[key] = (start, end)
 
     def _finish_offload(self, key) -> None:
         event = self._events.get(key)  # (a later prefetch's event: after the copy out on the same stream)
         if event is not None:
-            event.synchronize()
+            # the stream the value was made on waits for its copy, not the host: the allocator hands its memory,
+            # freed below, only to work queued after this wait on that stream, so the copy has read it by then
+            stream = self._compute_streams.pop(key, None) or torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
         self._sources.pop(key, None)
 
     def _start_fetch(self, key, stored: _Stored) -> None:
@@ -455,6 +463,7 @@ class HostMemoryTier(SecondTier):
         self._slots.pop(key, None)
         self._fetched.pop(key, None)
         self._sources.pop(key, None)
+        self._compute_streams.pop(key, None)
 
     def close(self) -> None:
         if self._cuda and self._stream is not None:

@@ -46,6 +46,7 @@ def measure_bandwidth(tier: SecondTier, device: torch.device | str, nbytes: int 
             started = time.perf_counter()
             tier.offload(("bandwidth", r), value)
             tier.wait_offloaded(("bandwidth", r))
+            _sync(device)  # (on CUDA the wait is the compute stream's: the host waits for it here)
             offloaded = time.perf_counter()
             fetched = tier.fetch(("bandwidth", r))
             _sync(device)
