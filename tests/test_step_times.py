@@ -8,6 +8,8 @@ equal to plain autograd's either way. The medians give the shape's stage times, 
 the plan's.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -106,3 +108,48 @@ def test_step_times_medians_and_what_they_cannot_say():
     assert StepTimes(2, steps=1).stage_times(planned) is None  # (nothing recorded)
     with pytest.raises(ValueError, match="steps must be at least 1"):
         StepTimes(2, steps=0)
+
+
+def test_step_times_scale_the_block_options_with_option_0_so_the_dp_prices_them_as_the_profile_did():
+    """A host that runs the steps k times slower than the profile ran: option 0's times observed k times the
+    profile's, every other time of the stage scaled with them (ChainCosts.with_step_times). The DP then picks
+    a schedule as fast as the one it picked from the profile, at k times its time; replacing option 0's times
+    alone (with_autograd_times) made block options look cheaper, and on some chains picked a schedule slower than
+    that."""
+    import numpy as np
+
+    from chains import random_chain
+    from hierremat.dp import solve_chain
+    from hierremat.errors import InfeasibleBudgetError
+    from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
+    from hierremat.plans.simulate import simulate
+
+    rng = np.random.default_rng(5)
+    k = 1.7
+    compared = slower = 0
+    for _ in range(150):
+        costs = random_chain(rng, int(rng.integers(2, 6)), 3)
+        observed = [(k * st.nograd_fwd_time, k * st.options[0].fwd_time, k * st.options[0].bwd_time)
+                    for st in costs.stages]
+        try:
+            floor = solve_chain(costs, 10**6).schedule.predicted_peak_bytes
+            budget = int(floor * rng.uniform(0.3, 1.0))
+            base = solve_chain(costs, budget, slots=400)
+        except InfeasibleBudgetError:
+            continue
+        consistent = costs.with_step_times(observed)
+        scaled = solve_chain(consistent, budget, slots=400)
+        assert scaled.schedule.predicted_time == pytest.approx(k * base.schedule.predicted_time, rel=1e-9)
+        assert simulate(costs, scaled.schedule).time == pytest.approx(base.schedule.predicted_time, rel=1e-9)
+        alone = solve_chain(costs.with_autograd_times(observed), budget, slots=400)
+        slower += simulate(consistent, alone.schedule).time > scaled.schedule.predicted_time * (1 + 1e-9)
+        compared += 1
+    assert compared > 50 and slower > 0, (compared, slower)
+    # the other no-grad forms scale with the no-grad forward, byte counts stay
+    option = OptionCosts(fwd_time=1.0, bwd_time=2.0, kept_bytes=8, fwd_overhead_bytes=12, bwd_overhead_bytes=4)
+    stage = StageCosts(0.5, 9, (option, replace(option, fwd_time=3.0, bwd_time=5.0, kept_bytes=2)),
+                       nograd_form="generated", autograd_nograd=(1.0, 7), leaner_nograd=("compiled", 2.0, 5))
+    (got,) = ChainCosts((4, 4), (stage,)).with_step_times([(1.0, 3.0, 3.0)]).stages
+    assert (got.nograd_fwd_time, got.options[0].fwd_time, got.options[0].bwd_time) == (1.0, 3.0, 3.0)
+    assert (got.options[1].fwd_time, got.options[1].bwd_time, got.options[1].kept_bytes) == (9.0, 7.5, 2)
+    assert got.autograd_nograd == (2.0, 7) and got.leaner_nograd == ("compiled", 4.0, 5)

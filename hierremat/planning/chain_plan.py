@@ -308,9 +308,10 @@ class PlannedChain:
 
     def retime(self, stage_times: Sequence[tuple[float, float, float]], device: torch.device) -> None:
         """Solve the plan again (the chain DP alone) with each stage's times under autograd replaced by
-        ``stage_times`` (as the training steps measured them: hierremat.runtime.step_times), for the budget, output
-        use and step gradients planned; the plans kept per step-gradient case are solved again when next needed."""
-        costs = self.plan.costs.with_autograd_times(stage_times)
+        ``stage_times`` (as the training steps measured them: hierremat.runtime.step_times) and its block options'
+        scaled with them (ChainCosts.with_step_times), for the budget, output use and step gradients planned; the
+        plans kept per step-gradient case are solved again when next needed."""
+        costs = self.plan.costs.with_step_times(stage_times)
         profile = ChainProfile(costs, self.plan.mutated_buffers, self.plan.output_grad_mask)
         plan = self._solve_agreed(profile, device, self.plan.profile_seconds, costs.held_output, costs.step_grad_bytes)
         before = self.runner

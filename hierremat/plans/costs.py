@@ -257,6 +257,34 @@ class ChainCosts:
         )
         return replace(self, stages=stages)
 
+    def with_step_times(self, stage_times: Sequence[tuple[float, float, float]]) -> "ChainCosts":
+        """These costs with each stage's option-0 times as the training steps observed them (``stage_times[i]``:
+        stage i's no-grad forward, forward and backward seconds: hierremat.runtime.step_times), and the stage's
+        other times scaled by the same ratios: its block options' forwards by the forward's, their backwards by the
+        backward's, its other no-grad forms by the no-grad forward's. Block options are priced from the profile's
+        node times, which the steps do not time; a host that runs the steps slower (or faster) than the profile
+        ran runs the generated code so too, and the DP prices the options against option 0 as the profile did
+        (replacing option 0's times alone made the options look cheaper by that ratio). Byte counts are kept."""
+        if len(stage_times) != len(self.stages):
+            raise ValueError(f"stage_times needs {len(self.stages)} stages' times, got {len(stage_times)}")
+
+        def ratio(new: float, old: float) -> float:
+            return new / old if old > 0 and new > 0 else 1.0
+
+        stages = []
+        for st, (nograd, fwd, bwd) in zip(self.stages, stage_times):
+            base = st.options[0]
+            f, b, n = ratio(fwd, base.fwd_time), ratio(bwd, base.bwd_time), ratio(nograd, st.nograd_fwd_time)
+            options = (replace(base, fwd_time=fwd, bwd_time=bwd),
+                       *(replace(o, fwd_time=o.fwd_time * f, bwd_time=o.bwd_time * b) for o in st.options[1:]))
+            stages.append(replace(
+                st, nograd_fwd_time=nograd, options=options,
+                autograd_nograd=None if st.autograd_nograd is None else (st.autograd_nograd[0] * n, st.autograd_nograd[1]),
+                leaner_nograd=None if st.leaner_nograd is None else (
+                    st.leaner_nograd[0], st.leaner_nograd[1] * n, st.leaner_nograd[2]),
+            ))
+        return replace(self, stages=tuple(stages))
+
     def with_leaner_forwards(self) -> "ChainCosts":
         """These costs with every stage's F_none / F_ck in its leaner no-grad form, where it has
         one (StageCosts.leaner_nograd); ``self`` where none has."""
