@@ -269,7 +269,7 @@ class ChainCosts:
             raise ValueError(f"stage_times needs {len(self.stages)} stages' times, got {len(stage_times)}")
 
         def ratio(new: float, old: float) -> float:
-            return new / old if old > 0 and new > 0 else 1.0
+            return new / old if old > 0 else 1.0
 
         stages = []
         for st, (nograd, fwd, bwd) in zip(self.stages, stage_times):

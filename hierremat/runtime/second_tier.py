@@ -118,7 +118,8 @@ class SecondTier:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def wait_offloaded(self, key) -> None:
-        """Return once ``key``'s copy out is done (its device memory is free then, if nobody else holds it)."""
+        """Order what follows after ``key``'s copy out (its device memory is free then, if nobody else holds it):
+        on a CPU device it returns once the copy is done; on CUDA the compute stream waits for it, not the host."""
         self._stored[key]  # (a KeyError for a key the tier does not hold)
         self._finish_offload(key)
 
@@ -365,7 +366,9 @@ class HostMemoryTier(SecondTier):
     made the value, back ahead of the backward, which waits for its copy's event; a slot is reused only by
     a copy queued after the one reading it, on that stream (so the reuse is safe). Nothing in a step waits
     on the host: ``wait_offloaded`` makes the stream the value was offloaded from wait for its copy out
-    before the value is freed (so the host keeps queueing work ahead of the GPU)."""
+    before the value is freed (so the host keeps queueing work ahead of the GPU). That orders the value's
+    reuse where it was made on that stream, as the runner's stage outputs are; a value another stream made
+    must be recorded there by its maker (``record_stream``) or still be held by it."""
 
     kind = "host memory"
 
