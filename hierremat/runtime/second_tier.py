@@ -17,8 +17,8 @@ interface, :class:`SecondTier`:
 
 Every tier: ``offload(key, tensor)`` starts moving a value out and holds it until the copy is done (the
 caller drops its own reference: the device memory is freed then; ``wait_offloaded(key)`` waits for that,
-on CUDA by making the compute stream wait, not the host; the caller must not change the value in place
-before); ``prefetch(key)`` starts bringing it back; ``fetch(key)`` returns it on the device with its
+the host memory tier on CUDA by making the compute stream wait, not the host; the caller must not change
+the value in place before); ``prefetch(key)`` starts bringing it back; ``fetch(key)`` returns it on the device with its
 strides (a channels-last value stays one), waiting for the copy. A write or read that does not move
 every byte raises :class:`OffloadError` (a step never goes on with a partial value). ``close()`` drops
 what the tier holds. ``held_bytes`` and ``peak_bytes`` are the tier's own use (for the disk,
@@ -119,7 +119,8 @@ class SecondTier:
 
     def wait_offloaded(self, key) -> None:
         """Order what follows after ``key``'s copy out (its device memory is free then, if nobody else holds it):
-        on a CPU device it returns once the copy is done; on CUDA the compute stream waits for it, not the host."""
+        it returns once the copy is done, except the host memory tier's on CUDA, where the compute stream waits
+        for it instead of the host."""
         self._stored[key]  # (a KeyError for a key the tier does not hold)
         self._finish_offload(key)
 
