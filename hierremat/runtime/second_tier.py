@@ -18,10 +18,10 @@ interface, :class:`SecondTier`:
 Every tier: ``offload(key, tensor)`` starts moving a value out and holds it until the copy is done (the
 caller drops its own reference: the device memory is freed then; ``wait_offloaded(key)`` waits for that,
 the host memory tier on CUDA by making the compute stream wait, not the host; the caller must not change
-the value in place before); ``prefetch(key)`` starts bringing it back; ``fetch(key)`` returns it on the device with its
-strides (a channels-last value stays one), waiting for the copy. A write or read that does not move
-every byte raises :class:`OffloadError` (a step never goes on with a partial value). ``close()`` drops
-what the tier holds. ``held_bytes`` and ``peak_bytes`` are the tier's own use (for the disk,
+the value in place before); ``prefetch(key)`` starts bringing it back; ``fetch(key)`` returns it on the
+device with its strides (a channels-last value stays one), waiting for the copy. A write or read that
+does not move every byte raises :class:`OffloadError` (a step never goes on with a partial value).
+``close()`` drops what the tier holds. ``held_bytes`` and ``peak_bytes`` are the tier's own use (for the disk,
 :attr:`DiskTier.file_bytes` are the files' sizes).
 """
 
