@@ -30,13 +30,13 @@ run with autocast off (hierremat.device.autocast).
 Stages whose joint graph cannot be traced, that return several tensors (a model's output
 stage), whose output is one result of a multi-output operator (a lone dropout), in
 which autocast casts one parameter more than once, whose backward autocast would
-change while the caller's recipe is not known, or that run under autocast on a device where
-a replayed graph is not known to be bitwise (CUDA; exact_under_autocast) keep option 0 only;
-the reason is logged. The last stage
-gets a menu like any other where it has no fused LM head (hierremat.planning.output_stage) and the
-chain's output, and the gradient that arrives for it, are the one tensor its graph
-returns (ChainMenus._output_fits_menu): in a chain of identical blocks, the last block's
-menu is the others'.
+change while the caller's recipe is not known (exact_under_autocast), or that run under
+autocast on a device where a replayed graph is not known to be bitwise (CUDA:
+AUTOCAST_EXACT_DEVICE_TYPES, refused before tracing) keep option 0 only; the reason is
+logged. The last stage gets a menu like any other where it has no fused LM head
+(hierremat.planning.output_stage) and the chain's output, and the gradient that arrives for
+it, are the one tensor its graph returns (ChainMenus._output_fits_menu): in a chain of
+identical blocks, the last block's menu is the others'.
 """
 
 from __future__ import annotations
@@ -385,8 +385,6 @@ def exact_under_autocast(
     """Raise ValueError where ``joint``, traced under autocast for the caller's recipe ``backward_autocast``,
     cannot reproduce eager autocast bitwise.
 
-    * A device where replaying a graph traced under autocast is not known to be bitwise
-      (AUTOCAST_EXACT_DEVICE_TYPES: CUDA).
     * A parameter cast more than once: eager autocast casts it once per context and sums its
       low-precision gradients before casting them back; the traced graph casts per use.
     * A backward that autocast changes: eager runs the backward under autocast when one
@@ -398,9 +396,6 @@ def exact_under_autocast(
       so; None: not known yet (``joint`` traced the second way), BackwardRecipeUnknown where the
       two graphs differ (the runtime sees the recipe at the first backward: hierremat.runtime.executor).
     """
-    if x.device.type not in AUTOCAST_EXACT_DEVICE_TYPES:
-        raise ValueError(f"under autocast on {x.device.type}, a replayed graph is not known to give eager autocast's "
-                         "gradients bitwise (AUTOCAST_EXACT_DEVICE_TYPES)")
     recast = params_cast_more_than_once(joint)
     if recast:
         raise ValueError(f"autocast casts parameter(s) {', '.join(recast)} more than once")
@@ -590,6 +585,8 @@ def build_menus(
     solves_before = solve_count()
     recipe_dependent: list[str] = []
     autocast = AutocastState.capture((x0.device.type,))
+    # (a device's alone: its stages are refused before they are traced)
+    replay_inexact = autocast.enabled and x0.device.type not in AUTOCAST_EXACT_DEVICE_TYPES
     output_option = None
     if variants and not (residents is not None and residents.touches(L - 1)):
         fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
@@ -614,6 +611,9 @@ def build_menus(
             try:
                 if not isinstance(stage, torch.nn.Module):
                     raise TypeError("it is a plain callable, not an nn.Module")
+                if replay_inexact:
+                    raise ValueError(f"under autocast on {x0.device.type}, a replayed graph is not known to give eager "
+                                     "autocast's gradients bitwise (AUTOCAST_EXACT_DEVICE_TYPES)")
                 input_grad = i > 0 or x0.requires_grad
                 joint = trace_joint(
                     stage, xs[i], shareds[i], input_requires_grad=input_grad, autocast=autocast, resident_grads=reads,
