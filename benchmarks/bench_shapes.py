@@ -335,7 +335,7 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = AC
         interleaved = statistics.median(run["interleaved"])
 
         def priced(times) -> float:
-            return simulate(costs.with_autograd_times(times), schedule).time
+            return simulate(costs.with_step_times(times), schedule).time  # (as the plan is solved again from them)
 
         own, own_quiet = priced(run["own"]), priced(quiet[length])
         quiet_fit = _quiet_fit(run["profiled"], [(runs[n]["compiled"], quiet[n]) for n in order[:i]], compiled, costs)
