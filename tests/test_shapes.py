@@ -244,6 +244,45 @@ def test_times_are_fitted_from_fewer_shapes_where_the_training_steps_time_them()
     assert fitted(far)[:3] == pytest.approx([k * linear["a"](268) * 105 / 268 for k in (1, 2, 3)])
 
 
+def test_block_options_are_scaled_as_the_steps_run_option_0_over_the_profile_at_the_shapes_with_both():
+    """ShapeFit.step_ratios: at a shape both profiled and timed in its training steps, the steps' option-0 seconds
+    over the profile's, no-grad forward, forward and backward apart, pooled over the stages of one structure; None
+    without such a shape. least_block_time (the bound block options are weighed with against a plan priced from
+    the steps) is scaled by the forward's and backward's together; ChainCosts.with_times_scaled scales every
+    time of a stage, byte counts kept."""
+    linear = {"a": lambda s: 1e-3 + 2e-5 * 4 * s, "b": lambda s: 5e-4 + 1e-5 * 4 * s}
+    profiled = _sample(linear, 512)
+    memory_only = [replace(_sample(_FLAT, n), times_measured=False) for n in (128, 64, 96)]
+
+    def in_steps(length: int, factors: tuple[float, float, float]) -> ShapeSample:
+        times = tuple(tuple(k * t for k, t in zip(factors, st)) for st in _sample(linear, length).stage_times)
+        return ShapeSample.from_step_times({"b": 4, "s": length}, (0, 1), times)
+
+    target = {"b": 4, "s": 431}
+    assert ShapeFit.of([profiled, *memory_only], target, (0, 1), reduced=True).step_ratios is None
+    fit = ShapeFit.of([profiled, *memory_only, in_steps(300, (3.0, 3.0, 3.0))], target, (0, 1), reduced=True)
+    assert fit.step_ratios is None  # (no shape with both)
+    fit = ShapeFit.of([profiled, *memory_only, in_steps(512, (1.1, 1.2, 1.5))], target, (0, 1), reduced=True)
+    assert np.allclose(fit.step_ratios, [(1.1, 1.2, 1.5)] * 2)
+    # stages of one structure pooled: seconds summed over them before the ratio
+    one, two = ((1.0, 2.0, 3.0), (1.0, 2.0, 3.0)), ((2.0, 2.0, 3.0), (4.0, 6.0, 3.0))
+    fit = ShapeFit.of([ShapeSample((("s", 64),), (0, 0), one, (None, None), (None, None)),
+                       ShapeSample((("s", 96),), (0, 0), one, (None, None), (None, None), times_measured=False),
+                       ShapeSample.from_step_times({"s": 64}, (0, 0), two)], {"s": 80}, (0, 0), reduced=True)
+    assert np.allclose(fit.step_ratios, [(3.0, 2.0, 1.0)] * 2)
+    # the bound on a block option's time: the menus' price, times the steps' forward and backward over the profile's
+    samples = _menu_samples((8, 24, 48, 96))
+    bound = ShapeFit.of(samples, {"s": 64}, (0,)).least_block_time(0)
+    stepped = ShapeSample.from_step_times({"s": 48}, (0,), ((9.0, 2.0, 4.0),))  # (option 0 profiled at 1 s each way)
+    assert ShapeFit.of([*samples, stepped], {"s": 64}, (0,)).least_block_time(0) == pytest.approx(3.0 * bound, rel=1e-9)
+    option = OptionCosts(fwd_time=1.0, bwd_time=2.0, kept_bytes=8, fwd_overhead_bytes=12, bwd_overhead_bytes=4)
+    stage = StageCosts(0.5, 9, (option, replace(option, fwd_time=3.0, bwd_time=5.0, kept_bytes=2)),
+                       nograd_form="generated", autograd_nograd=(1.0, 7), leaner_nograd=("compiled", 2.0, 5))
+    (got,) = ChainCosts((4, 4), (stage,)).with_times_scaled([(2.0, 3.0, 0.5)]).stages
+    assert got.nograd_fwd_time == 1.0 and got.autograd_nograd == (2.0, 7) and got.leaner_nograd == ("compiled", 4.0, 5)
+    assert [(o.fwd_time, o.bwd_time, o.kept_bytes) for o in got.options] == [(3.0, 1.0, 8), (9.0, 2.5, 2)]
+
+
 def test_times_fitted_outside_the_measured_lengths_stay_within_what_a_growing_cost_allows():
     """Outside the lengths measured a fitted time is bounded by the measured time t at the nearest length
     (r = the ratio of tokens): below, between r * t (its fixed and linear parts; r^2 for the quadratic share
@@ -339,23 +378,30 @@ def test_least_block_time_is_the_fastest_option_priced_as_the_menus_price_it():
     what build_menus runs at a new shape) has no option faster than ShapeFit.least_block_time, which finds the
     fastest one from the node times fitted over measured lengths and the speed scale, no stage traced there."""
     lengths, target = (8, 24, 48, 96), 64
-    graphs = {n: _joint_graph(n) for n in (*lengths, target)}  # (node times linear in the length: fitted exactly)
-    options = solve_menu(graphs[8]).options
-    profile = ChainProfile(ChainCosts((0, 0), (StageCosts(1.0, 0, (OptionCosts(1.0, 1.0, 0, 0, 0),), name="b"),)),
-                           ((),), (True,))
-
-    def sample(n: int) -> ShapeSample:
-        menu = StageMenu(graphs[n], tuple(recost_options(graphs[n], options)), 0.0, recosted=True)
-        menus = SimpleNamespace(signatures=("sig",), menus={"sig": menu}, speeds={"sig": ExecutorSpeeds(1.25, 0.0)})
-        return ShapeSample.of(profile, menus, ["sig"]).bound({"s": n})
-
-    fit = ShapeFit.of([sample(n) for n in lengths], {"s": target}, (0,))
+    samples = _menu_samples(lengths)
+    fit = ShapeFit.of(samples, {"s": target}, (0,))
     assert fit.had_menu(0)
-    fastest = min(o.fwd_time + o.bwd_time for o in recost_options(graphs[target], options))
+    graph = _joint_graph(target)
+    fastest = min(o.fwd_time + o.bwd_time for o in recost_options(graph, solve_menu(_joint_graph(8)).options))
     assert fit.least_block_time(0) == pytest.approx(1.25 * fastest, rel=1e-9)
-    without = [replace(sample(n), node_times=(None,), option_nodes=(None,)) for n in lengths]
+    without = [replace(sample, node_times=(None,), option_nodes=(None,)) for sample in samples]
     fit = ShapeFit.of(without, {"s": target}, (0,))
     assert not fit.had_menu(0) and fit.least_block_time(0) is None
+
+
+def _menu_samples(lengths: tuple[int, ...]) -> list[ShapeSample]:
+    """Synthetic samples of a 1-stage chain with a block menu (solved at the first length, re-costed at each; node
+    times linear in the length: fitted exactly), its generated code 1.25x its node times, option 0 1 s each way."""
+    options = solve_menu(_joint_graph(lengths[0])).options
+    profile = ChainProfile(ChainCosts((0, 0), (StageCosts(1.0, 0, (OptionCosts(1.0, 1.0, 0, 0, 0),), name="b"),)),
+                           ((),), (True,))
+    samples = []
+    for n in lengths:
+        graph = _joint_graph(n)
+        menu = StageMenu(graph, tuple(recost_options(graph, options)), 0.0, recosted=True)
+        menus = SimpleNamespace(signatures=("sig",), menus={"sig": menu}, speeds={"sig": ExecutorSpeeds(1.25, 0.0)})
+        samples.append(ShapeSample.of(profile, menus, ["sig"]).bound({"s": n}))
+    return samples
 
 
 def _traced_sample(length: int, candidates: dict) -> ShapeSample:
@@ -784,6 +830,56 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     assert [[v for _, v in s.bindings] for s in samples if s.times_measured] == [[64]]  # (the others: memory alone)
     steps = next(iter(module._step_samples.values()))
     assert sorted(v for s in steps for _, v in s.bindings) == [40, 48, 56, 64]
+
+
+def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_the_profile_timed_them(monkeypatch):
+    """A family timed in its training steps (CPU, block options built once they pay), its steps here made to run
+    twice as slow as its profile: at a fitted length where block options are built (their node times profiled
+    there), each option is priced at the steps' forward and backward over the profile's (ShapeFit.step_ratios) times
+    what the menus price it, as option 0 is fitted from the steps: not at the profile's prices against a twice
+    dearer option 0. Gradients bitwise equal to plain autograd's at every step."""
+    from hierremat.api import shape_planning
+    from hierremat.planning.shape_fit import chain_pattern
+
+    from_step_times = ShapeSample.from_step_times
+    monkeypatch.setattr(ShapeSample, "from_step_times", lambda bindings, pattern, times: from_step_times(
+        bindings, pattern, tuple(tuple(2 * t for t in st) for st in times)))
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    budget = int(0.6 * hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes)
+    module = hr.remat(model, (), _batch(64), budget=budget, cache=False)
+    for step, length in enumerate((64, 64, 64, 48)):
+        if length == 48:  # (block options built at the fitted length: whatever they save pays)
+            module._recost_seconds = 0.0
+            monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 0.0)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        for m in (module, reference):
+            torch.manual_seed(step)
+            m(**_batch(length)).loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), length
+    compiled = next(c for c in module._compiled.values() if c.skeleton[1]["input_ids"].shape[1] == 48)
+    assert "in the training steps" in compiled.plan.times and compiled.plan.menus, compiled.plan.times
+    signatures = [info.signature for info in compiled.chain.infos]
+    fit = ShapeFit.of([*module._samples[compiled.family], *module._step_samples[compiled.family]],
+                      compiled.bindings, chain_pattern(signatures), reduced=True)
+    assert all(r > 1.5 for stage in fit.step_ratios for r in stage), fit.step_ratios
+    menus, priced = compiled.chain_module.planned.menus, 0
+    for i, stage in enumerate(compiled.plan.chain.costs.stages):
+        menu = menus.menus.get(menus.signatures[i])
+        if menu is None or i == len(signatures) - 1:
+            continue
+        scale = menus.speeds[menus.signatures[i]].scale
+        _, forward, backward = fit.step_ratios[i]
+        ratios = [(got.fwd_time / (scale * option.fwd_time), got.bwd_time / (scale * option.bwd_time))
+                  for got, option in zip(stage.options[1:], (o.to_option_costs() for o in menu.options))
+                  if option.fwd_time > 0 and option.bwd_time > 0]
+        # (an option that saves no memory over option 0 may be priced a hair above it: never below)
+        assert min(f for f, _ in ratios) == pytest.approx(forward, rel=1e-6), (i, ratios, fit.step_ratios[i])
+        assert min(b for _, b in ratios) == pytest.approx(backward, rel=1e-6), (i, ratios, fit.step_ratios[i])
+        priced += 1
+    assert priced
 
 
 def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them():

@@ -210,6 +210,11 @@ class ProfiledChain:
     #: a measured shape's times are those of one timed run each, not the medians of PROFILE_REPEATS (``of``'s
     #: ``one_run``)
     one_run: bool = False
+    #: at a fitted shape of a family timed in its training steps: per stage, how much slower the steps run it than
+    #: the profile did (ShapeFit.step_ratios). ``profile`` then holds option 0's times fitted from the steps divided
+    #: by them (as the profile would have timed it), so that block options, priced from node times profiled apart,
+    #: compare with option 0 as they were measured; :meth:`in_steps` scales the whole chain back to the steps
+    step_ratios: tuple[tuple[float, float, float], ...] | None = None
 
     @classmethod
     def of(
@@ -239,11 +244,16 @@ class ProfiledChain:
                 timed=timed and fitted is None, repeats=1 if one_run and fitted is None else PROFILE_REPEATS,
                 known=known, measure=measure,
             )
+        ratios = fitted.step_ratios if fitted is not None else None
         if fitted is not None:
-            profile = replace(profile, costs=fitted.stage_costs(profile.costs))
+            costs = fitted.stage_costs(profile.costs)
+            if ratios is not None:  # (option 0 fitted from the steps: as the profile would have timed it)
+                costs = costs.with_times_scaled([tuple(1 / r for r in stage) for stage in ratios])
+            profile = replace(profile, costs=costs)
         profile_seconds = time.perf_counter() - started
         profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of,
-                       one_run=one_run and fitted is None and profile.repeats < PROFILE_REPEATS)
+                       one_run=one_run and fitted is None and profile.repeats < PROFILE_REPEATS,
+                       step_ratios=ratios)
         return profiled.with_block_menus(deadline, blocks) if timed else profiled  # (memory alone: no menu used)
 
     def with_block_menus(self, deadline: float | None, blocks: bool = True) -> "ProfiledChain":
@@ -290,8 +300,17 @@ class ProfiledChain:
 
     @property
     def options_profile(self) -> ChainProfile:
-        """The measured profile with the block menus' options (the profile alone without menus)."""
-        return self.menus.extend(self.profile) if self.menus is not None else self.profile
+        """The measured profile with the block menus' options (the profile alone without menus), as the training
+        steps run them where they time the shapes (:meth:`in_steps`)."""
+        return self.in_steps(self.menus.extend(self.profile) if self.menus is not None else self.profile)
+
+    def in_steps(self, profile: ChainProfile) -> ChainProfile:
+        """``profile`` (``self.profile``, its menus' options added) with every time of each stage scaled as the
+        training steps run it (``step_ratios``: option 0's times then as fitted from the steps, ChainCosts.
+        with_times_scaled), where they are set; else ``profile``."""
+        if self.step_ratios is None:
+            return profile
+        return replace(profile, costs=profile.costs.with_times_scaled(self.step_ratios))
 
     def block_options_gain(self, plan: SequentialPlan) -> float | None:
         """The most block options could save per step (seconds) on ``plan``, solved without them at a shape whose
@@ -466,7 +485,8 @@ def profile_and_solve(
     compiled = menus is not None and compiling
     if compiled:
         chain_plan = plan_compiled(
-            menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p, output_released=output_released),
+            menus, profiled.profile,
+            lambda p: profiled.solve(budget_bytes, profiled.in_steps(p), output_released=output_released),
             chain.stages, x0, shared,
             settings.inductor_cache(), settings.deadline(started),
         )

@@ -30,7 +30,8 @@ profile's memory runs, single and untimed) and its times still fitted: times are
 shapes as the monomials and up to EXTRAPOLATION outside them (a time only steers the plan; a byte
 count is the budget's promise), or, where the training steps time the shapes and the memory is to be fitted,
 however far outside them (scaled from the nearest shape timed). Block options are re-costed on the shape's own
-joint graph (exact).
+joint graph (exact), priced from node times profiled apart, and scaled as the training steps run option 0 over
+the profile where the steps time the shapes (ShapeFit.step_ratios).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ log = logging.getLogger(__name__)
 
 #: Bump when what is fitted, or how, changes (part of a saved plan's hierremat.planning.menus.cost_model_version).
 #: 3: times from the training steps, from fewer shapes than the monomials (ShapeFit.of); 4: two shapes timed nearer
-#: than SPACING scale each time by the tokens, not a line through them; 5: times fitted with every term >= 0.
-FIT_VERSION = "fit-5"
+#: than SPACING scale each time by the tokens, not a line through them; 5: times fitted with every term >= 0; 6: block
+#: options scaled as the training steps run option 0 over the profile (ShapeFit.step_ratios).
+FIT_VERSION = "fit-6"
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
 #: How far outside the measured sizes times are fitted (a factor on either side); a shape farther out is measured
@@ -517,6 +519,45 @@ class ShapeFit:
         fitted = self._predict([[t for st in s.stage_times for t in st] for s in self.timed])
         return costs.with_autograd_times([tuple(fitted[3 * i: 3 * i + 3]) for i in range(len(costs.stages))])
 
+    @functools.cached_property
+    def step_ratios(self) -> tuple[tuple[float, float, float], ...] | None:
+        """Per stage, how much slower its training steps ran option 0 than its profile did: (no-grad forward,
+        forward, backward) ratios of the steps' seconds over the profile's, at the shapes that have both (a shape
+        measured, then timed in its steps), pooled over the stages of one structure (a profile of one run each is
+        noisy; the stages of one signature share their block options' prices). None where no shape has both: the
+        times fitted are all the profile's, or all the steps'.
+
+        :meth:`stage_costs` fits option 0 from the steps where a shape has them, while block options are priced from
+        node times and generated code's speeds profiled apart (:meth:`node_costs`, :meth:`speeds`, or measured at
+        the shape): hierremat.api.shape_planning.ProfiledChain prices them with option 0 as the profile timed it
+        (these ratios undone) and scales the whole stage to the steps (ChainCosts.with_times_scaled), as a plan solved
+        again from its own steps is (a block's forward ran 10-15% slower in the 4-layer GPT-2's steps than profiled
+        alone: the options looked that much cheaper against option 0)."""
+        sums = self._step_and_profile_sums
+        if sums is None:
+            return None
+        return tuple(tuple(_ratio(steps, profile) for steps, profile in zip(*sums[first])) for first in self._pattern)
+
+    @functools.cached_property
+    def _step_and_profile_sums(self) -> dict[int, np.ndarray] | None:
+        """By the first stage of each structure, its stages' option-0 seconds in the steps (row 0) and in the profile
+        (row 1), no-grad forward, forward and backward, summed over the shapes that have both; None where none has
+        (:attr:`step_ratios`)."""
+        stepped = {s.bindings: s for s in self.samples if s.from_steps}
+        both = [(stepped[s.bindings], s) for s in self.profiled if s.bindings in stepped]
+        if not both:
+            return None
+        sums: dict[int, np.ndarray] = {}
+        for steps, profile in both:
+            for i, first in enumerate(self._pattern):
+                pair = np.array([steps.stage_times[i], profile.stage_times[i]], dtype=float)
+                sums[first] = sums.get(first, 0.0) + pair
+        return sums
+
+    @property
+    def _pattern(self) -> tuple[int, ...]:
+        return self.samples[0].pattern  # (ShapeFit.of: every sample of one chain structure)
+
     def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
         """This shape's chain profile with every byte count that fits exactly (module docstring; its times
         are the last sample's, for :meth:`stage_costs` to fit), and the stages whose memory does not (to
@@ -610,11 +651,17 @@ class ShapeFit:
         at this shape, without tracing it here: the fastest option of the last measured shape's menu (the options
         re-costed at a new shape are those, hierremat.ilp.options.recost_options), each priced as the menus price
         it (hierremat.planning.menus: its nodes' times summed, times its generated code's speed scale), with
-        every node's time and the scale fitted. None where a measured shape had no menu or speeds there."""
+        every node's time and the scale fitted, and as the training steps run the stage where they time it
+        (:attr:`step_ratios`, forward and backward together). None where a measured shape had no menu or speeds
+        there."""
         first = self.profiled[-1].pattern[stage]  # (stages of one structure: one bound)
         if first not in self._least_block:
             self._least_block[first] = self._least_block_time(first)
-        return self._least_block[first]
+        least, sums = self._least_block[first], self._step_and_profile_sums
+        if least is None or sums is None:
+            return least
+        steps, profile = sums[first][:, 1:].sum(axis=1)
+        return least * _ratio(steps, profile)
 
     def _least_block_time(self, stage: int) -> float | None:
         options = self.profiled[-1].option_nodes[stage] if self.profiled[-1].option_nodes else None
@@ -663,6 +710,11 @@ class ShapeFit:
         if unfitted:
             return f"{line}; the memory of stage(s) {', '.join(map(str, sorted(unfitted)))} measured at this shape"
         return line
+
+
+def _ratio(steps: float, profile: float) -> float:
+    """Seconds in the training steps over seconds in the profile (1 where either is 0: nothing timed)."""
+    return float(steps / profile) if steps > 0 and profile > 0 else 1.0
 
 
 def _least_squares(rows: np.ndarray, values: np.ndarray, non_negative: bool) -> np.ndarray:

@@ -260,25 +260,31 @@ class ChainCosts:
     def with_step_times(self, stage_times: Sequence[tuple[float, float, float]]) -> "ChainCosts":
         """These costs with each stage's option-0 times as the training steps observed them (``stage_times[i]``:
         stage i's no-grad forward, forward and backward seconds: hierremat.runtime.step_times), and the stage's
-        other times scaled by the same ratios: its block options' forwards by the forward's, their backwards by the
-        backward's, its other no-grad forms by the no-grad forward's. Block options are priced from the profile's
-        node times, which the steps do not time; a host that runs the steps slower (or faster) than the profile
-        ran runs the generated code so too, and the DP prices the options against option 0 as the profile did
-        (replacing option 0's times alone made the options look cheaper by that ratio). Byte counts are kept."""
+        other times scaled by the same ratios (:meth:`with_times_scaled`). Block options are priced from the
+        profile's node times, which the steps do not time; a host that runs the steps slower (or faster) than the
+        profile ran runs the generated code so too, and the DP prices the options against option 0 as the profile
+        did (replacing option 0's times alone made the options look cheaper by that ratio). Byte counts are kept."""
         if len(stage_times) != len(self.stages):
             raise ValueError(f"stage_times needs {len(self.stages)} stages' times, got {len(stage_times)}")
 
         def ratio(new: float, old: float) -> float:
             return new / old if old > 0 else 1.0
 
+        ratios = [(ratio(nograd, st.nograd_fwd_time), ratio(fwd, st.options[0].fwd_time),
+                   ratio(bwd, st.options[0].bwd_time)) for st, (nograd, fwd, bwd) in zip(self.stages, stage_times)]
+        return self.with_times_scaled(ratios).with_autograd_times(stage_times)  # (the observed ones exactly)
+
+    def with_times_scaled(self, ratios: Sequence[tuple[float, float, float]]) -> "ChainCosts":
+        """These costs with each stage's times scaled by ``ratios[i]`` (no-grad forward, forward, backward factors):
+        every option's forward by the second and backward by the third, the no-grad forward and its other forms
+        (autograd_nograd, leaner_nograd) by the first. Byte counts are kept."""
+        if len(ratios) != len(self.stages):
+            raise ValueError(f"ratios needs {len(self.stages)} stages' factors, got {len(ratios)}")
         stages = []
-        for st, (nograd, fwd, bwd) in zip(self.stages, stage_times):
-            base = st.options[0]
-            f, b, n = ratio(fwd, base.fwd_time), ratio(bwd, base.bwd_time), ratio(nograd, st.nograd_fwd_time)
-            options = (replace(base, fwd_time=fwd, bwd_time=bwd),
-                       *(replace(o, fwd_time=o.fwd_time * f, bwd_time=o.bwd_time * b) for o in st.options[1:]))
+        for st, (n, f, b) in zip(self.stages, ratios):
             stages.append(replace(
-                st, nograd_fwd_time=nograd, options=options,
+                st, nograd_fwd_time=st.nograd_fwd_time * n,
+                options=tuple(replace(o, fwd_time=o.fwd_time * f, bwd_time=o.bwd_time * b) for o in st.options),
                 autograd_nograd=None if st.autograd_nograd is None else (st.autograd_nograd[0] * n, st.autograd_nograd[1]),
                 leaner_nograd=None if st.leaner_nograd is None else (
                     st.leaner_nograd[0], st.leaner_nograd[1] * n, st.leaner_nograd[2]),
