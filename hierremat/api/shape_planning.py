@@ -210,11 +210,12 @@ class ProfiledChain:
     #: a measured shape's times are those of one timed run each, not the medians of PROFILE_REPEATS (``of``'s
     #: ``one_run``)
     one_run: bool = False
-    #: at a fitted shape of a family timed in its training steps: per stage, how much slower the steps run it than
-    #: the profile did (ShapeFit.step_ratios). ``profile`` then holds option 0's times fitted from the steps divided
-    #: by them (as the profile would have timed it), so that block options, priced from node times profiled apart,
-    #: compare with option 0 as they were measured; :meth:`in_steps` scales the whole chain back to the steps
-    step_ratios: tuple[tuple[float, float, float], ...] | None = None
+    #: at a fitted shape of a family timed in its training steps: how much slower the steps run option 0 than the
+    #: profile did (ShapeFit.step_ratios: no-grad forward, forward, backward). ``profile`` then holds option 0's
+    #: times fitted from the steps divided by them (as the profile would have timed it), so that block options,
+    #: priced from node times profiled apart, compare with option 0 as they were measured; :meth:`in_steps` scales
+    #: the whole chain back to the steps
+    step_ratios: tuple[float, float, float] | None = None
 
     @classmethod
     def of(
@@ -248,7 +249,7 @@ class ProfiledChain:
         if fitted is not None:
             costs = fitted.stage_costs(profile.costs)
             if ratios is not None:  # (option 0 fitted from the steps: as the profile would have timed it)
-                costs = costs.with_times_scaled([tuple(1 / r for r in stage) for stage in ratios])
+                costs = costs.with_times_scaled(tuple(1 / r for r in ratios))
             profile = replace(profile, costs=costs)
         profile_seconds = time.perf_counter() - started
         profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of,

@@ -288,8 +288,7 @@ class RematModule(nn.Module):
         step_times = compiled.chain_module.planned.step_times
         if step_times is None:
             return None
-        return step_times.stage_times([(st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)
-                                       for st in compiled.plan.chain.costs.stages])
+        return step_times.stage_times([st.autograd_times for st in compiled.plan.chain.costs.stages])
 
     def _retime(self, compiled: CompiledShape) -> None:
         """Solve a shape's plan again (the chain DP alone) from its training steps' times once its TIMED_STEPS steps

@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from ..plans.costs import ChainCosts
+from ..plans.costs import ChainCosts, step_time_ratios
 from ..plans.memory_trace import with_memory
 from ..runtime.profile import ChainProfile
 from ..runtime.stage_cost_cache import ExecutorSpeeds
@@ -124,9 +124,7 @@ class ShapeSample:
         """A sample (bindings unset) from a shape's measured profile and its ChainMenus (or None)."""
         costs = profile.costs
         pattern = chain_pattern(signatures)
-        stage_times = tuple(
-            (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time) for st in costs.stages
-        )
+        stage_times = tuple(st.autograd_times for st in costs.stages)
         node_times, speeds, option_nodes = [], [], []
         computes: dict[str, tuple] = {}  # by signature: stages of one signature share their options' lists
         for i in range(len(costs.stages)):
@@ -520,43 +518,25 @@ class ShapeFit:
         return costs.with_autograd_times([tuple(fitted[3 * i: 3 * i + 3]) for i in range(len(costs.stages))])
 
     @functools.cached_property
-    def step_ratios(self) -> tuple[tuple[float, float, float], ...] | None:
-        """Per stage, how much slower its training steps ran option 0 than its profile did: (no-grad forward,
-        forward, backward) ratios of the steps' seconds over the profile's, at the shapes that have both (a shape
-        measured, then timed in its steps), pooled over the stages of one structure (a profile of one run each is
-        noisy; the stages of one signature share their block options' prices). None where no shape has both: the
-        times fitted are all the profile's, or all the steps'.
+    def step_ratios(self) -> tuple[float, float, float] | None:
+        """How much slower the training steps run option 0 than the profile did: (no-grad forward, forward,
+        backward) ratios of the steps' seconds over the profile's at the shapes that have both (a shape measured,
+        then timed in its steps), one per kind of time, the median over their stages (hierremat.plans.costs.
+        step_time_ratios). None where no shape has both: the times fitted are all the profile's, or all the steps'.
 
         :meth:`stage_costs` fits option 0 from the steps where a shape has them, while block options are priced from
         node times and generated code's speeds profiled apart (:meth:`node_costs`, :meth:`speeds`, or measured at
-        the shape): hierremat.api.shape_planning.ProfiledChain prices them with option 0 as the profile timed it
-        (these ratios undone) and scales the whole stage to the steps (ChainCosts.with_times_scaled), as a plan solved
-        again from its own steps is (a block's forward ran 10-15% slower in the 4-layer GPT-2's steps than profiled
-        alone: the options looked that much cheaper against option 0)."""
-        sums = self._step_and_profile_sums
-        if sums is None:
-            return None
-        return tuple(tuple(_ratio(steps, profile) for steps, profile in zip(*sums[first])) for first in self._pattern)
-
-    @functools.cached_property
-    def _step_and_profile_sums(self) -> dict[int, np.ndarray] | None:
-        """By the first stage of each structure, its stages' option-0 seconds in the steps (row 0) and in the profile
-        (row 1), no-grad forward, forward and backward, summed over the shapes that have both; None where none has
-        (:attr:`step_ratios`)."""
+        the shape): hierremat.api.shape_planning.ProfiledChain prices them against option 0 as the profile would
+        have timed it (these ratios undone) and scales the whole chain to the steps (ChainCosts.with_times_scaled),
+        as a plan solved again from its own steps is (ChainCosts.with_step_times: on the 2-layer test model the
+        steps ran option 0 about 1.4x its profile, and block options built at a fitted length looked that much
+        cheaper against it)."""
         stepped = {s.bindings: s for s in self.samples if s.from_steps}
         both = [(stepped[s.bindings], s) for s in self.profiled if s.bindings in stepped]
         if not both:
             return None
-        sums: dict[int, np.ndarray] = {}
-        for steps, profile in both:
-            for i, first in enumerate(self._pattern):
-                pair = np.array([steps.stage_times[i], profile.stage_times[i]], dtype=float)
-                sums[first] = sums.get(first, 0.0) + pair
-        return sums
-
-    @property
-    def _pattern(self) -> tuple[int, ...]:
-        return self.samples[0].pattern  # (ShapeFit.of: every sample of one chain structure)
+        return step_time_ratios([t for steps, _ in both for t in steps.stage_times],
+                                [t for _, profile in both for t in profile.stage_times])
 
     def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
         """This shape's chain profile with every byte count that fits exactly (module docstring; its times
@@ -652,16 +632,13 @@ class ShapeFit:
         re-costed at a new shape are those, hierremat.ilp.options.recost_options), each priced as the menus price
         it (hierremat.planning.menus: its nodes' times summed, times its generated code's speed scale), with
         every node's time and the scale fitted, and as the training steps run the stage where they time it
-        (:attr:`step_ratios`, forward and backward together). None where a measured shape had no menu or speeds
-        there."""
+        (:attr:`step_ratios`: the lesser of the forward's and the backward's). None where a measured shape had no
+        menu or speeds there."""
         first = self.profiled[-1].pattern[stage]  # (stages of one structure: one bound)
         if first not in self._least_block:
             self._least_block[first] = self._least_block_time(first)
-        least, sums = self._least_block[first], self._step_and_profile_sums
-        if least is None or sums is None:
-            return least
-        steps, profile = sums[first][:, 1:].sum(axis=1)
-        return least * _ratio(steps, profile)
+        least, ratios = self._least_block[first], self.step_ratios
+        return least if least is None or ratios is None else least * min(ratios[1:])  # (a bound: the lesser)
 
     def _least_block_time(self, stage: int) -> float | None:
         options = self.profiled[-1].option_nodes[stage] if self.profiled[-1].option_nodes else None
@@ -710,11 +687,6 @@ class ShapeFit:
         if unfitted:
             return f"{line}; the memory of stage(s) {', '.join(map(str, sorted(unfitted)))} measured at this shape"
         return line
-
-
-def _ratio(steps: float, profile: float) -> float:
-    """Seconds in the training steps over seconds in the profile (1 where either is 0: nothing timed)."""
-    return float(steps / profile) if steps > 0 and profile > 0 else 1.0
 
 
 def _least_squares(rows: np.ndarray, values: np.ndarray, non_negative: bool) -> np.ndarray:

@@ -13,6 +13,7 @@ of an op is simply ``memory_before + overhead``.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -81,6 +82,12 @@ class StageCosts:
     nograd_form: str = "autograd"
     autograd_nograd: tuple[float, int] | None = None
     leaner_nograd: tuple[str, float, int] | None = None
+
+    @property
+    def autograd_times(self) -> tuple[float, float, float]:
+        """(no-grad forward, forward, backward) seconds of option 0: what the training steps time
+        (hierremat.runtime.step_times)."""
+        return self.nograd_fwd_time, self.options[0].fwd_time, self.options[0].bwd_time
 
     def with_leaner_forward(self) -> "StageCosts":
         """These costs with F_none / F_ck in the leaner no-grad form, where there is one."""
@@ -259,29 +266,24 @@ class ChainCosts:
 
     def with_step_times(self, stage_times: Sequence[tuple[float, float, float]]) -> "ChainCosts":
         """These costs with each stage's option-0 times as the training steps observed them (``stage_times[i]``:
-        stage i's no-grad forward, forward and backward seconds: hierremat.runtime.step_times), and the stage's
-        other times scaled by the same ratios (:meth:`with_times_scaled`). Block options are priced from the
-        profile's node times, which the steps do not time; a host that runs the steps slower (or faster) than the
-        profile ran runs the generated code so too, and the DP prices the options against option 0 as the profile
-        did (replacing option 0's times alone made the options look cheaper by that ratio). Byte counts are kept."""
+        stage i's no-grad forward, forward and backward seconds: hierremat.runtime.step_times), and every other time
+        scaled by how much slower the steps ran option 0 than these costs have it (:func:`step_time_ratios`, one
+        ratio per kind of time: :meth:`with_times_scaled`). Block options are priced from the profile's node times,
+        which the steps do not time; a host that runs the steps slower (or faster) than the profile ran runs the
+        generated code so too, and the DP prices the options against option 0 as the profile did (replacing option
+        0's times alone made the options look cheaper by that ratio). Byte counts are kept."""
         if len(stage_times) != len(self.stages):
             raise ValueError(f"stage_times needs {len(self.stages)} stages' times, got {len(stage_times)}")
+        ratios = step_time_ratios(stage_times, [stage.autograd_times for stage in self.stages])
+        return self.with_times_scaled(ratios).with_autograd_times(stage_times)
 
-        def ratio(new: float, old: float) -> float:
-            return new / old if old > 0 else 1.0
-
-        ratios = [(ratio(nograd, st.nograd_fwd_time), ratio(fwd, st.options[0].fwd_time),
-                   ratio(bwd, st.options[0].bwd_time)) for st, (nograd, fwd, bwd) in zip(self.stages, stage_times)]
-        return self.with_times_scaled(ratios).with_autograd_times(stage_times)  # (the observed ones exactly)
-
-    def with_times_scaled(self, ratios: Sequence[tuple[float, float, float]]) -> "ChainCosts":
-        """These costs with each stage's times scaled by ``ratios[i]`` (no-grad forward, forward, backward factors):
-        every option's forward by the second and backward by the third, the no-grad forward and its other forms
+    def with_times_scaled(self, ratios: tuple[float, float, float]) -> "ChainCosts":
+        """These costs with every time scaled by ``ratios`` (no-grad forward, forward, backward factors): every
+        option's forward by the second and backward by the third, each stage's no-grad forward and its other forms
         (autograd_nograd, leaner_nograd) by the first. Byte counts are kept."""
-        if len(ratios) != len(self.stages):
-            raise ValueError(f"ratios needs {len(self.stages)} stages' factors, got {len(ratios)}")
+        n, f, b = ratios
         stages = []
-        for st, (n, f, b) in zip(self.stages, ratios):
+        for st in self.stages:
             stages.append(replace(
                 st, nograd_fwd_time=st.nograd_fwd_time * n,
                 options=tuple(replace(o, fwd_time=o.fwd_time * f, bwd_time=o.bwd_time * b) for o in st.options),
@@ -420,3 +422,18 @@ class TierBandwidth:
     @classmethod
     def from_dict(cls, d: dict) -> "TierBandwidth":
         return cls(str(d["kind"]), float(d["offload_bytes_per_second"]), float(d["fetch_bytes_per_second"]))
+
+
+def step_time_ratios(observed: Sequence[tuple[float, float, float]],
+                     profiled: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """How much slower the training steps ran option 0 than a profile did: per kind of time (no-grad forward,
+    forward, backward), the median over the stages of each stage's ``observed`` seconds over its ``profiled``
+    ones (pairs where either is 0 left out; 1.0 where none is left). One ratio for every stage, not each stage's
+    own: a profile timed from one run each has single-stage outliers (a 4-layer GPT-2's first stage's backward at
+    2.8x its median-profiled time in one run, where the steps and a median profile of the blocks agreed within 5%),
+    and a block option scaled by such a stage's ratio is mispriced by it for the shape's whole run."""
+    ratios = []
+    for kind in range(3):
+        pairs = [o[kind] / p[kind] for o, p in zip(observed, profiled) if o[kind] > 0 and p[kind] > 0]
+        ratios.append(statistics.median(pairs) if pairs else 1.0)
+    return tuple(ratios)
