@@ -160,6 +160,15 @@ class CompiledShape:
             self._plan = replace(self._plan, chain=current)
         return self._plan
 
+    def retime(self, stage_times) -> None:
+        """Solve the plan again from the stage times its training steps observed (PlannedChain.retime: the chain DP
+        alone); sharded, what each re-shard starts from takes them too (ChainCosts.with_step_times), so that a
+        re-shard keeps them."""
+        self.chain_module.planned.retime(stage_times, torch.device("cpu"))  # (steps are timed on CPU alone)
+        if self.unsharded is not None:
+            chain = self.unsharded.chain
+            self.unsharded = replace(self.unsharded, chain=replace(chain, costs=chain.costs.with_step_times(stage_times)))
+
     @property
     def sharded(self) -> bool:
         return self.chain_module.planned.sharded is not None

@@ -306,7 +306,7 @@ class RematModule(nn.Module):
         if times is None:
             return
         before, note = compiled.plan.predicted_step_time, compiled.times_note
-        compiled.chain_module.planned.retime(times, torch.device("cpu"))  # (steps are timed on CPU alone)
+        compiled.retime(times)
         compiled.retimed_steps = steps
         compiled.relabel_times(note, compiled.times_note)
         if before > 0:  # (a heuristic: what block options could save, a share of the step, kept as that share)
@@ -668,6 +668,8 @@ class RematModule(nn.Module):
                 )
             if compiled is not None and sharded:
                 compiled.shard(self.model, self.budget_bytes)
+        elif sharded and torch.is_grad_enabled():  # (a shape planned before fully_shard from one run each: solved
+            self._retime(compiled)  # again from its sharded steps' times, rank 0's plan on every rank, a collective)
         if compiled is None:
             if variant:  # all but autocast and padding
                 log.info(
