@@ -149,7 +149,7 @@ def test_two_fsdp2_ranks_train_like_one_process_within_budget(tmp_path, model, b
     assert (plan.chain.costs.residents != ()) == (model == "t5")
     assert plan.chain.autocast.startswith("bf16") == (autocast == "bf16")
     # planned before fully_shard from one run each (its training steps time it, on CPU): solved again from its first
-    # sharded step's times at the second (and from three at the fourth), every rank on rank 0's plan (_check)
+    # sharded step's times at the second, every rank on rank 0's plan (_check)
     assert all("times from its first 1 training steps" in hr.ModelPlan.from_json(report["plan"]).times
                for report in reports), [hr.ModelPlan.from_json(report["plan"]).times for report in reports]
 

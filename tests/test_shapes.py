@@ -271,6 +271,9 @@ def test_block_options_are_scaled_as_the_steps_run_option_0_over_the_profile_at_
     steps = [(1.2, 2.0, 3.3)] * 5 + [(1.2, 2.0, 3.3)]
     assert step_time_ratios(steps, profile) == pytest.approx((1.2, 1.0, 1.1))
     assert step_time_ratios([(0.0, 2.0, 0.0)], [(1.0, 0.0, 0.0)]) == (1.0, 1.0, 1.0)  # (nothing timed: 1)
+    # a stage the steps never ran under autograd (a block option ran) has the plan's own times: left out, not a 1
+    assert step_time_ratios([(1.2, 2.4, 3.3), (5.0, 5.0, 5.0), (5.0, 5.0, 5.0)],
+                            [(1.0, 2.0, 3.0), (5.0, 5.0, 5.0), (5.0, 5.0, 5.0)]) == pytest.approx((1.2, 1.2, 1.1))
     # the bound on a block option's time: the menus' price, times the lesser of the steps' forward and backward
     # over the profile's
     samples = _menu_samples((8, 24, 48, 96))
@@ -868,6 +871,9 @@ def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_t
                       compiled.bindings, chain_pattern(signatures), reduced=True)
     assert all(r > 1.5 for r in fit.step_ratios), fit.step_ratios
     _, forward, backward = fit.step_ratios
+    costs = compiled.plan.chain.costs  # option 0 as fitted from the steps
+    assert np.allclose([st.option_0_times for st in costs.stages],
+                       [st.option_0_times for st in fit.stage_costs(costs).stages], rtol=1e-9, atol=0)
     menus, priced = compiled.chain_module.planned.menus, 0
     for i, stage in enumerate(compiled.plan.chain.costs.stages):
         menu = menus.menus.get(menus.signatures[i])

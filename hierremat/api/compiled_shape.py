@@ -150,8 +150,10 @@ class CompiledShape:
     def relabel_times(self, old: str, new: str) -> None:
         """Say in the plan's ``times`` how its times are now known (``old`` replaced by ``new``; none: ``new``
         added at the end)."""
-        times = self._plan.times.replace(old, new) if old else self._plan.times + new
-        self._plan = replace(self._plan, times=times)
+        for name in ("_plan", "unsharded"):  # (sharded: what a re-shard starts from, its label too)
+            plan = getattr(self, name)
+            if plan is not None:
+                setattr(self, name, replace(plan, times=plan.times.replace(old, new) if old else plan.times + new))
 
     @property
     def plan(self) -> ModelPlan:
@@ -162,12 +164,14 @@ class CompiledShape:
 
     def retime(self, stage_times) -> None:
         """Solve the plan again from the stage times its training steps observed (PlannedChain.retime: the chain DP
-        alone); sharded, what each re-shard starts from takes them too (ChainCosts.with_step_times), so that a
-        re-shard keeps them."""
+        alone); sharded, what each re-shard starts from takes them too (its stages as FSDP2 runs them, the stage
+        itself for every forward: StageCosts.called_as_module; ChainCosts.with_step_times), so that a re-shard keeps
+        them."""
         self.chain_module.planned.retime(stage_times, torch.device("cpu"))  # (steps are timed on CPU alone)
         if self.unsharded is not None:
             chain = self.unsharded.chain
-            self.unsharded = replace(self.unsharded, chain=replace(chain, costs=chain.costs.with_step_times(stage_times)))
+            as_run = replace(chain.costs, stages=tuple(st.called_as_module() for st in chain.costs.stages))
+            self.unsharded = replace(self.unsharded, chain=replace(chain, costs=as_run.with_step_times(stage_times)))
 
     @property
     def sharded(self) -> bool:

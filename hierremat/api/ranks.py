@@ -44,7 +44,7 @@ def rank0s(outcome: SequentialPlan | InfeasibleBudgetError) -> SequentialPlan | 
 UNBOUNDED_BYTES = 1 << 62
 
 
-def ranks_plan(shape_key, plans: bool, refuses: bool = False) -> tuple[bool, bool]:
+def ranks_plan(shape_key, plans: bool, refuses: bool = False, retime: bool | None = None) -> tuple[bool, bool, bool]:
     """Under FSDP2 every rank runs one schedule (its all-gathers happen in the schedule's order): whether any rank
     of the default process group plans in this call (``plans``: this one does), where every rank then re-plans for
     the shards together with it (CompiledShape.shard: rank 0's plan on every rank). One small all-gather of the ranks'
@@ -52,21 +52,23 @@ def ranks_plan(shape_key, plans: bool, refuses: bool = False) -> tuple[bool, boo
     autocast (``shape_key``: the call's input key without its padding state) raise UnsupportedModelError, every
     one of them, before any plans or runs a step; a padding state differing between ranks is one schedule's
     (rank 0's), as at the first call after fully_shard. Returns (whether any rank plans, whether any refuses to:
-    ``refuses``, a new shape with ``on_new_shape="error"``)."""
+    ``refuses``, a new shape with ``on_new_shape="error"``, whether every rank solves its plan again from its training
+    steps' times now: ``retime``, whether this rank's is due to be, None where it runs no sharded plan to solve
+    again; every rank then does where none plans and rank 0's is due, a collective: RematModule._retime)."""
     import torch.distributed as dist
 
     if rank_count() == 1:
-        return plans, refuses
+        return plans, refuses, bool(retime) and not plans
 
     def without_index(part):  # (each rank's inputs are on its own device: cuda:0, cuda:1, ...)
         if isinstance(part, tuple):
             return tuple(without_index(p) for p in part)
         return part.type if isinstance(part, torch.device) else part
 
-    mine = (repr(without_index(shape_key)), plans, refuses)
+    mine = (repr(without_index(shape_key)), plans, refuses, retime)
     every = [None] * rank_count()
     dist.all_gather_object(every, mine)
-    keys = [k for k, _, _ in every]
+    keys = [k for k, *_ in every]
     if len(set(keys)) > 1:
         other = next(r for r, k in enumerate(keys) if k != keys[0])
         raise UnsupportedModelError(
@@ -75,4 +77,6 @@ def ranks_plan(shape_key, plans: bool, refuses: bool = False) -> tuple[bool, boo
             f"against {keys[other]}. Pad every rank's batch to one length (the global batch's longest, or a fixed "
             "multiple)"
         )
-    return any(p for _, p, _ in every), any(r for _, _, r in every)
+    planned = any(p for _, p, _, _ in every)
+    retimed = not planned and bool(every[0][3]) and all(r is not None for *_, r in every)
+    return planned, any(r for _, _, r, _ in every), retimed

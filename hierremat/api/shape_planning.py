@@ -303,7 +303,10 @@ class ProfiledChain:
     def options_profile(self) -> ChainProfile:
         """The measured profile with the block menus' options (the profile alone without menus), as the training
         steps run them where they time the shapes (:meth:`in_steps`)."""
-        return self.in_steps(self.menus.extend(self.profile) if self.menus is not None else self.profile)
+        return self.in_steps(self._with_menus(self.profile))
+
+    def _with_menus(self, profile: ChainProfile) -> ChainProfile:
+        return self.menus.extend(profile) if self.menus is not None else profile
 
     def in_steps(self, profile: ChainProfile) -> ChainProfile:
         """``profile`` (``self.profile``, its menus' options added) with every time of each stage scaled as the
@@ -377,14 +380,14 @@ class ProfiledChain:
     def solve(self, budget_bytes: int, profile: ChainProfile | None = None, strategy: str | None = None,
               offload: bool = True, output_released: tuple[bool, ...] | None = None) -> SequentialPlan:
         """The chain's plan within ``budget_bytes`` for the whole model (the shared values set aside), from
-        ``profile`` (default: the measured one, with the block menus' options), offloading where the settings
-        say so (``offload`` False: never). output_released: the outputs that got a gradient where the caller
+        ``profile`` (default: the measured one, with the block menus' options; in ``self.profile``'s times either
+        way, scaled to the training steps' here: :meth:`in_steps`), offloading where the settings say so
+        (``offload`` False: never). output_released: the outputs that got a gradient where the caller
         released the output at another shape (CompiledShape.released_output): with the same outputs here and no
         ``output_held`` setting, planned with it released from the start (else the first backward would find
         it released, and the next call re-plan). Raises InfeasibleBudgetError with the model's smallest feasible
         budget."""
-        if profile is None:
-            profile = self.options_profile
+        profile = self.in_steps(profile if profile is not None else self._with_menus(self.profile))
         output_held = self.settings.output_held
         if output_held is None and output_released is not None and output_released == profile.output_grad_mask:
             output_held = least_held_bytes(profile)
@@ -487,7 +490,7 @@ def profile_and_solve(
     if compiled:
         chain_plan = plan_compiled(
             menus, profiled.profile,
-            lambda p: profiled.solve(budget_bytes, profiled.in_steps(p), output_released=output_released),
+            lambda p: profiled.solve(budget_bytes, p, output_released=output_released),
             chain.stages, x0, shared,
             settings.inductor_cache(), settings.deadline(started),
         )

@@ -288,23 +288,35 @@ class RematModule(nn.Module):
         step_times = compiled.chain_module.planned.step_times
         if step_times is None:
             return None
-        return step_times.stage_times([st.autograd_times for st in compiled.plan.chain.costs.stages])
+        return step_times.stage_times([st.option_0_times for st in compiled.plan.chain.costs.stages])
 
-    def _retime(self, compiled: CompiledShape) -> None:
+    def _retime_due(self, compiled: CompiledShape) -> bool:
+        """Whether ``compiled``'s plan is to be solved again from its training steps' times now (_retime)."""
+        step_times = compiled.chain_module.planned.step_times
+        if step_times is None:
+            return False
+        early = compiled.one_run and not compiled.retimed_steps  # (after its first step)
+        first = step_times.steps >= TIMED_STEPS > compiled.retimed_steps  # (its first TIMED_STEPS, or a plan made
+        # again since)
+        if step_times.steps == compiled.retimed_steps or (step_times.recording and not early and not first):
+            return False
+        return self._observed_times(compiled) is not None
+
+    def _retime(self, compiled: CompiledShape, due: bool | None = None) -> None:
         """Solve a shape's plan again (the chain DP alone) from its training steps' times once its TIMED_STEPS steps
         are recorded (their medians: _times_from_steps) and again once all its SAMPLED_STEPS are, and, where it was
         measured from one timed run each, after its first step too: the times it runs with are then what its own
         steps took, whatever it was planned from (a fit from other lengths' single steps, one of them a noisy step,
-        had predicted a 268-token step at 2.8x the measured)."""
+        had predicted a 268-token step at 2.8x the measured).
+
+        ``due``: under FSDP2, whether rank 0's shape is due (_retime_due; every rank solves again then, a collective:
+        rank 0's plan on every rank), this rank's own shape solved from its own steps' times where it has them, else
+        from its plan's times."""
+        if not (due if due is not None else self._retime_due(compiled)):
+            return
         step_times = compiled.chain_module.planned.step_times
         steps = step_times.steps if step_times is not None else 0
-        early = compiled.one_run and not compiled.retimed_steps  # (after its first step)
-        first = steps >= TIMED_STEPS > compiled.retimed_steps  # (its first TIMED_STEPS, or a plan made again since)
-        if steps == compiled.retimed_steps or (step_times.recording and not early and not first):
-            return
-        times = self._observed_times(compiled)
-        if times is None:
-            return
+        times = self._observed_times(compiled) or [st.option_0_times for st in compiled.plan.chain.costs.stages]
         before, note = compiled.plan.predicted_step_time, compiled.times_note
         compiled.retime(times)
         compiled.retimed_steps = steps
@@ -652,8 +664,11 @@ class RematModule(nn.Module):
         # refuses to (every rank then raises: ranks whose plans differ, as their padding states may, would otherwise
         # leave one raising while the others wait in a collective); the key compared across ranks is this one without
         # its padding state (_input_key's third part)
-        others_plan, others_refuse = ranks_plan(key[:2] + key[3:], compiled is None, refuses) if sharded else \
-            (False, refuses)
+        # (and, where every rank runs a sharded plan, whether rank 0's is due to be solved again from its steps' times)
+        retimes = compiled is not None and compiled.sharded and torch.is_grad_enabled()
+        others_plan, others_refuse, rank0_retimes = ranks_plan(
+            key[:2] + key[3:], compiled is None, refuses, self._retime_due(compiled) if retimes else None,
+        ) if sharded else (False, refuses, False)
         if others_refuse:
             raise ValueError(
                 "inputs differ (shape, dtype, device or non-tensor values) from the planned ones"
@@ -668,8 +683,8 @@ class RematModule(nn.Module):
                 )
             if compiled is not None and sharded:
                 compiled.shard(self.model, self.budget_bytes)
-        elif sharded and torch.is_grad_enabled():  # (a shape planned before fully_shard from one run each: solved
-            self._retime(compiled)  # again from its sharded steps' times, rank 0's plan on every rank, a collective)
+        elif rank0_retimes:  # (a shape planned before fully_shard from one run each: solved again from its sharded
+            self._retime(compiled, due=True)  # steps' times, every rank together, rank 0's plan on every rank)
         if compiled is None:
             if variant:  # all but autocast and padding
                 log.info(

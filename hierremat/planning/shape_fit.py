@@ -124,7 +124,7 @@ class ShapeSample:
         """A sample (bindings unset) from a shape's measured profile and its ChainMenus (or None)."""
         costs = profile.costs
         pattern = chain_pattern(signatures)
-        stage_times = tuple(st.autograd_times for st in costs.stages)
+        stage_times = tuple(st.option_0_times for st in costs.stages)
         node_times, speeds, option_nodes = [], [], []
         computes: dict[str, tuple] = {}  # by signature: stages of one signature share their options' lists
         for i in range(len(costs.stages)):
@@ -522,7 +522,9 @@ class ShapeFit:
         """How much slower the training steps run option 0 than the profile did: (no-grad forward, forward,
         backward) ratios of the steps' seconds over the profile's at the shapes that have both (a shape measured,
         then timed in its steps), one per kind of time, the median over their stages (hierremat.plans.costs.
-        step_time_ratios). None where no shape has both: the times fitted are all the profile's, or all the steps'.
+        step_time_ratios). None where no shape has both (no shape was measured and then timed in its steps, or
+        that shape's steps sample was dropped: RematModule keeps STEP_SAMPLES): the times are then taken as they
+        are. (A shape measured whose steps are not recorded yet is fitted from its profile's times, as the steps'.)
 
         :meth:`stage_costs` fits option 0 from the steps where a shape has them, while block options are priced from
         node times and generated code's speeds profiled apart (:meth:`node_costs`, :meth:`speeds`, or measured at

@@ -84,9 +84,9 @@ class StageCosts:
     leaner_nograd: tuple[str, float, int] | None = None
 
     @property
-    def autograd_times(self) -> tuple[float, float, float]:
-        """(no-grad forward, forward, backward) seconds of option 0: what the training steps time
-        (hierremat.runtime.step_times)."""
+    def option_0_times(self) -> tuple[float, float, float]:
+        """(no-grad forward in the form F_none / F_ck run, forward, backward) seconds of option 0: what the
+        training steps' times are compared with (hierremat.runtime.step_times)."""
         return self.nograd_fwd_time, self.options[0].fwd_time, self.options[0].bwd_time
 
     def with_leaner_forward(self) -> "StageCosts":
@@ -274,7 +274,7 @@ class ChainCosts:
         0's times alone made the options look cheaper by that ratio). Byte counts are kept."""
         if len(stage_times) != len(self.stages):
             raise ValueError(f"stage_times needs {len(self.stages)} stages' times, got {len(stage_times)}")
-        ratios = step_time_ratios(stage_times, [stage.autograd_times for stage in self.stages])
+        ratios = step_time_ratios(stage_times, [stage.option_0_times for stage in self.stages])
         return self.with_times_scaled(ratios).with_autograd_times(stage_times)
 
     def with_times_scaled(self, ratios: tuple[float, float, float]) -> "ChainCosts":
@@ -428,12 +428,15 @@ def step_time_ratios(observed: Sequence[tuple[float, float, float]],
                      profiled: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
     """How much slower the training steps ran option 0 than a profile did: per kind of time (no-grad forward,
     forward, backward), the median over the stages of each stage's ``observed`` seconds over its ``profiled``
-    ones (pairs where either is 0 left out; 1.0 where none is left). One ratio for every stage, not each stage's
-    own: a profile timed from one run each has single-stage outliers (a 4-layer GPT-2's first stage's backward at
-    2.8x its median-profiled time in one run, where the steps and a median profile of the blocks agreed within 5%),
-    and a block option scaled by such a stage's ratio is mispriced by it for the shape's whole run."""
+    ones (1.0 where no stage is left). Left out: pairs where either is 0, and stages observed exactly as profiled
+    (a stage whose forward the steps never ran under autograd, as one that runs a block option, has the plan's own
+    times: hierremat.runtime.step_times.StepTimes.stage_times). One ratio for every stage, not each stage's own: a
+    profile timed from one run each has single-stage outliers (a 4-layer GPT-2's first stage's backward at 2.8x its
+    median-profiled time in one run, where the steps and a median profile of the blocks agreed within 5%), and a
+    block option scaled by such a stage's ratio is mispriced by it for the shape's whole run."""
+    timed = [(o, p) for o, p in zip(observed, profiled) if tuple(o) != tuple(p)]
     ratios = []
     for kind in range(3):
-        pairs = [o[kind] / p[kind] for o, p in zip(observed, profiled) if o[kind] > 0 and p[kind] > 0]
+        pairs = [o[kind] / p[kind] for o, p in timed if o[kind] > 0 and p[kind] > 0]
         ratios.append(statistics.median(pairs) if pairs else 1.0)
     return tuple(ratios)
