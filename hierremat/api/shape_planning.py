@@ -489,8 +489,7 @@ def profile_and_solve(
     compiled = menus is not None and compiling
     if compiled:
         chain_plan = plan_compiled(
-            menus, profiled.profile,
-            lambda p: profiled.solve(budget_bytes, p, output_released=output_released),
+            menus, profiled.profile, lambda p: profiled.solve(budget_bytes, p, output_released=output_released),
             chain.stages, x0, shared,
             settings.inductor_cache(), settings.deadline(started),
         )
