@@ -737,7 +737,7 @@ def test_a_model_without_a_symbolic_capture_is_exported_per_shape(monkeypatch):
 def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
     """A length seen again replaces its sample (a memory-only one never a timed one), so that a fit's check
     shape is a distinct one; timed shapes that do not determine every coefficient fit no times; beyond
-    MAX_SAMPLES memory-only samples go first."""
+    MAX_SAMPLES memory-only samples go first; a shape to keep never goes."""
     times = {"a": lambda s: 1e-3 + 2e-5 * s, "b": lambda s: 5e-4 + 1e-5 * s}
     kept: list = []
     for length in (100, 200, 300):
@@ -754,6 +754,14 @@ def test_a_shape_measured_again_is_one_sample_and_repeated_sizes_fit_nothing():
         add_sample(many, replace(_sample(times, length), bindings=(("s", length),), times_measured=length % 2 == 0))
     add_sample(many, replace(_sample(times, 99), bindings=(("s", 99),)))
     assert len(many) == MAX_SAMPLES and sum(not s.times_measured for s in many) == MAX_SAMPLES // 2 - 1
+    # ``keep``: a shape never dropped (the steps' sample of a shape profiled too: ShapeFit.step_ratios needs both)
+    crowded: list = []
+    for length in (100, 101, 102, 400):
+        add_sample(crowded, replace(_sample(times, length), bindings=(("s", length),)), 3,
+                   keep=frozenset({(("s", 101),)}))
+    assert sorted(dict(s.bindings)["s"] for s in crowded) == [100, 101, 400]  # (without keep: 101 went)
+    add_sample(crowded, replace(_sample(times, 401), bindings=(("s", 401),)), 1, keep=frozenset({(("s", 101),)}))
+    assert sorted(dict(s.bindings)["s"] for s in crowded) == [101, 401]  # (what is kept may exceed the limit)
 
 
 def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():

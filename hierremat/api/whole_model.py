@@ -278,7 +278,8 @@ class RematModule(nn.Module):
             times = self._observed_times(compiled)
             if bindings and times is not None:
                 pattern = chain_pattern([info.signature for info in compiled.chain.infos])
-                add_sample(samples, ShapeSample.from_step_times(bindings, pattern, times), STEP_SAMPLES)
+                profiled = frozenset(s.bindings for s in self._samples.get(family, ()) if s.times_measured)
+                add_sample(samples, ShapeSample.from_step_times(bindings, pattern, times), STEP_SAMPLES, profiled)
         return samples
 
     @staticmethod

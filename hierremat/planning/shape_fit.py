@@ -145,11 +145,13 @@ class ShapeSample:
         return replace(self, bindings=tuple(sorted((str(k), int(v)) for k, v in bindings.items())))
 
 
-def add_sample(samples: list[ShapeSample], new: ShapeSample, limit: int = MAX_SAMPLES) -> None:
+def add_sample(samples: list[ShapeSample], new: ShapeSample, limit: int = MAX_SAMPLES,
+               keep: frozenset = frozenset()) -> None:
     """Add ``new`` to ``samples`` (in place), one per shape (a shape measured again replaces its sample,
     unless that one has measured times and the new one not), keeping at most ``limit``: beyond that
     the memory-only sample, else the sample, closest to another one (in log sizes) goes, so that the
-    samples keep spanning every size measured."""
+    samples keep spanning every size measured; never one of the shapes ``keep`` (bindings: the steps' samples of
+    the shapes also profiled, which ShapeFit.step_ratios compares with their profiles)."""
     same = [k for k, s in enumerate(samples) if s.bindings == new.bindings]
     if same:
         if samples[same[0]].times_measured and not new.times_measured:
@@ -162,7 +164,9 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample, limit: int = MAX_SA
         def crowding(i: int) -> float:
             return min(float(np.abs(logs[i] - logs[j]).sum()) for j in range(len(samples)) if j != i)
 
-        older = range(len(samples) - 1)  # never the one just measured
+        older = [i for i in range(len(samples) - 1) if samples[i].bindings not in keep]  # never the one just measured
+        if not older:
+            break
         memory_only = [i for i in older if not samples[i].times_measured]
         samples.pop(min(memory_only or older, key=crowding))
 
@@ -522,9 +526,9 @@ class ShapeFit:
         """How much slower the training steps run option 0 than the profile did: (no-grad forward, forward,
         backward) ratios of the steps' seconds over the profile's at the shapes that have both (a shape measured,
         then timed in its steps), one per kind of time, the median over their stages (hierremat.plans.costs.
-        step_time_ratios). None where no shape has both (no shape was measured and then timed in its steps, or
-        that shape's steps sample was dropped: RematModule keeps STEP_SAMPLES): the times are then taken as they
-        are. (A shape measured whose steps are not recorded yet is fitted from its profile's times, as the steps'.)
+        step_time_ratios). None where no shape was measured and then timed in its steps (RematModule keeps the steps'
+        samples of such shapes: add_sample's ``keep``): the times are then taken as they are. (A shape measured
+        whose steps are not recorded yet is fitted from its profile's times, as the steps'.)
 
         :meth:`stage_costs` fits option 0 from the steps where a shape has them, while block options are priced from
         node times and generated code's speeds profiled apart (:meth:`node_costs`, :meth:`speeds`, or measured at
