@@ -245,9 +245,9 @@ class ProfiledChain:
                 timed=timed and fitted is None, repeats=1 if one_run and fitted is None else PROFILE_REPEATS,
                 known=known, measure=measure,
             )
-        ratios = fitted.step_ratios if fitted is not None else None
+        ratios = None
         if fitted is not None:
-            costs = fitted.stage_costs(profile.costs)
+            costs, ratios = fitted.stage_costs(profile.costs), fitted.step_ratios
             if ratios is not None:  # (option 0 fitted from the steps: as the profile would have timed it)
                 costs = costs.with_times_scaled(tuple(1 / r for r in ratios))
             profile = replace(profile, costs=costs)
@@ -303,10 +303,7 @@ class ProfiledChain:
     def options_profile(self) -> ChainProfile:
         """The measured profile with the block menus' options (the profile alone without menus), as the training
         steps run them where they time the shapes (:meth:`in_steps`)."""
-        return self.in_steps(self._with_menus(self.profile))
-
-    def _with_menus(self, profile: ChainProfile) -> ChainProfile:
-        return self.menus.extend(profile) if self.menus is not None else profile
+        return self.in_steps(self.menus.extend(self.profile) if self.menus is not None else self.profile)
 
     def in_steps(self, profile: ChainProfile) -> ChainProfile:
         """``profile`` (``self.profile``, its menus' options added) with every time of each stage scaled as the
@@ -387,7 +384,7 @@ class ProfiledChain:
         ``output_held`` setting, planned with it released from the start (else the first backward would find
         it released, and the next call re-plan). Raises InfeasibleBudgetError with the model's smallest feasible
         budget."""
-        profile = self.in_steps(profile if profile is not None else self._with_menus(self.profile))
+        profile = self.in_steps(profile) if profile is not None else self.options_profile
         output_held = self.settings.output_held
         if output_held is None and output_released is not None and output_released == profile.output_grad_mask:
             output_held = least_held_bytes(profile)

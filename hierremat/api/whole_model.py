@@ -16,6 +16,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import replace
+from typing import Sequence
 
 import torch
 from torch import fx, nn
@@ -269,6 +270,8 @@ class RematModule(nn.Module):
         symbolic = self._symbolic.get(family)
         if samples is None or symbolic is None:
             return []
+        profiled = frozenset(s.bindings for s in self._samples.get(family, ()) if s.times_measured)  # (kept beside
+        # their profiles: ShapeFit.step_ratios)
         for compiled in self._compiled.values():
             step_times = compiled.chain_module.planned.step_times
             if compiled.family != family or step_times is None or step_times.steps <= compiled.steps_sampled:
@@ -278,7 +281,6 @@ class RematModule(nn.Module):
             times = self._observed_times(compiled)
             if bindings and times is not None:
                 pattern = chain_pattern([info.signature for info in compiled.chain.infos])
-                profiled = frozenset(s.bindings for s in self._samples.get(family, ()) if s.times_measured)
                 add_sample(samples, ShapeSample.from_step_times(bindings, pattern, times), STEP_SAMPLES, profiled)
         return samples
 
@@ -291,33 +293,33 @@ class RematModule(nn.Module):
             return None
         return step_times.stage_times([st.option_0_times for st in compiled.plan.chain.costs.stages])
 
-    def _retime_due(self, compiled: CompiledShape) -> bool:
-        """Whether ``compiled``'s plan is to be solved again from its training steps' times now (_retime)."""
+    def _times_due(self, compiled: CompiledShape) -> tuple | None:
+        """The stage times ``compiled``'s plan is to be solved again from now (its training steps': _retime), or None
+        where it is not due."""
         step_times = compiled.chain_module.planned.step_times
         if step_times is None:
-            return False
+            return None
         early = compiled.one_run and not compiled.retimed_steps  # (after its first step)
         first = step_times.steps >= TIMED_STEPS > compiled.retimed_steps  # (its first TIMED_STEPS, or a plan made
         # again since)
         if step_times.steps == compiled.retimed_steps or (step_times.recording and not early and not first):
-            return False
-        return self._observed_times(compiled) is not None
+            return None
+        return self._observed_times(compiled)
 
-    def _retime(self, compiled: CompiledShape, due: bool | None = None) -> None:
+    def _retime(self, compiled: CompiledShape, times: Sequence[tuple[float, float, float]] | None = None) -> None:
         """Solve a shape's plan again (the chain DP alone) from its training steps' times once its TIMED_STEPS steps
         are recorded (their medians: _times_from_steps) and again once all its SAMPLED_STEPS are, and, where it was
         measured from one timed run each, after its first step too: the times it runs with are then what its own
         steps took, whatever it was planned from (a fit from other lengths' single steps, one of them a noisy step,
         had predicted a 268-token step at 2.8x the measured).
 
-        ``due``: under FSDP2, whether rank 0's shape is due (_retime_due; every rank solves again then, a collective:
-        rank 0's plan on every rank), this rank's own shape solved from its own steps' times where it has them, else
-        from its plan's times."""
-        if not (due if due is not None else self._retime_due(compiled)):
+        ``times``: under FSDP2, where rank 0's shape is due (every rank solves again then, a collective: rank 0's
+        plan on every rank), this rank's own shape's times to solve from (its steps' where due, else its plan's)."""
+        times = times or self._times_due(compiled)
+        if times is None:
             return
         step_times = compiled.chain_module.planned.step_times
         steps = step_times.steps if step_times is not None else 0
-        times = self._observed_times(compiled) or [st.option_0_times for st in compiled.plan.chain.costs.stages]
         before, note = compiled.plan.predicted_step_time, compiled.times_note
         compiled.retime(times)
         compiled.retimed_steps = steps
@@ -667,8 +669,9 @@ class RematModule(nn.Module):
         # its padding state (_input_key's third part)
         # (and, where every rank runs a sharded plan, whether rank 0's is due to be solved again from its steps' times)
         retimes = compiled is not None and compiled.sharded and torch.is_grad_enabled()
+        due = self._times_due(compiled) if retimes else None
         others_plan, others_refuse, rank0_retimes = ranks_plan(
-            key[:2] + key[3:], compiled is None, refuses, self._retime_due(compiled) if retimes else None,
+            key[:2] + key[3:], compiled is None, refuses, due is not None if retimes else None,
         ) if sharded else (False, refuses, False)
         if others_refuse:
             raise ValueError(
@@ -685,7 +688,8 @@ class RematModule(nn.Module):
             if compiled is not None and sharded:
                 compiled.shard(self.model, self.budget_bytes)
         elif rank0_retimes:  # (a shape planned before fully_shard from one run each: solved again from its sharded
-            self._retime(compiled, due=True)  # steps' times, every rank together, rank 0's plan on every rank)
+            # steps' times, every rank together, rank 0's plan on every rank)
+            self._retime(compiled, due or [st.option_0_times for st in compiled.plan.chain.costs.stages])
         if compiled is None:
             if variant:  # all but autocast and padding
                 log.info(

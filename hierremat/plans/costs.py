@@ -282,16 +282,14 @@ class ChainCosts:
         option's forward by the second and backward by the third, each stage's no-grad forward and its other forms
         (autograd_nograd, leaner_nograd) by the first. Byte counts are kept."""
         n, f, b = ratios
-        stages = []
-        for st in self.stages:
-            stages.append(replace(
-                st, nograd_fwd_time=st.nograd_fwd_time * n,
-                options=tuple(replace(o, fwd_time=o.fwd_time * f, bwd_time=o.bwd_time * b) for o in st.options),
-                autograd_nograd=None if st.autograd_nograd is None else (st.autograd_nograd[0] * n, st.autograd_nograd[1]),
-                leaner_nograd=None if st.leaner_nograd is None else (
-                    st.leaner_nograd[0], st.leaner_nograd[1] * n, st.leaner_nograd[2]),
-            ))
-        return replace(self, stages=tuple(stages))
+        stages = tuple(replace(
+            st, nograd_fwd_time=st.nograd_fwd_time * n,
+            options=tuple(replace(o, fwd_time=o.fwd_time * f, bwd_time=o.bwd_time * b) for o in st.options),
+            autograd_nograd=None if st.autograd_nograd is None else (st.autograd_nograd[0] * n, st.autograd_nograd[1]),
+            leaner_nograd=None if st.leaner_nograd is None else (
+                st.leaner_nograd[0], st.leaner_nograd[1] * n, st.leaner_nograd[2]),
+        ) for st in self.stages)
+        return replace(self, stages=stages)
 
     def with_leaner_forwards(self) -> "ChainCosts":
         """These costs with every stage's F_none / F_ck in its leaner no-grad form, where it has
