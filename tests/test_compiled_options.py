@@ -37,7 +37,7 @@ from hierremat.runtime.compiled_option import (
 from hierremat.runtime.option_codegen import StageBinding
 from hierremat.device.memory import CpuAllocatorMeter, CudaPeakMeter
 from hierremat.api.sequential import plan_cache
-from hierremat.planning.chain_plan import resolve_compile
+from hierremat.planning.chain_plan import computes_in_low_precision, resolve_compile
 from hierremat.planning import compiled
 from hierremat.planning.compiled import options_used
 
@@ -273,6 +273,24 @@ def test_compile_argument_is_checked():
         resolve_compile("yes", torch.device("cpu"))
     with pytest.raises(ValueError, match="compile"):
         hr.plan(tiny_gpt2(), (torch.zeros(1, 8, dtype=torch.long),), budget="1MiB", compile="fast")
+
+
+def test_auto_compiles_only_stages_that_compute_in_fp32():
+    """compile="auto" leaves block options eager where the stages compute in bf16 or fp16 (autocast on the device,
+    or a parameter held so): Inductor keeps fp32 between the ops it fuses where eager rounds each result, so there a
+    compiled option's gradients are an ulp or more from plain autograd's (1e-4 under bf16 autocast on an H200,
+    docs/results.md). An explicit compile=True still compiles."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    fp32, bf16, fp16 = (torch.nn.Linear(4, 4).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16))
+    assert resolve_compile("auto", cuda, [fp32, lambda x: x]) is True
+    assert resolve_compile("auto", cuda, [fp32, bf16]) is False
+    assert resolve_compile("auto", cuda, [fp16]) is False
+    assert resolve_compile(True, cuda, [bf16]) is True
+    assert computes_in_low_precision([fp32], cpu) is False
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
+            assert computes_in_low_precision([fp32], cpu) is True
+            assert computes_in_low_precision([fp32], cuda) is False  # (autocast is per device type)
 
 
 def test_an_option_inductor_cannot_compile_runs_eagerly_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -64,7 +64,8 @@ def plan(
     checks on every backward and re-plans if the caller does otherwise. Of several
     outputs, only scalar losses are expected to receive gradients (also checked).
     compile: whether block options run compiled by Inductor (hierremat.planning.compiled): True,
-    False, or "auto" (default: True on CUDA, False on CPU). Compiled options are chosen with
+    False, or "auto" (default: True on CUDA where the model computes in fp32, else False:
+    planning.chain_plan.resolve_compile). Compiled options are chosen with
     costs measured on their compiled form; the options the plan uses are compiled while
     planning (cached on disk by Inductor under ``cache``), and ``summary()`` shows the time
     that took. Gradients then agree with eager ones to within the rounding of fused

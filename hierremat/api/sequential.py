@@ -60,7 +60,7 @@ def plan_sequential(
     dropout masks, recomputable dropout outputs; hierremat.graphs.variants). They compute
     bitwise what the operators compute.
     compile: whether block options run compiled by Inductor: True, False or "auto" (True
-    on CUDA); see hierremat.plan.
+    on CUDA in fp32); see hierremat.plan.
     time_limit: seconds planning may take (see hierremat.plan); None: no bound.
     offload, offload_limit: whether checkpoints may be offloaded to a second tier, and its size (see
     hierremat.plan).
@@ -82,7 +82,7 @@ def _plan(
     compile: bool | str = "auto", time_limit: float | None = PLAN_TIME_LIMIT, offloading: Offloading | None = None,
 ) -> PlannedChain:
     _check_options(block_options, slots, time_limit)
-    compiled = resolve_compile(compile, input.device)
+    compiled = resolve_compile(compile, input.device, stages)
     started = time.perf_counter()
     deadline = None if time_limit is None else started + time_limit
     profile = profile_chain(stages, input, repeats=repeats)

@@ -58,13 +58,31 @@ def check_block_options(block_options: str) -> None:
         raise ValueError(f"block_options={block_options!r} is not one of {BLOCK_OPTIONS}")
 
 
-def resolve_compile(compile, device: torch.device) -> bool:
-    """The ``compile=`` argument: True, False, or "auto" (True on CUDA, False elsewhere)."""
+#: Floating dtypes Inductor computes in differently from eager: eager rounds each op's result to the dtype, a fused
+#: Inductor kernel keeps fp32 between the ops it fuses.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def resolve_compile(compile, device: torch.device, stages: Sequence = ()) -> bool:
+    """The ``compile=`` argument: True, False, or "auto": True on CUDA where the stages compute in fp32, else False.
+
+    Not where they compute in bf16 or fp16 (autocast on ``device``, or a floating parameter held so): there a
+    compiled option's gradients were 1e-4 from eager's (tiny GPT-2 and Llama under bf16 autocast on an H200,
+    2026-11-27, ``benchmarks/bits_by_op.py``), where eager block options are bitwise; in fp32 they were within
+    1e-8."""
     if compile == "auto":
-        return device.type == "cuda"
+        return device.type == "cuda" and not computes_in_low_precision(stages, device)
     if isinstance(compile, bool):
         return compile
     raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+
+
+def computes_in_low_precision(stages: Sequence, device: torch.device) -> bool:
+    """Autocast to bf16 or fp16 on for ``device``, or a floating parameter of a stage held in one."""
+    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in LOW_PRECISION:
+        return True
+    return any(p.dtype in LOW_PRECISION for stage in stages if isinstance(stage, torch.nn.Module)
+               for p in stage.parameters())
 
 
 def fixed_schedule(costs, strategy: str):
