@@ -266,6 +266,16 @@ def test_block_options_are_scaled_as_the_steps_run_option_0_over_the_profile_at_
     assert fit.step_ratios is None  # (no shape with both)
     fit = ShapeFit.of([profiled, *memory_only, in_steps(512, (1.1, 1.2, 1.5))], target, (0, 1), reduced=True)
     assert fit.step_ratios == pytest.approx((1.1, 1.2, 1.5))
+    # a shape profiled whose steps are not recorded yet is fitted as the steps would run it: its profile's times
+    # the ratios, as a line through it and the steps' times at the other (the option-0 times fitted at the target)
+    profiled_300 = _sample(linear, 300)
+    both = [profiled, *memory_only, in_steps(512, (1.1, 1.2, 1.5)), profiled_300]
+    fit = ShapeFit.of(both, target, (0, 1), reduced=True)
+    chain = ChainCosts((4, 4, 4), tuple(StageCosts(0.0, 8, (OptionCosts(0.0, 0.0, 8, 12, 4),)) for _ in range(2)))
+    got = [t for st in fit.stage_costs(chain).stages
+           for t in (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)]
+    want = [k * t for st in _sample(linear, 431).stage_times for k, t in zip((1.1, 1.2, 1.5), st)]
+    assert got == pytest.approx(want, rel=1e-9)
     # the median over the stages: one stage's outlier (a backward profiled at 2.5x in its one run) leaves it
     profile = [(1.0, 2.0, 3.0)] * 5 + [(1.0, 2.0, 7.5)]
     steps = [(1.2, 2.0, 3.3)] * 5 + [(1.2, 2.0, 3.3)]

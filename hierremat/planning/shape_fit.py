@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 #: 3: times from the training steps, from fewer shapes than the monomials (ShapeFit.of); 4: two shapes timed nearer
 #: than SPACING scale each time by the tokens, not a line through them; 5: times fitted with every term >= 0; 6: block
 #: options scaled as the training steps run option 0 over the profile (ShapeFit.step_ratios).
-FIT_VERSION = "fit-6"
+FIT_VERSION = "fit-7"
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
 #: How far outside the measured sizes times are fitted (a factor on either side); a shape farther out is measured
@@ -517,8 +517,10 @@ class ShapeFit:
         return nearest, target[1:] / rows[nearest, 1:]
 
     def stage_costs(self, costs: ChainCosts) -> ChainCosts:
-        """``costs`` (measured for memory) with each stage's autograd times fitted."""
-        fitted = self._predict([[t for st in s.stage_times for t in st] for s in self.timed])
+        """``costs`` (measured for memory) with each stage's autograd times fitted, from the steps' times where a
+        shape has them, else from its profile's scaled by :attr:`step_ratios` (as the steps would run it: a shape
+        measured whose steps are not recorded yet, among shapes timed in their steps)."""
+        fitted = self._predict([[t for st in self._as_steps(s) for t in st] for s in self.timed])
         return costs.with_autograd_times([tuple(fitted[3 * i: 3 * i + 3]) for i in range(len(costs.stages))])
 
     @functools.cached_property
@@ -527,8 +529,8 @@ class ShapeFit:
         backward) ratios of the steps' seconds over the profile's at the shapes that have both (a shape measured,
         then timed in its steps), one per kind of time, the median over their stages (hierremat.plans.costs.
         step_time_ratios). None where no shape was measured and then timed in its steps (RematModule keeps the steps'
-        samples of such shapes: add_sample's ``keep``): the times are then taken as they are. (A shape measured
-        whose steps are not recorded yet is fitted from its profile's times, as the steps'.)
+        samples of such shapes: add_sample's ``keep``): the times are then taken as they are. A shape measured whose
+        steps are not recorded yet is fitted from its profile's times times these (:meth:`stage_costs`).
 
         :meth:`stage_costs` fits option 0 from the steps where a shape has them, while block options are priced from
         node times and generated code's speeds profiled apart (:meth:`node_costs`, :meth:`speeds`, or measured at
@@ -543,6 +545,14 @@ class ShapeFit:
             return None
         return step_time_ratios([t for steps, _ in both for t in steps.stage_times],
                                 [t for _, profile in both for t in profile.stage_times])
+
+    def _as_steps(self, sample: ShapeSample) -> tuple[tuple[float, float, float], ...]:
+        """``sample``'s stage times as the training steps run them: its own where it is from the steps or no shape
+        has both (:attr:`step_ratios` None), else its profile's times the ratios."""
+        ratios = self.step_ratios
+        if sample.from_steps or ratios is None:
+            return sample.stage_times
+        return tuple(tuple(t * r for t, r in zip(times, ratios)) for times in sample.stage_times)
 
     def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
         """This shape's chain profile with every byte count that fits exactly (module docstring; its times
