@@ -9,8 +9,9 @@ even keeping everything. This finds the op that departs, without aligning the tw
   (so that a chunked LM head's logits are plain's rows), its dtype, shape and strides;
 * plain autograd's step is recorded twice (ops whose outputs differ between the two, same inputs, are
   nondeterministic kernels: CUDA's embedding backward, say), then hierremat's at the smallest feasible budget
-  (block options in its schedule) or keeping everything; compiled code runs no ATen op, so where a compiled block
-  option departs, no op is named but the results differ (then compare with ``--compile off``);
+  (block options in its schedule) or keeping everything; a compiled block option's fused kernels run no ATen op
+  (its extern matmuls do, on values not known), so where one departs no op is named but the results differ (then
+  compare with ``--compile off``);
 * a value is *known* where plain's steps read or made it. An op of hierremat's step whose inputs are all known and
   which makes a value that is not is where the two steps part: printed in order with its inputs' strides, beside
   plain's op of the same name and inputs where one exists (same values in, other bits out: a kernel chosen by

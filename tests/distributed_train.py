@@ -169,6 +169,9 @@ def main() -> None:
     p.add_argument("--refuse", action="store_true",
                    help="with --parallel fsdp: on_new_shape='error', and rank 1 forgets its plans after the first "
                         "step, as if evicted (hierremat raises on every rank at the next)")
+    p.add_argument("--upcast-outputs", action="store_true",
+                   help="after fully_shard, the forward wrapped as accelerate's mixed precision wraps it (its bf16 outputs "
+                        "copied to fp32: accelerate.utils.convert_outputs_to_fp32), as accelerator.prepare does")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -216,6 +219,10 @@ def main() -> None:
             materialize(model, args.model, device)
     elif args.parallel == "ddp":
         runner = torch.nn.parallel.DistributedDataParallel(runner)
+    if args.upcast_outputs:
+        from accelerate.utils import convert_outputs_to_fp32
+
+        runner.forward = convert_outputs_to_fp32(runner.forward)
     if not args.set_to_none:  # .grad allocated before the first step and kept: not part of any step's budget
         for p in model.parameters():
             p.grad = torch.zeros_like(p)

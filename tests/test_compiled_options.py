@@ -277,7 +277,7 @@ def test_compile_argument_is_checked():
 
 def test_auto_compiles_only_stages_that_compute_in_fp32():
     """compile="auto" leaves block options eager where the stages compute in bf16 or fp16 (autocast on the device,
-    or a parameter held so): Inductor keeps fp32 between the ops it fuses where eager rounds each result, so there a
+    a parameter held so, the chain's input, a value of a stage's captured graph): Inductor keeps fp32 between the ops it fuses where eager rounds each result, so there a
     compiled option's gradients are an ulp or more from plain autograd's (1e-4 under bf16 autocast on an H200,
     docs/results.md). An explicit compile=True still compiles."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -286,6 +286,13 @@ def test_auto_compiles_only_stages_that_compute_in_fp32():
     assert resolve_compile("auto", cuda, [fp32, bf16]) is False
     assert resolve_compile("auto", cuda, [fp16]) is False
     assert resolve_compile(True, cuda, [bf16]) is True
+    assert resolve_compile("auto", cuda, [lambda x: x], torch.zeros(2, dtype=torch.bfloat16)) is False  # (its input)
+    cast_inside = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Identity()))
+    (placeholder,) = cast_inside.graph.find_nodes(op="placeholder")
+    placeholder.meta["val"] = torch.zeros(2, dtype=torch.float16)  # (a captured graph's value in fp16)
+    staged = torch.nn.Module()
+    staged.graph_module = cast_inside
+    assert resolve_compile("auto", cuda, [staged]) is False
     assert computes_in_low_precision([fp32], cpu) is False
     for dtype in (torch.bfloat16, torch.float16):
         with torch.autocast("cpu", dtype=dtype):

@@ -154,6 +154,19 @@ def test_two_fsdp2_ranks_train_like_one_process_within_budget(tmp_path, model, b
                for report in reports), [hr.ModelPlan.from_json(report["plan"]).times for report in reports]
 
 
+def test_two_fsdp2_ranks_count_the_fp32_copies_accelerate_makes_of_the_outputs_after_fully_shard(tmp_path):
+    """accelerate's mixed precision wraps the forward to copy its bf16 outputs to fp32 (convert_outputs_to_fp32), and
+    accelerator.prepare does it after fully_shard, once remat planned: every rank's plan is re-made for the shards
+    with the copies counted (the logits in fp32), together (rank 0's plan on every rank), each step within the
+    budget, the first step's gradients bitwise FSDP2 alone's (_train)."""
+    pytest.importorskip("accelerate")
+    reports, sharded_params, single_params = _train(tmp_path, 2, "cpu", "llama", "fsdp", "3.3MiB", "bf16",
+                                                    extra=("--upcast-outputs",))
+    plan = _check_fsdp(reports, sharded_params, single_params)
+    logits = 4 * 96 * 256 * 4  # (each rank's half of the global batch of 8 x 96: its logits in fp32)
+    assert all(hr.ModelPlan.from_json(r["plan"]).output_copies_bytes == logits for r in reports), plan.output_copies_bytes
+
+
 def test_two_fsdp2_ranks_with_default_zero_grad_stay_within_budget(tmp_path):
     """PyTorch's default zero_grad(set_to_none=True): every step allocates the (sharded) gradients,
     which each rank's plan counts (issue 35)."""

@@ -276,6 +276,16 @@ def test_block_options_are_scaled_as_the_steps_run_option_0_over_the_profile_at_
            for t in (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)]
     want = [k * t for st in _sample(linear, 431).stage_times for k, t in zip((1.1, 1.2, 1.5), st)]
     assert got == pytest.approx(want, rel=1e-9)
+    # and a stage the steps did not time (a block option ran it: its times the plan's, the profile's at a shape
+    # profiled) is scaled so too, here beyond the shapes timed (the fit's bounds on the scaled times)
+    steps_512 = in_steps(512, (1.1, 1.2, 1.5))
+    filled = replace(steps_512, stage_times=(steps_512.stage_times[0], profiled.stage_times[1]))
+    fit = ShapeFit.of([profiled, *memory_only, filled, profiled_300], {"b": 4, "s": 560}, (0, 1), reduced=True)
+    assert fit.step_ratios == pytest.approx((1.1, 1.2, 1.5))  # (from stage 0 alone)
+    got = [t for st in fit.stage_costs(chain).stages
+           for t in (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)]
+    want = [k * t for st in _sample(linear, 560).stage_times for k, t in zip((1.1, 1.2, 1.5), st)]
+    assert got == pytest.approx(want, rel=1e-9)
     # the median over the stages: one stage's outlier (a backward profiled at 2.5x in its one run) leaves it
     profile = [(1.0, 2.0, 3.0)] * 5 + [(1.0, 2.0, 7.5)]
     steps = [(1.2, 2.0, 3.3)] * 5 + [(1.2, 2.0, 3.3)]

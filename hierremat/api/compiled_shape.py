@@ -177,6 +177,11 @@ class CompiledShape:
     def sharded(self) -> bool:
         return self.chain_module.planned.sharded is not None
 
+    def count_copies(self, copies: int) -> None:
+        """Count ``copies`` bytes of fp32 copies the caller makes of the outputs (ModelPlan.output_copies_bytes) in
+        what the next :meth:`shard` starts from (the caller re-shards: RematModule._orchestrator)."""
+        self.unsharded = replace(self.unsharded or self.plan, output_copies_bytes=copies)
+
     def shard(self, model: nn.Module, budget_bytes: int) -> None:
         """Re-plan for the FSDP2 modules ``fully_shard`` made of ``model`` (hierremat.runtime.fsdp):
         option 0 per stage, what FSDP2 gathers counted, rank 0's plan on every rank (a collective: every rank

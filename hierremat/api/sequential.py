@@ -82,7 +82,7 @@ def _plan(
     compile: bool | str = "auto", time_limit: float | None = PLAN_TIME_LIMIT, offloading: Offloading | None = None,
 ) -> PlannedChain:
     _check_options(block_options, slots, time_limit)
-    compiled = resolve_compile(compile, input.device, stages)
+    compiled = resolve_compile(compile, input.device, stages, input)
     started = time.perf_counter()
     deadline = None if time_limit is None else started + time_limit
     profile = profile_chain(stages, input, repeats=repeats)
@@ -177,7 +177,7 @@ class PlanCache:
         return (
             tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
             input.requires_grad, AutocastState.capture((input.device.type,)).key(), budget_bytes, slots, block_options,
-            variants, compile, offload,
+            variants, resolve_compile(compile, input.device, stages, input), offload,  # (resolved: dtypes decide "auto")
         )
 
     def get(self, key: tuple):

@@ -448,7 +448,7 @@ def profile_and_solve(
     block options are neither built nor re-costed at this shape (that measures the CPU allocator with a session of
     its own, which would end the caller's: hierremat.device.memory.check_no_profiler); RematModule builds them at a
     step after the session, at its first where they were to be built now."""
-    compiling = resolve_compile(settings.compile, x0.device, chain.stages)
+    compiling = resolve_compile(settings.compile, x0.device, chain.stages, x0)
     profiling = profiling and x0.device.type == "cpu"
     lazy = (fitted is not None or defer or profiling) and settings.block_options == "ilp" \
         and settings.strategy == "optimal" and not compiling

@@ -359,17 +359,8 @@ class RematModule(nn.Module):
             return self._plan_again(key, args, kwargs)
         if torch.is_grad_enabled():
             self._retime(compiled)
-        copies = compiled.chain.half_outputs_in_fp32_bytes if upcasts_outputs(self) else 0
-        if copies != compiled.plan.output_copies_bytes:
-            if not compiled.saved:
-                log.info("%s's outputs are %s copied to fp32 by the caller (accelerate's mixed precision): planned again",
-                         type(self.model).__name__, "now" if copies else "no longer")
-                return self._plan_again(key, args, kwargs)
-            if copies and not compiled.copies_warned:
-                compiled.copies_warned = True
-                log.warning("the caller copies the model's fp16/bf16 outputs to fp32 (accelerate's mixed precision), "
-                            "and the saved plan does not count the copies (%d B): its peak may exceed its budget by "
-                            "that much; plan with hierremat.remat under the same wrapper instead", copies)
+        if self._copies_to_count(compiled) is not None:
+            return self._plan_again(key, args, kwargs)
         if not compiled.block_gain or not torch.is_grad_enabled():
             return compiled
         if profiler_active():  # (building or re-costing them measures the CPU allocator with one: after it)
@@ -391,6 +382,24 @@ class RematModule(nn.Module):
         log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms slower)",
                  compiled.steps_without, compiled.block_gain * 1e3)
         return self._plan_again(key, args, kwargs, defer_blocks=False)
+
+    def _copies_to_count(self, compiled: CompiledShape) -> int | None:
+        """The bytes of the fp32 copies the caller makes of the outputs (accelerate's mixed precision wraps the
+        forward, also after remat planned it or fully_shard sharded the model) where ``compiled`` was planned with
+        others, to plan it again with; None where they are the same, or ``compiled`` is a saved plan (warned once)."""
+        copies = compiled.chain.half_outputs_in_fp32_bytes if upcasts_outputs(self) else 0
+        if copies == compiled.plan.output_copies_bytes:
+            return None
+        if compiled.saved:
+            if copies and not compiled.copies_warned:
+                compiled.copies_warned = True
+                log.warning("the caller copies the model's fp16/bf16 outputs to fp32 (accelerate's mixed precision), "
+                            "and the saved plan does not count the copies (%d B): its peak may exceed its budget by "
+                            "that much; plan with hierremat.remat under the same wrapper instead", copies)
+            return None
+        log.info("%s's outputs are %s copied to fp32 by the caller (accelerate's mixed precision): planned again",
+                 type(self.model).__name__, "now" if copies else "no longer")
+        return copies
 
     def _timed_count(self, family: tuple) -> int:
         """How many of the family's shapes are timed, profiled or in the training steps (a shape whose times were
@@ -670,8 +679,13 @@ class RematModule(nn.Module):
         # (and, where every rank runs a sharded plan, whether rank 0's is due to be solved again from its steps' times)
         retimes = compiled is not None and compiled.sharded and torch.is_grad_enabled()
         due = self._times_due(compiled) if retimes else None
+        # (sharded, a wrapper that copies the outputs to fp32 since the plan: re-sharded with them counted, as a plan
+        # made here re-shards every rank's)
+        copies = self._copies_to_count(compiled) if sharded and compiled is not None else None
+        if copies is not None:
+            compiled.count_copies(copies)
         others_plan, others_refuse, rank0_retimes = ranks_plan(
-            key[:2] + key[3:], compiled is None, refuses, due is not None if retimes else None,
+            key[:2] + key[3:], compiled is None or copies is not None, refuses, due is not None if retimes else None,
         ) if sharded else (False, refuses, False)
         if others_refuse:
             raise ValueError(

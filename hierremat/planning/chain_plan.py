@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
+import torch.fx
 
 from ..device.autocast import AutocastState
 from ..device.rng import CPU_RNG_STATE_BYTES
@@ -63,26 +64,37 @@ def check_block_options(block_options: str) -> None:
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def resolve_compile(compile, device: torch.device, stages: Sequence = ()) -> bool:
+def resolve_compile(compile, device: torch.device, stages: Sequence = (), x0: torch.Tensor | None = None) -> bool:
     """The ``compile=`` argument: True, False, or "auto": True on CUDA where the stages compute in fp32, else False.
 
-    Not where they compute in bf16 or fp16 (autocast on ``device``, or a floating parameter held so): there a
+    Not where they compute in bf16 or fp16 (:func:`computes_in_low_precision`; ``x0``: the chain's input): there a
     compiled option's gradients were 1e-4 from eager's (tiny GPT-2 and Llama under bf16 autocast on an H200,
     2026-11-27, ``benchmarks/bits_by_op.py``), where eager block options are bitwise; in fp32 they were within
     1e-8."""
     if compile == "auto":
-        return device.type == "cuda" and not computes_in_low_precision(stages, device)
+        return device.type == "cuda" and not computes_in_low_precision(stages, device, x0)
     if isinstance(compile, bool):
         return compile
     raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
 
 
-def computes_in_low_precision(stages: Sequence, device: torch.device) -> bool:
-    """Autocast to bf16 or fp16 on for ``device``, or a floating parameter of a stage held in one."""
+def computes_in_low_precision(stages: Sequence, device: torch.device, x0: torch.Tensor | None = None) -> bool:
+    """Whether the chain computes in bf16 or fp16: autocast to one on for ``device``, its input ``x0`` in one, a
+    floating parameter of a stage held in one, or a value of a stage's captured graph in one (``graph_module``'s
+    node values: a cast inside the model's forward). A plain callable's own casts are not seen."""
     if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in LOW_PRECISION:
         return True
-    return any(p.dtype in LOW_PRECISION for stage in stages if isinstance(stage, torch.nn.Module)
-               for p in stage.parameters())
+    if x0 is not None and x0.dtype in LOW_PRECISION:
+        return True
+    for stage in stages:
+        if isinstance(stage, torch.nn.Module) and any(p.dtype in LOW_PRECISION for p in stage.parameters()):
+            return True
+        graph = getattr(stage, "graph_module", None)
+        if isinstance(graph, torch.fx.GraphModule) and any(
+                isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION
+                for value in (node.meta.get("val") for node in graph.graph.nodes)):
+            return True
+    return False
 
 
 def fixed_schedule(costs, strategy: str):

@@ -56,7 +56,9 @@ log = logging.getLogger(__name__)
 #: Bump when what is fitted, or how, changes (part of a saved plan's hierremat.planning.menus.cost_model_version).
 #: 3: times from the training steps, from fewer shapes than the monomials (ShapeFit.of); 4: two shapes timed nearer
 #: than SPACING scale each time by the tokens, not a line through them; 5: times fitted with every term >= 0; 6: block
-#: options scaled as the training steps run option 0 over the profile (ShapeFit.step_ratios).
+#: options scaled as the training steps run option 0 over the profile (ShapeFit.step_ratios); 7: a shape's profile
+#: times, and the plan's times a steps' sample carries for stages the steps did not time, scaled by those ratios too
+#: (ShapeFit._as_steps).
 FIT_VERSION = "fit-7"
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
@@ -547,12 +549,19 @@ class ShapeFit:
                                 [t for _, profile in both for t in profile.stage_times])
 
     def _as_steps(self, sample: ShapeSample) -> tuple[tuple[float, float, float], ...]:
-        """``sample``'s stage times as the training steps run them: its own where it is from the steps or no shape
-        has both (:attr:`step_ratios` None), else its profile's times the ratios."""
+        """``sample``'s stage times as the training steps run them: as they are where no shape has both
+        (:attr:`step_ratios` None); else a profile's times the ratios, and so a steps' sample's stages that the steps
+        did not time (a block option ran them: their times are the plan's, equal to the profile's at a shape
+        profiled, as step_time_ratios leaves them out)."""
         ratios = self.step_ratios
-        if sample.from_steps or ratios is None:
+        if ratios is None:
             return sample.stage_times
-        return tuple(tuple(t * r for t, r in zip(times, ratios)) for times in sample.stage_times)
+        profiled = sample if not sample.from_steps else next(
+            (s for s in self.profiled if s.bindings == sample.bindings), None)
+        if profiled is None:
+            return sample.stage_times
+        return tuple(tuple(t * r for t, r in zip(times, ratios)) if tuple(times) == tuple(twin) else times
+                     for times, twin in zip(sample.stage_times, profiled.stage_times))
 
     def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
         """This shape's chain profile with every byte count that fits exactly (module docstring; its times
@@ -698,6 +707,9 @@ class ShapeFit:
                 + (f", memory from {len(self.memory_samples)} shapes" + (
                     f" ({memory_only} with memory only)" if memory_only else "") if unfitted is not None else "")
                 + f" ({shapes})")
+        if self.step_ratios is not None:  # (what the profile's times, block options' among them, were scaled by)
+            line += (f"; profiled times x{self.step_ratios[1]:.2f} forward, x{self.step_ratios[2]:.2f} backward, as "
+                     "the training steps ran them")
         if unfitted is None:
             return f"{line}; memory measured at this shape"
         if unfitted:
