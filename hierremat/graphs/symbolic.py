@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import sympy
 import torch
+import torch.fx.config
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
@@ -279,12 +280,19 @@ def export_call(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shape
     """``torch.export.export(model, args, kwargs, dynamic_shapes=..., strict=False)`` as both captures run it (at
     one shape, graphs.capture; symbolically, :func:`capture_symbolic`): Hugging Face caches registered as pytrees,
     a tensor passed twice exported from a clone (:func:`distinct_inputs`), mask decisions made on shapes alone
-    (graphs.hf.eager_mask_decisions) and the caller's dynamic-size marks off while it runs (:func:`unmarked`).
-    Raises what export raises."""
+    (graphs.hf.eager_mask_decisions), the caller's dynamic-size marks off while it runs (:func:`unmarked`), and no
+    Python stack trace recorded per node (``torch.fx.config.do_not_emit_stack_traces``: hierremat reads
+    ``nn_module_stack`` alone; recording them took 8-15% of a 4-layer GPT-2's symbolic export, 1.07-1.13 s against
+    1.19-1.46 s). Raises what export raises."""
     register_cache_pytrees(model)
     args, kwargs = distinct_inputs((args, kwargs))
-    with eager_mask_decisions(model), unmarked((args, kwargs)):
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    emitting = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with eager_mask_decisions(model), unmarked((args, kwargs)):
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = emitting
 
 
 @contextlib.contextmanager
