@@ -20,7 +20,7 @@ even keeping everything. This finds the op that departs, without aligning the tw
 
     python benchmarks/bits_by_op.py [--model gpt2|llama] [--autocast bf16|fp16|off] [--held bf16]
                                     [--budget floor|keep] [--device cuda|cpu] [--no-variants] [--compile auto|on|off]
-                                    [--replayed-under-autocast]
+                                    [--replayed-under-autocast] [--self-check]
 
 Prints Markdown. On CPU the same run is the control: every bf16 test there is bitwise, so nothing should part.
 """
@@ -48,6 +48,9 @@ parser.add_argument("--no-variants", action="store_true")
 parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="block options compiled")
 parser.add_argument("--replayed-under-autocast", action="store_true",
                     help="block options under autocast on a device outside menus.AUTOCAST_EXACT_DEVICE_TYPES too")
+parser.add_argument("--self-check", action="store_true",
+                    help="flip one bit of the third backward matmul of hierremat's step: exit 0 only where that op is "
+                         "the first named (the diagnosis checked against a known fault; tests/test_bits_by_op.py)")
 parser.add_argument("--show", type=int, default=12, help="how many parting ops to print")
 args = parser.parse_args()
 
@@ -94,11 +97,17 @@ def _seen(t: torch.Tensor) -> Seen:
     return Seen(tuple(rows.tolist()), str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
 
 
+FAULTY_OP, FAULTY_CALL = "aten.mm.default", 3  # (--self-check: the third backward matmul)
+
+
 class Recorder(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, fault: bool = False):
         super().__init__()
         self.ops: list[Op] = []
         self.phase = "forward"
+        self.fault = fault  # flip the lowest bit of FAULTY_OP's FAULTY_CALL-th backward result's first element
+        self.faulted: int | None = None  # the index of the op faulted
+        self._calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,6 +115,12 @@ class Recorder(TorchDispatchMode):
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         inputs = tuple(_seen(t) for t in tensors)
         result = func(*args, **kwargs)
+        if self.fault and self.phase == "backward" and str(func) == FAULTY_OP:
+            self._calls += 1
+            if self._calls == FAULTY_CALL:
+                bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[result.element_size()]
+                result.view(-1)[:1].view(bits).bitwise_xor_(1)
+                self.faulted = len(self.ops)
         written = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         # (an in-place or out= op's result is its argument: its bytes after the op)
         arguments = repr([("T" if isinstance(a, torch.Tensor) else a) for a in flat])
@@ -165,7 +180,7 @@ with autocast:
 step(module, None)  # (warm: anything made at the first call)
 plains = [Recorder(), Recorder()]
 expected = [step(reference, r) for r in plains]
-ours = Recorder()
+ours = Recorder(fault=args.self_check)
 got = step(module, ours)
 
 names = ["loss"] + [n for n, _ in reference.named_parameters()]
@@ -229,3 +244,7 @@ for index, op in parting[: args.show]:
             print(f"    {o.arguments} reads " + "; ".join(map(str, o.inputs)))
         users = sorted({o.name for o in plains[0].ops if read & {s.rows for s in o.inputs}})
         print(f"  plain's ops reading one of these inputs: {users[:12]}")
+if args.self_check:
+    named = parting[0][0] if parting else None
+    print(f"\nself-check: the fault was put at op {ours.faulted}; the first op named is {named}")
+    sys.exit(0 if ours.faulted is not None and named == ours.faulted else 1)
