@@ -299,7 +299,7 @@ def test_cuda_bf16_autocast_within_budget(make, recipe):
 
 @pytest.mark.cuda
 def test_cuda_model_held_in_bf16_within_budget():
-    """An xfail until 2026-11-27: every gradient an ulp from plain's, also keeping everything, as the plan ran
+    """An xfail until 2026-11-28: every gradient an ulp from plain's, also keeping everything, as the plan ran
     compiled block options (compile="auto" on CUDA; benchmarks/bits_by_op.py on an H200). "auto" now leaves them
     eager where parameters are held in bf16 (planning.chain_plan.resolve_compile)."""
     _check(tiny_llama, "fresh", None, fractions=(0.0, 0.5), model_dtype=torch.bfloat16, device="cuda")
