@@ -175,8 +175,8 @@ with autocast:
     keep = hr.plan(model, (ids,), kwargs, budget="64GiB", cache=False, variants=variants,
                    backward_autocast=False, compile=compile).predicted_peak_bytes
     budget = floor if args.budget == "floor" else keep
-    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=False, variants=variants, backward_autocast=False,
-                      defer_block_options=False, compile=compile)
+    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=False, variants=variants,
+                      backward_autocast=False, defer_block_options=False, compile=compile)
 step(module, None)  # (warm: anything made at the first call)
 plains = [Recorder(), Recorder()]
 expected = [step(reference, r) for r in plains]
@@ -217,7 +217,8 @@ parting = []
 for index, op in enumerate(ours.ops):
     if not all(r in known for s in op.inputs for r in s.rows):
         continue
-    new_rows = [s for s in op.outputs if s.dtype.startswith(("float", "bfloat")) and any(r not in known for r in s.rows)]
+    new_rows = [s for s in op.outputs
+                if s.dtype.startswith(("float", "bfloat")) and any(r not in known for r in s.rows)]
     uninitialized = op.name.split(".")[1].startswith(("empty", "new_empty"))  # (bytes left from before)
     if new_rows and not op.view and not uninitialized:
         parting.append((index, op))

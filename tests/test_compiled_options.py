@@ -277,9 +277,10 @@ def test_compile_argument_is_checked():
 
 def test_auto_compiles_only_stages_that_compute_in_fp32():
     """compile="auto" leaves block options eager where the stages compute in bf16 or fp16 (autocast on the device,
-    a parameter held so, the chain's input, a value of a stage's captured graph): Inductor keeps fp32 between the ops it fuses where eager rounds each result, so there a
-    compiled option's gradients are an ulp or more from plain autograd's (1e-4 under bf16 autocast on an H200,
-    docs/results.md). An explicit compile=True still compiles."""
+    a parameter held so, the chain's input, a value of a stage's captured graph): Inductor keeps fp32 between the
+    ops it fuses where eager rounds each result, so there a compiled option's gradients are an ulp or more from
+    plain autograd's (1e-4 under bf16 autocast on an H200, docs/results.md). An explicit compile=True still
+    compiles."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     fp32, bf16, fp16 = (torch.nn.Linear(4, 4).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16))
     assert resolve_compile("auto", cuda, [fp32, lambda x: x]) is True

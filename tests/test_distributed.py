@@ -164,7 +164,8 @@ def test_two_fsdp2_ranks_count_the_fp32_copies_accelerate_makes_of_the_outputs_a
                                                     extra=("--upcast-outputs",))
     plan = _check_fsdp(reports, sharded_params, single_params)
     logits = 4 * 96 * 256 * 4  # (each rank's half of the global batch of 8 x 96: its logits in fp32)
-    assert all(hr.ModelPlan.from_json(r["plan"]).output_copies_bytes == logits for r in reports), plan.output_copies_bytes
+    copies = [hr.ModelPlan.from_json(r["plan"]).output_copies_bytes for r in reports]
+    assert copies == [logits] * len(reports) and plan.output_copies_bytes == logits, copies
 
 
 def test_two_fsdp2_ranks_with_default_zero_grad_stay_within_budget(tmp_path):
