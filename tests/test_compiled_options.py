@@ -301,6 +301,37 @@ def test_auto_compiles_only_stages_that_compute_in_fp32():
             assert computes_in_low_precision([fp32], cuda) is False  # (autocast is per device type)
 
 
+def test_a_saved_plan_with_compiled_options_run_in_bf16_is_warned_about(monkeypatch, caplog):
+    """A plan saved with compiled block options (compile=True; "auto" on CUDA in bf16 before 2026-11-28) and run
+    where the model computes in bf16: warned that its gradients are not plain autograd's; in fp32, not (Inductor's
+    own forms are not built here: the warning comes as the plan is loaded)."""
+    from hierremat.api import shape_planning
+
+    for name in ("offer_compiled", "compile_options", "compile_forwards"):
+        monkeypatch.setattr(shape_planning, name, lambda *args, **kwargs: None)
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+
+    def lowest_plan() -> hr.ModelPlan:
+        with pytest.raises(hr.InfeasibleBudgetError) as err:
+            hr.plan(model, (ids,), kwargs, budget="1KiB", cache=False, backward_autocast=False)
+        plan = hr.plan(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B", cache=False,
+                       backward_autocast=False)
+        assert options_used(plan.chain.schedule), plan.summary()
+        return dataclasses.replace(plan, compiled=True)
+
+    warning = "the saved plan runs its block options compiled by Inductor, and the model computes in bf16"
+    with caplog.at_level(logging.WARNING, logger="hierremat"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hr.remat(model, (ids,), kwargs, plan=lowest_plan(), cache=False)
+        assert warning in caplog.text
+        caplog.clear()
+        hr.remat(model, (ids,), kwargs, plan=lowest_plan(), cache=False)
+        assert warning not in caplog.text
+
+
 def test_an_option_inductor_cannot_compile_runs_eagerly_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HIERREMAT_CACHE_DIR", str(tmp_path))
 

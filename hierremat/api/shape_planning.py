@@ -42,7 +42,8 @@ from ..runtime.stage_cost_cache import StageCostCache
 from ..runtime.step_grads import StepGrads
 from ..store.cache import OptionsCache, default_cache
 from ..planning.chain_plan import (
-    PLAN_TIME_LIMIT, PlannedChain, check_block_options, least_held_bytes, plan_from_profile, resolve_compile,
+    PLAN_TIME_LIMIT, PlannedChain, check_block_options, computes_in_low_precision, least_held_bytes, plan_from_profile,
+    resolve_compile,
 )
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
@@ -586,6 +587,13 @@ def compile_shape(
                 backward_autocast=plan.backward_autocast,
             )
             if plan.compiled:  # its costs are those of compiled options and forwards: run them so
+                if computes_in_low_precision(chain.stages, x0.device, x0):
+                    log.warning(
+                        "the saved plan runs its block options compiled by Inductor, and the model computes in bf16 or "
+                        "fp16 here: their gradients then differ from plain autograd's by an ulp or more (Inductor keeps "
+                        "fp32 between the operations it fuses); plan again with compile='auto' or False for eager block "
+                        "options, whose gradients are plain autograd's"
+                    )
                 offer_compiled(menus)
                 compile_options(
                     menus, options_used(plan.chain.schedule), chain.stages, x0, shared, settings.inductor_cache(),
