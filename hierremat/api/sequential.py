@@ -171,13 +171,14 @@ class PlanCache:
         variants: bool = True, compile: bool | str = "auto", offload: tuple = (False, None),
     ) -> tuple:
         modes = tuple(getattr(s, "training", None) for s in stages)
-        trainable = tuple(
-            tuple(p.requires_grad for p in s.parameters()) if isinstance(s, torch.nn.Module) else () for s in stages
+        parameters = tuple(  # (trainable, and their dtypes: with autocast and the input's, what "auto" compile reads)
+            tuple((p.requires_grad, p.dtype) for p in s.parameters()) if isinstance(s, torch.nn.Module) else ()
+            for s in stages
         )
         return (
-            tuple(id(s) for s in stages), modes, trainable, tuple(input.shape), input.dtype, input.device,
+            tuple(id(s) for s in stages), modes, parameters, tuple(input.shape), input.dtype, input.device,
             input.requires_grad, AutocastState.capture((input.device.type,)).key(), budget_bytes, slots, block_options,
-            variants, resolve_compile(compile, input.device, stages, input), offload,  # (resolved: dtypes decide "auto")
+            variants, compile, offload,
         )
 
     def get(self, key: tuple):

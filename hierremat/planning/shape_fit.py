@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from ..plans.costs import ChainCosts, step_time_ratios
+from ..plans.costs import ChainCosts, step_time_ratios, timed_in_steps
 from ..plans.memory_trace import with_memory
 from ..runtime.profile import ChainProfile
 from ..runtime.stage_cost_cache import ExecutorSpeeds
@@ -551,17 +551,22 @@ class ShapeFit:
     def _as_steps(self, sample: ShapeSample) -> tuple[tuple[float, float, float], ...]:
         """``sample``'s stage times as the training steps run them: as they are where no shape has both
         (:attr:`step_ratios` None); else a profile's times the ratios, and so a steps' sample's stages that the steps
-        did not time (a block option ran them: their times are the plan's, equal to the profile's at a shape
-        profiled, as step_time_ratios leaves them out)."""
+        did not time (plans.costs.timed_in_steps: a block option ran them, their times the plan's, the profile's at
+        a shape profiled)."""
         ratios = self.step_ratios
         if ratios is None:
             return sample.stage_times
-        profiled = sample if not sample.from_steps else next(
-            (s for s in self.profiled if s.bindings == sample.bindings), None)
-        if profiled is None:
+
+        def scaled(times: tuple[float, float, float]) -> tuple[float, float, float]:
+            return tuple(t * r for t, r in zip(times, ratios))
+
+        if not sample.from_steps:
+            return tuple(scaled(times) for times in sample.stage_times)
+        profile = next((s for s in self.profiled if s.bindings == sample.bindings), None)
+        if profile is None:
             return sample.stage_times
-        return tuple(tuple(t * r for t, r in zip(times, ratios)) if tuple(times) == tuple(twin) else times
-                     for times, twin in zip(sample.stage_times, profiled.stage_times))
+        return tuple(times if timed_in_steps(times, twin) else scaled(times)
+                     for times, twin in zip(sample.stage_times, profile.stage_times))
 
     def profile(self) -> tuple[ChainProfile, frozenset[int]] | None:
         """This shape's chain profile with every byte count that fits exactly (module docstring; its times

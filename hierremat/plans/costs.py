@@ -422,17 +422,23 @@ class TierBandwidth:
         return cls(str(d["kind"]), float(d["offload_bytes_per_second"]), float(d["fetch_bytes_per_second"]))
 
 
+def timed_in_steps(observed: tuple[float, float, float], profiled: tuple[float, float, float]) -> bool:
+    """Whether a stage's times from the training steps (``observed``) were timed there: a stage whose forward the
+    steps never ran under autograd (a block option ran it) carries the plan's own times, equal to ``profiled``
+    (hierremat.runtime.step_times.StepTimes.stage_times)."""
+    return tuple(observed) != tuple(profiled)
+
+
 def step_time_ratios(observed: Sequence[tuple[float, float, float]],
                      profiled: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
     """How much slower the training steps ran option 0 than a profile did: per kind of time (no-grad forward,
     forward, backward), the median over the stages of each stage's ``observed`` seconds over its ``profiled``
-    ones (1.0 where no stage is left). Left out: pairs where either is 0, and stages observed exactly as profiled
-    (a stage whose forward the steps never ran under autograd, as one that runs a block option, has the plan's own
-    times: hierremat.runtime.step_times.StepTimes.stage_times). One ratio for every stage, not each stage's own: a
+    ones (1.0 where no stage is left). Left out: pairs where either is 0, and stages the steps did not time
+    (:func:`timed_in_steps`). One ratio for every stage, not each stage's own: a
     profile timed from one run each has single-stage outliers (a 4-layer GPT-2's first stage's backward at 2.8x its
     median-profiled time in one run, where the steps and a median profile of the blocks agreed within 5%), and a
     block option scaled by such a stage's ratio is mispriced by it for the shape's whole run."""
-    timed = [(o, p) for o, p in zip(observed, profiled) if tuple(o) != tuple(p)]
+    timed = [(o, p) for o, p in zip(observed, profiled) if timed_in_steps(o, p)]
     ratios = []
     for kind in range(3):
         pairs = [o[kind] / p[kind] for o, p in timed if o[kind] > 0 and p[kind] > 0]
