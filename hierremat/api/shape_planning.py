@@ -222,7 +222,7 @@ class ProfiledChain:
     def of(
         cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
         fitted: ShapeFit | None = None, weights_of: nn.Module | None = None, blocks: bool = True, timed: bool = True,
-        one_run: bool = False,
+        one_run: bool = False, menus: bool = True,
     ) -> "ProfiledChain":
         """deadline: when building the block menus must be done (``time.perf_counter()``).
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
@@ -233,7 +233,8 @@ class ProfiledChain:
         run of each of its stages' no-grad forward, forward and backward after the memory runs, not the medians of
         PROFILE_REPEATS (two thirds of the timed runs, a third of a 4-layer GPT-2's profile, saved): where its
         training steps time it (RematModule._times_from_steps), which solve its plan again from theirs. (The memory
-        runs' own times are no estimate: the allocator meter's recording made them up to 50% slower.)"""
+        runs' own times are no estimate: the allocator meter's recording made them up to 50% slower.) menus: False
+        builds no menu, not even the fused head's (a shape measured to fit others from: sample_at's ``one_run``)."""
         started = time.perf_counter()
         signatures = [info.signature for info in chain.infos]
         known, measure = (fitted.profile() if fitted is not None else None) or (None, frozenset())
@@ -256,7 +257,7 @@ class ProfiledChain:
         profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of,
                        one_run=one_run and fitted is None and profile.repeats < PROFILE_REPEATS,
                        step_ratios=ratios)
-        return profiled.with_block_menus(deadline, blocks) if timed else profiled  # (memory alone: no menu used)
+        return profiled.with_block_menus(deadline, blocks) if timed and menus else profiled  # (a sample: no menu used)
 
     def with_block_menus(self, deadline: float | None, blocks: bool = True) -> "ProfiledChain":
         """This chain with its menus built (where the settings ask for block options; ``blocks`` False: the
@@ -632,12 +633,16 @@ def compile_shape(
 
 
 def sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, symbolic: SymbolicCapture,
-              blocks: bool = True, timed: bool = True, cached_blocks: bool = False) -> ShapeSample | None:
+              blocks: bool = True, timed: bool = True, cached_blocks: bool = False,
+              one_run: bool = False) -> ShapeSample | None:
     """The costs measured in full at these inputs (times and memory, no plan solved), captured from
     ``symbolic`` (never exported on their own), bound to their sizes; None where the capture does not take
-    them, or ``timed`` is False (memory alone, in single runs: a sample for memory fits) and the meter recorded
-    no memory trace. blocks: False measures no block menu (their node times and speeds: none was built yet);
-    ``cached_blocks``: only where this cache has them at these sizes (ProfiledChain.menus_cached)."""
+    them, or ``timed`` is False (memory alone, in single runs: a sample for memory fits) or ``one_run`` and the meter
+    recorded no memory trace. blocks: False measures no block menu (their node times and speeds: none was built yet);
+    ``cached_blocks``: only where this cache has them at these sizes (ProfiledChain.menus_cached). one_run: its memory,
+    and its times from one timed run of each stage after the memory runs, no menu built (a short length measured for
+    a family whose times the training steps give: the fit's shape between the lengths they time,
+    hierremat.planning.shape_fit)."""
     bindings = symbolic.bindings(args, kwargs)
     if bindings is None:
         return None
@@ -645,10 +650,12 @@ def sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSetting
     autocast = AutocastState.capture(device_types(args, kwargs))
     chain, x0, shared, _, _ = captured_chain(model, args, kwargs, settings, autocast, started, symbolic, export=False)
     deadline = settings.deadline(started)
-    profiled = ProfiledChain.of(chain, x0, shared, settings, deadline, blocks=blocks and not cached_blocks, timed=timed)
-    if blocks and cached_blocks and profiled.arguments is not None and profiled.menus_cached():
+    timed = timed or one_run
+    profiled = ProfiledChain.of(chain, x0, shared, settings, deadline, blocks=blocks and not cached_blocks and not one_run,
+                                timed=timed, one_run=one_run, menus=not one_run)
+    if blocks and cached_blocks and not one_run and profiled.arguments is not None and profiled.menus_cached():
         profiled = profiled.with_block_menus(deadline)
-    if not timed and profiled.profile.memory_trace is None:
+    if (not timed or one_run) and profiled.profile.memory_trace is None:
         return None
     return profiled.sample(times_measured=timed).bound(bindings)
 

@@ -478,8 +478,9 @@ class RematModule(nn.Module):
         model also at shorter lengths cut from these inputs (hierremat.planning.shape_fit.sizes_to_sample),
         so that this shape or the shapes after it are fitted rather than each measured (``from_steps``: not, the
         training steps time the shapes: _times_from_steps); then, while the shapes whose memory was measured are
-        too few to check a memory fit, its memory alone at shorter lengths still (memory_sizes_to_sample). A length
-        the model cannot take is skipped (logged)."""
+        too few to check a memory fit, its memory alone at shorter lengths still (memory_sizes_to_sample; where the
+        training steps time the shapes, with one timed run each: _sample_at_length's ``one_run``). A length the model
+        cannot take is skipped (logged)."""
         bindings = symbolic.bindings(args, kwargs)
         if not bindings:
             return
@@ -487,27 +488,31 @@ class RematModule(nn.Module):
                                 sizes_to_sample(samples, bindings) if not from_steps else None, timed=True)
         family = _family_key(args, kwargs)
         wanted = memory_sizes_to_sample(samples, bindings, self._step_samples_of(family) if from_steps else None)
-        self._sample_at_lengths(symbolic, args, kwargs, samples, wanted, timed=False)
+        self._sample_at_lengths(symbolic, args, kwargs, samples, wanted, timed=False, one_run=from_steps)
 
     def _sample_memory_ahead(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                              samples: list[ShapeSample]) -> None:
         """At a family's first shape, captured symbolically because its sizes were said to vary: measure its
         memory alone at shorter lengths cut from these inputs now (hierremat.planning.shape_fit.memory_sizes_ahead),
         so that the shapes after it are planned from fits alone, none measured (the cost of a second shape, paid
-        at the first where the caller said shapes will vary)."""
+        at the first where the caller said shapes will vary; each timed from one run: the family's times are fitted
+        from its training steps, _times_from_steps)."""
         wanted = memory_sizes_ahead(samples, symbolic.bindings(args, kwargs) or {})
-        self._sample_at_lengths(symbolic, args, kwargs, samples, wanted, timed=False)
+        self._sample_at_lengths(symbolic, args, kwargs, samples, wanted, timed=False, one_run=True)
 
     def _sample_at_lengths(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, samples: list[ShapeSample],
-                           wanted: tuple[tuple[str, ...], tuple[int, ...]] | None, timed: bool) -> None:
+                           wanted: tuple[tuple[str, ...], tuple[int, ...]] | None, timed: bool,
+                           one_run: bool = False) -> None:
         """_sample_at_length at each of ``wanted``'s values (its sizes, its values: planning.shape_fit's
         sizes_to_sample and kin; None: none)."""
         for value in wanted[1] if wanted is not None else ():
-            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=timed)
+            self._sample_at_length(symbolic, args, kwargs, samples, wanted[0], value, timed=timed, one_run=one_run)
 
     def _sample_at_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, samples: list[ShapeSample],
-                          names: tuple[str, ...], value: int, timed: bool) -> None:
-        """Measure the model at the inputs cut to ``value`` along ``names`` (``timed`` False: its memory alone) and
+                          names: tuple[str, ...], value: int, timed: bool, one_run: bool = False) -> None:
+        """Measure the model at the inputs cut to ``value`` along ``names`` (``timed`` False: its memory alone;
+        ``one_run``: and its times from one timed run each, no block menu: a family whose times the training steps
+        give, which time its longer lengths, fitted with the short ones so measured, planning.shape_fit) and
         add the sample to ``samples``; a length the model or its symbolic capture cannot take is skipped (logged).
         With block options built once they pay (``defer_block_options``), a sample measures their node times
         none while none is built, and, while those built were built only because the cache had them
@@ -522,7 +527,7 @@ class RematModule(nn.Module):
         sources: list[str] = []
         try:
             with recorded_sources() as sources:
-                sample = sample_at(self.model, *narrowed, self.settings, symbolic, timed=timed,
+                sample = sample_at(self.model, *narrowed, self.settings, symbolic, timed=timed, one_run=one_run,
                                    blocks=timed and not self._deferring(self.settings) and not profiler_active(),
                                    cached_blocks=self.settings.defer_block_options and not self._blocks_pay,
                                    ) if narrowed else None
@@ -539,7 +544,8 @@ class RematModule(nn.Module):
             return
         add_sample(samples, sample)
         log.info("%s measured at %s=%d in %.2f s (%s), to fit shapes from", type(self.model).__name__, name, value,
-                 time.perf_counter() - started, "times and memory" if timed else "memory alone")
+                 time.perf_counter() - started,
+                 "times and memory" if timed else "memory, and times from one run" if one_run else "memory alone")
 
     def _narrowed(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict, names: tuple[str, ...],
                   value: int) -> tuple[tuple, dict] | None:

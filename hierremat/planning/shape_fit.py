@@ -29,7 +29,13 @@ shape is farther than MEMORY_EXTRAPOLATION from them, the shape's memory is meas
 profile's memory runs, single and untimed) and its times still fitted: times are fitted from as many
 shapes as the monomials and up to EXTRAPOLATION outside them (a time only steers the plan; a byte
 count is the budget's promise), or, where the training steps time the shapes and the memory is to be fitted,
-however far outside them (scaled from the nearest shape timed). Block options are re-costed on the shape's own
+however far outside them (scaled from the nearest shape timed). Where the training steps time the shapes, the
+shorter lengths measured for memory fits are timed too, from one run each after the memory runs
+(hierremat.api.shape_planning.sample_at's ``one_run``; a few milliseconds a stage at those lengths): the times are
+then fitted over the whole range of lengths from the second shape on, where the steps' own lengths alone, at first
+one or two near the longest, left the next lengths scaled from those by the tokens (bench_shapes --accuracy, 4-layer
+GPT-2: 308 tokens fitted from 512 and 431 predicted at 1.14x its steps, 105 from 268 up at 0.85x; with 64, 96 and 128
+tokens timed once, 1.00 and 1.01). Block options are re-costed on the shape's own
 joint graph (exact), priced from node times profiled apart, and scaled as the training steps run option 0 over
 the profile where the steps time the shapes (ShapeFit.step_ratios).
 """
@@ -48,7 +54,7 @@ from scipy.optimize import nnls
 
 from ..plans.costs import ChainCosts, step_time_ratios, timed_in_steps
 from ..plans.memory_trace import with_memory
-from ..runtime.profile import ChainProfile
+from ..runtime.profile import PROFILE_REPEATS, ChainProfile
 from ..runtime.stage_cost_cache import ExecutorSpeeds
 
 log = logging.getLogger(__name__)
@@ -58,8 +64,9 @@ log = logging.getLogger(__name__)
 #: than SPACING scale each time by the tokens, not a line through them; 5: times fitted with every term >= 0; 6: block
 #: options scaled as the training steps run option 0 over the profile (ShapeFit.step_ratios); 7: a shape's profile
 #: times, and the plan's times a steps' sample carries for stages the steps did not time, scaled by those ratios too
-#: (ShapeFit._as_steps).
-FIT_VERSION = "fit-7"
+#: (ShapeFit._as_steps); 8: the shorter lengths measured for a family timed in its training steps are timed too, from
+#: one run each (hierremat.api.shape_planning.sample_at's ``one_run``): its fits span them.
+FIT_VERSION = "fit-8"
 #: Shapes kept per model and input family to fit from (spread over the sizes measured: add_sample).
 MAX_SAMPLES = 8
 #: How far outside the measured sizes times are fitted (a factor on either side); a shape farther out is measured
@@ -253,7 +260,7 @@ def memory_sizes_to_sample(
     three sixteenths of the shortest measured first (the second length needs three at once: 0.3-0.4 s each at those
     lengths of the 4-layer GPT-2, against 0.6 s at half of 512; at a sixteenth, 32 tokens, its embedding backward's
     buffers over the distinct tokens left stage 0's memory unfitted), then as above (between two sizes measured or
-    chosen)."""
+    chosen); the caller times those once each too (module docstring)."""
     if any(s.profile is None or s.profile.memory_trace is None for s in samples):
         return None  # (no memory to fit from: CUDA's allocator records no trace)
     varying = _one_varying_size(samples, bindings)
@@ -295,7 +302,7 @@ def memory_sizes_ahead(samples: Sequence[ShapeSample], bindings: dict) -> tuple[
     attention mask, ``dynamic=True``), the sizes to measure memory alone at now (memory_sizes_to_sample's three
     shortest, each at least MIN_SAMPLED_SIZE): with the shape measured, the four shapes a memory fit over one
     varying size needs, so that the next shapes' memory is fitted with no run of the model (their times from the
-    training steps' and the shapes measured). (the symbols, all of one value: export may give one length several;
+    training steps' and the shapes measured, these timed once each by the caller). (the symbols, all of one value: export may give one length several;
     the values), or None where the symbols are of different values (two sizes vary: the second shape chooses), the
     samples have no memory trace (CUDA) or are not this shape's alone."""
     target = {str(k): int(v) for k, v in bindings.items()}
@@ -691,10 +698,13 @@ class ShapeFit:
 
     def describe(self) -> str:
         """What was fitted from which shapes, for summaries."""
+        stepped = {s.bindings for s in self.timed if s.from_steps}
+
         def shape(sample: ShapeSample) -> str:
             sizes = ", ".join(f"{k}={v}" for k, v in sample.bindings if k in self.varying)
-            return sizes + (" (timed in the training steps)" if sample.from_steps else
-                            "" if sample.times_measured else " (memory only)")
+            one_run = sample.profile is not None and getattr(sample.profile, "repeats", PROFILE_REPEATS) == 1
+            return sizes + (" (timed in the training steps)" if sample.bindings in stepped else
+                            " (memory only)" if not sample.times_measured else " (one timed run)" if one_run else "")
 
         profiled = {s.bindings for s in self.memory_samples}
         shapes = "; ".join(shape(s) for s in (*self.memory_samples,
