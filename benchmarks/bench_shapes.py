@@ -36,7 +36,7 @@ new length at that size).
     python benchmarks/bench_shapes.py --model gpt2-12 --steps 8 --lengths 6
     python benchmarks/bench_shapes.py --warm        # the same loop, its cache filled by an earlier process
     python benchmarks/bench_shapes.py --eager       # the same loop, block options built at the first shape
-    python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2)
+    python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2; --max-shapes N, --plain)
     python benchmarks/bench_shapes.py --accuracy    # each length's first plan: predicted step and peak, measured
     python benchmarks/bench_shapes.py --accuracy --model gpt2-12 --lengths 6
 
@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import gc
 import random
 import statistics
 import subprocess
@@ -413,27 +415,49 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def run_rss(count: int) -> str:
+def _trimmed_rss_bytes() -> int | None:
+    """RSS after a garbage collection and glibc's ``malloc_trim(0)`` (what the process holds, less the free memory
+    its heap kept from the steps' tensors of other sizes); None without glibc."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return None
+    return _rss_bytes()
+
+
+def run_rss(count: int, max_shapes: int = 64, plain: bool = False) -> str:
+    """RSS over ``count`` distinct lengths, one step each (``plain``: the model itself, no hierremat: what the steps'
+    tensors of every size leave in the heap alone)."""
     torch.manual_seed(SEED)
     model = _gpt2(2, 64, 512, 1024)
-    module = hr.remat(model, (), padded_batch(8, 512, SEED), budget="64GiB")
+    module = model if plain else hr.remat(model, (), padded_batch(8, 512, SEED), budget="64GiB",
+                                          max_shapes=max_shapes)
     marks = sorted({1, *range(50, count + 1, 50), count})
     lengths = list(range(9, 9 + count))
     random.Random(SEED).shuffle(lengths)  # the longest steps early: what grows after is what planning keeps
     rows, started = [], time.perf_counter()
-    base_rss = None
+    base_rss = base_trimmed = None
     for i, length in enumerate(lengths, 1):
         module(**padded_batch(length, 512, SEED + i)).loss.backward()
         model.zero_grad()
         if i in marks:
             rss = _rss_bytes()
+            trimmed = _trimmed_rss_bytes()
+            objects = len(gc.get_objects())  # (counted, not kept: a list of them would keep every one alive)
             base_rss = base_rss or rss
+            base_trimmed = base_trimmed or trimmed
             rows.append([str(i), C.fmt(rss / C.MIB, ".0f"), C.fmt((rss - base_rss) / C.MIB, ".0f"),
-                         str(len(module.plans)), C.fmt(time.perf_counter() - started, ".0f")])
+                         "n/a" if trimmed is None else C.fmt((trimmed - base_trimmed) / C.MIB, ".0f"),
+                         str(objects), "" if plain else str(len(module.plans)),
+                         C.fmt(time.perf_counter() - started, ".0f")])
+    what = "plain autograd (no hierremat)" if plain else f"plans kept: max_shapes={module.max_shapes}"
     return (f"tiny GPT-2 (2 layers, 64 wide, vocabulary 512), batch {BATCH}, one step at each of {count} distinct lengths "
-            f"9..{8 + count} in a shuffled order; plans kept: max_shapes={module.max_shapes}; growth from the first "
-            "length's RSS\n\n"
-            + C.markdown_table(["lengths seen", "RSS MiB", "growth MiB", "plans kept", "elapsed s"], rows))
+            f"9..{8 + count} in a shuffled order; {what}; growth from the first "
+            "length's RSS, and after a garbage collection and glibc's malloc_trim (the heap's free memory returned: what "
+            "the process holds)\n\n"
+            + C.markdown_table(["lengths seen", "RSS MiB", "growth MiB", "growth after trim MiB", "Python objects",
+                                "plans kept", "elapsed s"], rows))
 
 
 def main() -> None:
@@ -449,6 +473,8 @@ def main() -> None:
                         help="block options built at once at the first shape (defer_block_options=False)")
     parser.add_argument("--fill-cache", metavar="DIR", help=argparse.SUPPRESS)  # (--warm's child: the loop, no table)
     parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
+    parser.add_argument("--max-shapes", type=int, default=64, help="with --rss: remat's max_shapes")
+    parser.add_argument("--plain", action="store_true", help="with --rss: plain autograd's loop instead")
     parser.add_argument("--accuracy", action="store_true",
                         help="instead: each length's first plan's predicted step time and peak against its steps")
     parser.add_argument("--rounds", type=int, default=ACCURACY_ROUNDS,
@@ -460,8 +486,11 @@ def main() -> None:
     started = time.perf_counter()
     info = ", ".join(f"{k} {v}" for k, v in C.device_info(torch.device("cpu"), torch.get_num_threads()).items())
     if args.rss:
-        text = run_rss(args.rss)
-        command, path = f"--rss {args.rss}", RSS_RESULTS
+        text = run_rss(args.rss, args.max_shapes, args.plain)
+        command = f"--rss {args.rss}" + (f" --max-shapes {args.max_shapes}" if args.max_shapes != 64 else "") + (
+            " --plain" if args.plain else "")
+        path = RSS_RESULTS.with_name("bench_shapes_rss_plain.md") if args.plain else RSS_RESULTS if \
+            args.max_shapes == 64 else RSS_RESULTS.with_name(f"bench_shapes_rss_max{args.max_shapes}.md")
     elif args.accuracy:
         with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
             text = run_accuracy(args.lengths, cache, args.model, args.rounds)
