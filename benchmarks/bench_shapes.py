@@ -36,7 +36,7 @@ new length at that size).
     python benchmarks/bench_shapes.py --model gpt2-12 --steps 8 --lengths 6
     python benchmarks/bench_shapes.py --warm        # the same loop, its cache filled by an earlier process
     python benchmarks/bench_shapes.py --eager       # the same loop, block options built at the first shape
-    python benchmarks/bench_shapes.py --rss 500     # RSS over 500 distinct lengths (tiny GPT-2; --max-shapes N, --plain)
+    python benchmarks/bench_shapes.py --rss 500     # RSS, 500 distinct lengths (tiny GPT-2; --max-shapes, --plain)
     python benchmarks/bench_shapes.py --accuracy    # each length's first plan: predicted step and peak, measured
     python benchmarks/bench_shapes.py --accuracy --model gpt2-12 --lengths 6
 
@@ -75,6 +75,7 @@ import torch
 
 import common as C
 import hierremat as hr
+from hierremat.api.whole_model import DEFAULT_MAX_SHAPES
 from hierremat.device import LiveTensorTracker
 from hierremat.plans.simulate import simulate
 
@@ -426,7 +427,7 @@ def _trimmed_rss_bytes() -> int | None:
     return _rss_bytes()
 
 
-def run_rss(count: int, max_shapes: int = 64, plain: bool = False) -> str:
+def run_rss(count: int, max_shapes: int = DEFAULT_MAX_SHAPES, plain: bool = False) -> str:
     """RSS over ``count`` distinct lengths, one step each (``plain``: the model itself, no hierremat: what the steps'
     tensors of every size leave in the heap alone)."""
     torch.manual_seed(SEED)
@@ -454,8 +455,8 @@ def run_rss(count: int, max_shapes: int = 64, plain: bool = False) -> str:
     what = "plain autograd (no hierremat)" if plain else f"plans kept: max_shapes={module.max_shapes}"
     return (f"tiny GPT-2 (2 layers, 64 wide, vocabulary 512), batch {BATCH}, one step at each of {count} distinct lengths "
             f"9..{8 + count} in a shuffled order; {what}; growth from the first "
-            "length's RSS, and after a garbage collection and glibc's malloc_trim (the heap's free memory returned: what "
-            "the process holds)\n\n"
+            "length's RSS, and after a garbage collection and glibc's malloc_trim (the heap's free memory returned: "
+            "what the process holds; each mark's RSS is read before its trim, after the trims of the marks before it)\n\n"
             + C.markdown_table(["lengths seen", "RSS MiB", "growth MiB", "growth after trim MiB", "Python objects",
                                 "plans kept", "elapsed s"], rows))
 
@@ -473,7 +474,7 @@ def main() -> None:
                         help="block options built at once at the first shape (defer_block_options=False)")
     parser.add_argument("--fill-cache", metavar="DIR", help=argparse.SUPPRESS)  # (--warm's child: the loop, no table)
     parser.add_argument("--rss", type=int, help="instead: RSS over this many distinct lengths")
-    parser.add_argument("--max-shapes", type=int, default=64, help="with --rss: remat's max_shapes")
+    parser.add_argument("--max-shapes", type=int, default=DEFAULT_MAX_SHAPES, help="with --rss: remat's max_shapes")
     parser.add_argument("--plain", action="store_true", help="with --rss: plain autograd's loop instead")
     parser.add_argument("--accuracy", action="store_true",
                         help="instead: each length's first plan's predicted step time and peak against its steps")
@@ -487,10 +488,12 @@ def main() -> None:
     info = ", ".join(f"{k} {v}" for k, v in C.device_info(torch.device("cpu"), torch.get_num_threads()).items())
     if args.rss:
         text = run_rss(args.rss, args.max_shapes, args.plain)
-        command = f"--rss {args.rss}" + (f" --max-shapes {args.max_shapes}" if args.max_shapes != 64 else "") + (
+        custom = args.max_shapes != DEFAULT_MAX_SHAPES
+        command = f"--rss {args.rss}" + (f" --max-shapes {args.max_shapes}" if custom else "") + (
             " --plain" if args.plain else "")
-        path = RSS_RESULTS.with_name("bench_shapes_rss_plain.md") if args.plain else RSS_RESULTS if \
-            args.max_shapes == 64 else RSS_RESULTS.with_name(f"bench_shapes_rss_max{args.max_shapes}.md")
+        name = "bench_shapes_rss_plain.md" if args.plain else \
+            f"bench_shapes_rss_max{args.max_shapes}.md" if custom else RSS_RESULTS.name
+        path = RSS_RESULTS.with_name(name)
     elif args.accuracy:
         with tempfile.TemporaryDirectory(prefix="hierremat-bench-") as cache:
             text = run_accuracy(args.lengths, cache, args.model, args.rounds)

@@ -91,7 +91,8 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
     for step, length in enumerate((64, 56)):
         _step(module, reference, model, _batch(length), step)
     samples = next(iter(module._samples.values()))
-    assert all(s.profile.repeats == 1 for s in samples)  # (64 and the shorter lengths: each timed from one run)
+    assert all(s.times_measured and s.profile.repeats == 1 for s in samples)  # (64 and the shorter: one run each)
+    assert "times from 4 shapes timed" in module.plans[-1].times  # (the shorter lengths' times in the fit)
     assert all(t is None for s in samples for t in s.node_times)
     assert not traced and not module._blocks_built and "block options not re-costed" in module.plans[-1].times
     assert all(peak <= budget for peak in _peaks(module, _batch(56)))
@@ -218,6 +219,19 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     # built because the budget needs them: the shorter lengths measured at the second shape build them too (the
     # shapes fitted later re-cost them from node times fitted over those), the cache or not
     _step(module, copy.deepcopy(model), tight_model, _batch(56), 4)
+    shorter = [s for s in next(iter(module._samples.values()))
+               if s.times_measured and max(dict(s.bindings).values()) < 56]
+    assert len(shorter) == 2 and all(any(t is not None for t in s.node_times) for s in shorter)
+    assert max(_peaks(module, _batch(56))) <= tight
+    # the same with a first batch whose mask pads a row (lengths said to vary): a shorter length measured at the first
+    # shape to fit from with the steps' times (timed from one run, no menu) counts for memory alone once the
+    # second shape profiles the family for times (block options built by then), which then measures two in full
+    said_model, padded = copy.deepcopy(model), _batch(64)
+    padded["attention_mask"][1, -3:] = 0
+    module = hr.remat(said_model, (), padded, budget=tight, cache=False)
+    assert [(max(dict(s.bindings).values()), s.times_measured, s.cut)
+            for s in next(iter(module._samples.values()))] == [(64, True, False), (16, True, True)]
+    _step(module, copy.deepcopy(model), said_model, _batch(56), 5)
     shorter = [s for s in next(iter(module._samples.values()))
                if s.times_measured and max(dict(s.bindings).values()) < 56]
     assert len(shorter) == 2 and all(any(t is not None for t in s.node_times) for s in shorter)

@@ -276,8 +276,8 @@ def test_block_options_are_scaled_as_the_steps_run_option_0_over_the_profile_at_
     profiled = _sample(linear, 512)
     memory_only = [replace(_sample(_FLAT, n), times_measured=False) for n in (128, 64, 96)]
 
-    def in_steps(length: int, factors: tuple[float, float, float]) -> ShapeSample:
-        times = tuple(tuple(k * t for k, t in zip(factors, st)) for st in _sample(linear, length).stage_times)
+    def in_steps(length: int, factors: tuple[float, float, float], costs: dict = linear) -> ShapeSample:
+        times = tuple(tuple(k * t for k, t in zip(factors, st)) for st in _sample(costs, length).stage_times)
         return ShapeSample.from_step_times({"b": 4, "s": length}, (0, 1), times)
 
     target = {"b": 4, "s": 431}
@@ -306,6 +306,19 @@ def test_block_options_are_scaled_as_the_steps_run_option_0_over_the_profile_at_
            for t in (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)]
     want = [k * t for st in _sample(linear, 560).stage_times for k, t in zip((1.1, 1.2, 1.5), st)]
     assert got == pytest.approx(want, rel=1e-9)
+    # the shorter lengths measured for memory fits, each timed from one run with no menu (sample_at's one_run),
+    # enter the fit as the steps would run them: with the longest's profile and steps, a fit in full (not reduced)
+    # through the quadratic times, recovered at the target as the steps would run it
+    quadratic = {"a": lambda s: 1e-3 + 2e-5 * 4 * s + 3e-8 * 4 * s * s, "b": lambda s: 5e-4 + 1e-5 * 4 * s}
+    shorter = [replace(_sample(quadratic, n), node_times=(None, None), speeds=(None, None)) for n in (128, 64, 96)]
+    fit = ShapeFit.of([_sample(quadratic, 512), *shorter, in_steps(512, (1.1, 1.2, 1.5), quadratic)], target,
+                      (0, 1), reduced=True)
+    assert fit.time_columns == (0, 1, 2) and not fit.reduced and fit.step_ratios == pytest.approx((1.1, 1.2, 1.5))
+    got = [t for st in fit.stage_costs(chain).stages
+           for t in (st.nograd_fwd_time, st.options[0].fwd_time, st.options[0].bwd_time)]
+    want = [k * t for st in _sample(quadratic, 431).stage_times for k, t in zip((1.1, 1.2, 1.5), st)]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert fit.node_costs(1, None) is None and not fit.had_menu(1)  # (node times: none at the shorter lengths)
     # the median over the stages: one stage's outlier (a backward profiled at 2.5x in its one run) leaves it
     profile = [(1.0, 2.0, 3.0)] * 5 + [(1.0, 2.0, 7.5)]
     steps = [(1.2, 2.0, 3.3)] * 5 + [(1.2, 2.0, 3.3)]
@@ -838,7 +851,7 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     """On CPU, with block options built once they pay (remat's default), no length is profiled for times alone; where
     no shorter length can be measured to fit from (a symbolic capture that takes none: sample_at None here), the first
     is timed from one run each and solved again from its first step's times, then its first three's; the second
-    length (48) is measured the same way (nothing to fit its memory from); the third's (40) times are scaled by the
+    length (48) is measured the same way (one shape timed: no size varied); the third's (40) times are scaled by the
     tokens through two lengths timed in the steps (64 and 48, nearer than SPACING: no line through them), the fourth's
     a fit through three, and the length planned from fewer is planned again then. Every step bitwise equal to plain
     autograd's, both meters' peaks within the budget (bf16: the tracker's, the one the budget counts on CPU), in fp32
@@ -1079,7 +1092,7 @@ def test_memory_alone_is_measured_at_a_short_length_where_the_shapes_measured_ar
     assert memory_sizes_to_sample(at(512, 341, 128) + at(64, timed=False), {"s": 431}) is None  # (four)
     # (512, 431 itself, half of 431 and then between it and 431; 471 > 431)
     assert memory_sizes_to_sample(at(512), {"s": 431}) == (("s",), (215, 323))
-    # the training steps time the shapes: 431, fitted from 512 alone, needs three at once, a quarter, an eighth and
+    # the training steps time the shapes: 431, fitted from 512 and these, needs three at once, a quarter, an eighth and
     # three sixteenths of 512 first; 100, beyond EXTRAPOLATION of those timed (512 and 300 in the steps), is measured
     # in full: two (a quarter of 100, then 12 below MIN_SAMPLED_SIZE, 18)
     assert memory_sizes_to_sample(at(512), {"s": 431}, steps=[]) == (("s",), (128, 64, 96))

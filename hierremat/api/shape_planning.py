@@ -506,8 +506,9 @@ def compile_shape(
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
     span this shape, its times are fitted from them and only its memory is measured. steps_time: the training steps
-    time this shape (RematModule._times_from_steps): its times are fitted from fewer shapes timed than a fit's
-    monomials too (ShapeFit.of's ``reduced``), and where it is measured, it is timed from one run each; its plan is
+    time this shape (RematModule._times_from_steps): its times are fitted, where too few shapes are timed, from fewer
+    than a fit's monomials too (ShapeFit.of's ``reduced``), and where it is measured, it is timed from one run each;
+    its plan is
     solved again from its steps' times once they are recorded (RematModule._retime). shards: the model is
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (ProfiledChain.solve).
@@ -651,13 +652,13 @@ def sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSetting
     chain, x0, shared, _, _ = captured_chain(model, args, kwargs, settings, autocast, started, symbolic, export=False)
     deadline = settings.deadline(started)
     timed = timed or one_run
-    profiled = ProfiledChain.of(chain, x0, shared, settings, deadline, blocks=blocks and not cached_blocks and not one_run,
-                                timed=timed, one_run=one_run, menus=not one_run)
+    profiled = ProfiledChain.of(chain, x0, shared, settings, deadline, timed=timed, one_run=one_run,
+                                blocks=blocks and not cached_blocks and not one_run, menus=not one_run)
     if blocks and cached_blocks and not one_run and profiled.arguments is not None and profiled.menus_cached():
         profiled = profiled.with_block_menus(deadline)
     if (not timed or one_run) and profiled.profile.memory_trace is None:
         return None
-    return profiled.sample(times_measured=timed).bound(bindings)
+    return replace(profiled.sample(times_measured=timed), cut=True).bound(bindings)
 
 
 def device_types(args: tuple, kwargs: dict) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from ..device.memory import profiler_active
 from ..device.autocast import AutocastState
 from ..runtime.fsdp import is_fsdp_module, is_sharded, without_weights
 from ..runtime.lent_weights import has_abstract_weights, lent_inputs
+from ..runtime.profile import PROFILE_REPEATS
 from ..planning.chain_plan import PLAN_TIME_LIMIT
 from .sequential import check_devices
 from ..planning.shape_fit import (
@@ -246,10 +247,11 @@ class RematModule(nn.Module):
 
         Every shape of such a family records its first SAMPLED_STEPS steps (its sample follows them); a shape measured
         is timed from one run each (ProfiledChain.of's ``one_run``) and solved again from its steps' times once they
-        are recorded; a shape fitted is fitted from the shapes timed so far however few (ShapeFit.of's ``reduced``:
-        the second length's times are the first's scaled by the tokens) and planned again whenever more are timed
-        (``_refreshed``); every shape is solved again from its own steps' times once they are recorded (_retime); no
-        shape is profiled for times alone (sizes_to_sample)."""
+        are recorded; a shape fitted is fitted from the shapes timed so far, the shorter lengths measured for memory
+        fits among them (timed from one run each: _sample_at_length's ``one_run``), and where those are too few
+        however few (ShapeFit.of's ``reduced``: a length's times scaled by the tokens from one) and planned again
+        whenever more are timed (``_refreshed``); every shape is solved again from its own steps' times once they are
+        recorded (_retime); no shape is profiled for times alone (sizes_to_sample)."""
         shapes = {_shapes(c.skeleton) for c in self._compiled.values() if c.family == family}
         steps = self._step_samples.get(family)
         if steps is None:
@@ -259,8 +261,19 @@ class RematModule(nn.Module):
             return True
         if len(shapes) == 1 and _shapes((args, kwargs)) not in shapes and not self._deferring(settings):
             del self._step_samples[family]  # (its second shape, block options built since)
+            self._untime_shorter_lengths(family)
             return False
         return not elsewhere
+
+    def _untime_shorter_lengths(self, family: tuple) -> None:
+        """Where a family's times are profiled again (block options built since its first shape: _times_from_steps),
+        the shorter lengths measured at its first shape to fit from with its steps' times (_sample_memory_ahead: one
+        timed run each, no block menu) count for memory alone: its shapes are then fitted from shapes profiled with
+        their times and block menus (sizes_to_sample measures those; node times and generated code's speeds are
+        fitted over them, ShapeFit.profiled)."""
+        samples = self._samples.get(family, [])
+        samples[:] = [replace(s, times_measured=False) if s.cut and s.profile is not None
+                      and s.profile.repeats < PROFILE_REPEATS else s for s in samples]
 
     def _step_samples_of(self, family: tuple) -> list[ShapeSample]:
         """The family's shapes timed in its training steps (none where its times are not fitted from them), with
@@ -493,7 +506,7 @@ class RematModule(nn.Module):
     def _sample_memory_ahead(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                              samples: list[ShapeSample]) -> None:
         """At a family's first shape, captured symbolically because its sizes were said to vary: measure its
-        memory alone at shorter lengths cut from these inputs now (hierremat.planning.shape_fit.memory_sizes_ahead),
+        memory at shorter lengths cut from these inputs now (hierremat.planning.shape_fit.memory_sizes_ahead),
         so that the shapes after it are planned from fits alone, none measured (the cost of a second shape, paid
         at the first where the caller said shapes will vary; each timed from one run: the family's times are fitted
         from its training steps, _times_from_steps)."""

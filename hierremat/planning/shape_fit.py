@@ -100,7 +100,9 @@ class ShapeSample:
     node_times: per stage, its block graph's node times by name (None without a menu).
     speeds: per stage, (scale, no-grad forward seconds) of its generated code (None without).
     times_measured: False for a shape whose memory alone was measured (its times fitted, or none: a sample
-    measured for memory, hierremat.planning.shape_fit.memory_sizes_to_sample): a sample for memory fits only.
+    measured for memory, hierremat.planning.shape_fit.memory_sizes_to_sample, in a family whose shapes are profiled
+    for times; where the training steps time them, those are timed from one run each): a sample for memory fits
+    only.
     option_nodes: per stage, the nodes each block option computes (its op lists' computes, in order, a node
     recomputed counted again; None without a menu): an option's time at any shape is theirs summed
     (hierremat.ilp.options.simulate_option), as ShapeFit.least_block_time bounds it.
@@ -108,6 +110,8 @@ class ShapeSample:
     not profiled: no profile, node times or speeds. A fit takes a shape's times from its steps where it has them
     (what the steps measure is what is predicted: a block's forward ran 10-15% slower in the 4-layer GPT-2's steps
     than profiled alone, its LM head 15% faster).
+    cut: measured at inputs cut from a call's to fit other shapes from (hierremat.api.shape_planning.sample_at), not
+    at a shape planned.
     """
 
     bindings: tuple[tuple[str, int], ...]
@@ -119,6 +123,7 @@ class ShapeSample:
     times_measured: bool = True
     option_nodes: tuple[tuple[tuple[str, ...], ...] | None, ...] = ()
     from_steps: bool = False
+    cut: bool = False
 
     @classmethod
     def from_step_times(cls, bindings: dict, pattern: tuple[int, ...],
@@ -245,10 +250,11 @@ def memory_sizes_to_sample(
     """Where a new shape of a family comes (``bindings``: its sizes) and, with the samples measured (those of
     sizes_to_sample among them), the shapes whose memory was measured will be as many as the monomials of one
     varying size, this one's own counted where its times cannot be fitted yet (it is then measured in full): the
-    sizes to measure memory only at (no timed run), so that they are one more and a memory fit is checked (module
+    sizes to measure memory at (no timed runs but where the training steps time the shapes: one each, below), so
+    that they are one more and a memory fit is checked (module
     docstring): half the shortest size measured, else between two sizes measured, shortest first (a run at a short
     size is the cheapest), each at least MIN_SAMPLED_SIZE and at most this shape's. Fitted memory at this shape (or
-    the next) then costs one untimed run at a short size, where measuring its own took single runs at its size: a
+    the next) then costs one run at a short size, where measuring its own took single runs at its size: a
     4-layer GPT-2's second length, 431 tokens near its first, 512, measured its memory in 1.1-1.4 s here; at 64
     tokens the memory-only sample took 0.4 s. None where one size does not vary alone or no more are needed.
 
@@ -292,17 +298,18 @@ def memory_sizes_to_sample(
 
 
 def _short_sizes(size: int) -> list[int]:
-    """A quarter, an eighth and three sixteenths of ``size``: where memory alone is measured for a fit
-    (memory_sizes_to_sample, memory_sizes_ahead)."""
+    """A quarter, an eighth and three sixteenths of ``size``: where memory is measured for a fit (each timed from
+    one run too: memory_sizes_to_sample with ``steps``, memory_sizes_ahead)."""
     return [size // 4, size // 8, size * 3 // 16]
 
 
 def memory_sizes_ahead(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     """At a family's first shape, captured with the sizes the caller said vary symbolic (marked dynamic, a padded
-    attention mask, ``dynamic=True``), the sizes to measure memory alone at now (memory_sizes_to_sample's three
+    attention mask, ``dynamic=True``), the sizes to measure memory at now (memory_sizes_to_sample's three
     shortest, each at least MIN_SAMPLED_SIZE): with the shape measured, the four shapes a memory fit over one
     varying size needs, so that the next shapes' memory is fitted with no run of the model (their times from the
-    training steps' and the shapes measured, these timed once each by the caller). (the symbols, all of one value: export may give one length several;
+    training steps' and the shapes measured, these timed once each by the caller).
+    (the symbols, all of one value: export may give one length several;
     the values), or None where the symbols are of different values (two sizes vary: the second shape chooses), the
     samples have no memory trace (CUDA) or are not this shape's alone."""
     target = {str(k): int(v) for k, v in bindings.items()}
@@ -386,8 +393,10 @@ class ShapeFit:
         it: as many as the monomials (memory: one more, and nearer, ``memory_fits``), every size that
         differs from theirs varied among them, within EXTRAPOLATION of them; else None (the shape is
         measured). reduced: with one varying size, times are fitted from fewer shapes timed, down to one
-        (``time_columns``): a family whose times the training steps add to (hierremat.runtime.step_times), so
-        that its second length is planned without a shape profiled for times apart from the training; and, where
+        (``time_columns``): a family whose times the training steps add to (hierremat.runtime.step_times), where the
+        shorter lengths measured for its memory fits (timed once each) are not there to make the monomials' count (a
+        capture that takes no shorter length), so that a length is planned without a shape profiled for times apart
+        from the training; and, where
         the memory is to be fitted at ``bindings`` (``memory_fits``: a figure that then fits no polynomial is still
         measured), times fitted beyond EXTRAPOLATION of the shapes timed (``beyond_timed``)."""
         samples = [s for s in samples if s.pattern == pattern and s.bindings]
@@ -703,8 +712,10 @@ class ShapeFit:
         def shape(sample: ShapeSample) -> str:
             sizes = ", ".join(f"{k}={v}" for k, v in sample.bindings if k in self.varying)
             one_run = sample.profile is not None and getattr(sample.profile, "repeats", PROFILE_REPEATS) == 1
-            return sizes + (" (timed in the training steps)" if sample.bindings in stepped else
-                            " (memory only)" if not sample.times_measured else " (one timed run)" if one_run else "")
+            memory_only = "memory only" if not sample.times_measured else ""
+            if sample.bindings in stepped:
+                return f"{sizes} ({memory_only + ', ' if memory_only else ''}timed in the training steps)"
+            return sizes + (f" ({memory_only})" if memory_only else " (one timed run)" if one_run else "")
 
         profiled = {s.bindings for s in self.memory_samples}
         shapes = "; ".join(shape(s) for s in (*self.memory_samples,
