@@ -508,8 +508,7 @@ def compile_shape(
     span this shape, its times are fitted from them and only its memory is measured. steps_time: the training steps
     time this shape (RematModule._times_from_steps): its times are fitted, where too few shapes are timed, from fewer
     than a fit's monomials too (ShapeFit.of's ``reduced``), and where it is measured, it is timed from one run each;
-    its plan is
-    solved again from its steps' times once they are recorded (RematModule._retime). shards: the model is
+    its plan is solved again from its steps' times once they are recorded (RematModule._retime). shards: the model is
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (ProfiledChain.solve).
     recost_seconds: what re-costing block options at a fitted shape takes (profile_and_solve). upcasts: the caller
