@@ -651,9 +651,9 @@ def sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSetting
     chain, x0, shared, _, _ = captured_chain(model, args, kwargs, settings, autocast, started, symbolic, export=False)
     deadline = settings.deadline(started)
     timed = timed or one_run
-    profiled = ProfiledChain.of(chain, x0, shared, settings, deadline, timed=timed, one_run=one_run,
-                                blocks=blocks and not cached_blocks and not one_run, menus=not one_run)
-    if blocks and cached_blocks and not one_run and profiled.arguments is not None and profiled.menus_cached():
+    profiled = ProfiledChain.of(chain, x0, shared, settings, deadline, blocks=blocks and not cached_blocks,
+                                timed=timed, one_run=one_run, menus=not one_run)
+    if blocks and cached_blocks and profiled.arguments is not None and profiled.menus_cached():  # (no menus: None)
         profiled = profiled.with_block_menus(deadline)
     if (not timed or one_run) and profiled.profile.memory_trace is None:
         return None
