@@ -233,7 +233,10 @@ def test_cuda_compiled_remat_model_trains_like_eager_hierremat_within_budget():
 def test_compiled_remat_model_trains_at_every_length_within_budget():
     """``torch.compile(hierremat.remat(...))`` over dynamically changing lengths: Dynamo recompiles the
     orchestrator's code (then with dynamic sizes), hierremat plans each new length in its graph break
-    (the fifth from fitted costs); gradients equal eager hierremat's, the allocator's peak within budget."""
+    (the fifth from fitted costs); gradients equal eager hierremat's, the allocator's peak within budget.
+    Every length from the second on runs one size-generic orchestrator (hierremat.graphs.generic), so Dynamo
+    compiles nothing after the third length (the first's, the second's and a dynamic one), not again at each
+    length until its recompile limit (8) stops compiling."""
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 48))
@@ -241,7 +244,8 @@ def test_compiled_remat_model_trains_at_every_length_within_budget():
     module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget=f"{budget}B", cache=False)
     eager = copy.deepcopy(module)
     compiled = torch.compile(module)
-    for length in (48, 32, 40, 24, 36):
+    lengths = (48, 32, 40, 24, 36, 20, 44, 28, 30, 26)
+    for length in lengths:
         ids = torch.randint(0, 256, (2, length))
         loss_ref, grads_ref, _ = _step(eager, ids, meter="allocator")
         loss, grads, peak = _step(compiled, ids, meter="allocator")
@@ -249,4 +253,8 @@ def test_compiled_remat_model_trains_at_every_length_within_budget():
         for a, b in zip(grads, grads_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
         assert peak <= budget, (length, peak)
-    assert len(module.plans) == 5 and module.plans[-1].times != "measured"
+        if length == lengths[2]:
+            frames = dict(torch._dynamo.utils.counters["frames"])
+    assert len(module.plans) == len(lengths) and module.plans[-1].times != "measured"
+    # nothing compiled after the third length (before: three frames at each, until the ninth hit the limit)
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames

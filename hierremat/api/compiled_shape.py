@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..graphs.generic import GenericChain
 from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph
 from ..budget import format_bytes
 from ..errors import InfeasibleBudgetError, UnsupportedModelError
@@ -56,6 +57,19 @@ class ChainModule(nn.Module):
                     "without gradient (masks, ids). Pass such tensors with requires_grad=False."
                 )
         return as_tuple(self.planned.run(x, tuple(shared)))
+
+
+class ChainDispatch(nn.Module):
+    """The chain a size-generic orchestrator calls (hierremat.graphs.generic.GenericChain): the ChainModule of the
+    shape being called, set before each call (``current``, not a submodule: the shapes' plans are RematModule's)."""
+
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "current", None)
+
+    @torch.compiler.disable(reason="hierremat's chain runner: its schedule keeps Python state Dynamo cannot trace")
+    def forward(self, x: torch.Tensor, *shared) -> tuple:
+        return self.current(x, *shared)
 
 
 class _ChainInputs(Exception):
@@ -107,6 +121,30 @@ class CompiledShape:
         self.steps_sampled = 0  # its steps whose times are in its family's step samples (RematModule._step_samples)
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
         self.copies_warned = False  # a saved plan run by a caller that copies the outputs to fp32: warned once
+        self.dispatch: nn.Module | None = None  # running its family's size-generic graphs: their ChainDispatch
+
+    def run_generic(self, generic: GenericChain) -> None:
+        """Run ``generic``'s stages and orchestrator (the same programs as its own, checked: GenericChain.holds_for)
+        instead of its own specialized graphs, which it then no longer holds."""
+        half = self.chain.half_outputs_in_fp32_bytes  # (read from its own graphs' metadata: its sizes)
+        self.chain = replace(self.chain, stages=list(generic.stages), orchestrator=generic.orchestrator)
+        self.chain.__dict__["half_outputs_in_fp32_bytes"] = half
+        self.chain_module.stages = nn.ModuleList(generic.stages)
+        self.chain_module.planned.use_stages(generic.stages)
+        self.dispatch = generic.dispatch
+
+    @property
+    def holds_graphs(self) -> bool:
+        """Whether it holds graphs of its own: its own captured graphs (not its family's size-generic ones), or block
+        options' generated code (traced at its shape)."""
+        menus = self.chain_module.planned.menus
+        return self.dispatch is None or (menus is not None and menus.runs_generated_code)
+
+    def orchestrator(self) -> nn.Module:
+        """The captured model to call at this shape: its own, or its family's size-generic one, set to run its chain."""
+        if self.dispatch is not None:
+            object.__setattr__(self.dispatch, "current", self.chain_module)
+        return self.chain.orchestrator
 
     def released_output(self) -> tuple[bool, ...] | None:
         """Where the caller released the chain output before the backward at this shape's last step (held no

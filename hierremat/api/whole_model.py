@@ -3,9 +3,10 @@
 ``RematModule`` wraps the model: at each new input shape it plans (hierremat.api.shape_planning.compile_shape:
 capture, or specialize the symbolic capture, cut into a chain, profile, menus, the chain DP) and keeps the plan
 (hierremat.api.compiled_shape), least recently used dropped beyond ``max_shapes``. Shapes of one family (the same
-inputs, other sizes) share one symbolic capture (hierremat.graphs.symbolic) and the samples their costs are fitted
-from (hierremat.planning.shape_fit: shapes profiled, shapes measured only to fit from, and the times the training
-steps record); it presents the model's forward signature, state_dict keys and attributes to training loops
+inputs, other sizes) share one symbolic capture (hierremat.graphs.symbolic), one set of size-generic graphs that
+runs each of them (hierremat.graphs.generic: a shape's plan holds no graph of its own) and the samples their costs are
+fitted from (hierremat.planning.shape_fit: shapes profiled, shapes measured only to fit from, and the times the
+training steps record); it presents the model's forward signature, state_dict keys and attributes to training loops
 (Trainer, accelerate).
 """
 
@@ -25,6 +26,8 @@ from torch.utils import _pytree as pytree
 from ..graphs.capture import uncompiled
 from ..graphs.eager_masks import has_value_branch, padding_key
 from ..graphs.hf import call_kwargs, upcasts_outputs
+from ..graphs.generic import MAX_GENERIC_CHAINS, GenericChain
+from ..graphs.segment import CHAIN_ATTRIBUTE
 from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
 from ..graphs.symbolic import SymbolicCapture, capture_symbolic, every_dim, marked_dims, padded_dims, varying_dims
 from ..budget import parse_budget
@@ -41,16 +44,21 @@ from .sequential import check_devices
 from ..planning.shape_fit import (
     ShapeSample, add_sample, chain_pattern, memory_sizes_ahead, memory_sizes_to_sample, sizes_to_sample,
 )
-from .compiled_shape import CompiledShape
+from .compiled_shape import ChainDispatch, CompiledShape
 from .ranks import UNBOUNDED_BYTES, ranks_plan
 from .shape_planning import PlanSettings, compile_shape, device_types, lending_device, sample_at
 
 log = logging.getLogger(__name__)
 
 
-#: How many input shapes' plans a RematModule keeps (least recently used dropped first): each holds
-#: its graphs, about a megabyte for a 12-layer GPT-2; a dropped shape plans again when it comes back.
-DEFAULT_MAX_SHAPES = 64
+#: How many input shapes' plans a RematModule keeps (least recently used dropped first; a dropped shape plans again
+#: when it comes back). A shape that runs its family's size-generic graphs (hierremat.graphs.generic) and no generated
+#: code holds its schedule, costs and runner state alone: 36 KiB of Python allocations for a 2-layer GPT-2, 61 KiB for
+#: a 12-layer one (benchmarks/bench_shapes.py --rss; 0.6 and 2.3 MiB with graphs of its own).
+DEFAULT_MAX_SHAPES = 1024
+#: Of those, how many may hold graphs of their own (CompiledShape.holds_graphs: exported on their own, or running
+#: block options' generated code traced at their shape), least recently used dropped first.
+MAX_SHAPES_WITH_GRAPHS = 64
 
 
 #: Steps per shape whose stage times its plan is first solved again from (RematModule._retime), for a family whose
@@ -132,6 +140,9 @@ class RematModule(nn.Module):
         self._compiled: OrderedDict[tuple, CompiledShape] = OrderedDict()  # least recently used first
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
         self._symbolic_dims: dict[tuple, frozenset] = {}  # per _family_key: the dimensions its capture made symbolic
+        #: per _family_key: the size-generic graphs its shapes specialized from its symbolic capture run (_share_graphs;
+        #: one per program among them); None: its graphs could not be made size-generic
+        self._generic: dict[tuple, list[GenericChain] | None] = {}
         #: per _family_key whose first shape's symbolic capture failed: the dimensions it tried (not tried again)
         self._first_capture_failed: dict[tuple, frozenset] = {}
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
@@ -230,11 +241,44 @@ class RematModule(nn.Module):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)
         compiled.family = family
+        if compiled.bindings is not None and compiled.plan.capture_kind == "specialized" and not shards:
+            self._share_graphs(family, compiled)
         self._compiled[_input_key(self.model, args, kwargs, self._per_padding)] = compiled
         while len(self._compiled) > self.max_shapes:
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
+        with_graphs = [key for key, c in self._compiled.items() if c.holds_graphs]
+        for key in with_graphs[:max(0, len(with_graphs) - MAX_SHAPES_WITH_GRAPHS)]:
+            forget_sources(self._compiled.pop(key).sources)
         return compiled
+
+    def _share_graphs(self, family: tuple, compiled: CompiledShape) -> None:
+        """Run ``compiled``, a shape specialized from its family's symbolic capture, from the family's size-generic
+        graphs where they are its program (hierremat.graphs.generic.GenericChain.holds_for), made from its own where
+        none is (up to MAX_GENERIC_CHAINS): its own graphs are then dropped, and their sources with them where no
+        block option runs generated code (a shape's plan then holds its schedule, costs and runner state alone)."""
+        generics = self._generic.setdefault(family, [])
+        if generics is None:
+            return
+        generic = next((g for g in generics if g.holds_for(compiled.chain)), None)
+        if generic is None and len(generics) < MAX_GENERIC_CHAINS:
+            generic = GenericChain.of(compiled.chain, ChainDispatch())
+            if generic is None:
+                log.info("%s's graphs compute a size hierremat cannot compute from their inputs' sizes: each input "
+                         "shape keeps graphs of its own", type(self.model).__name__)
+                self._generic[family] = None
+                return
+            setattr(compiled.chain.orchestrator, CHAIN_ATTRIBUTE, nn.Identity())  # (the reference keeps no plan)
+            generics.append(generic)
+            log.info("%s's graphs made size-generic: every shape specialized from its symbolic capture to this program "
+                     "runs them (%d programs)", type(self.model).__name__, len(generics))
+        if generic is None:
+            return
+        compiled.run_generic(generic)
+        menus = compiled.chain_module.planned.menus
+        if menus is None or not menus.runs_generated_code:
+            forget_sources(compiled.sources)
+            compiled.sources = []
 
     def _times_from_steps(self, family: tuple, args: tuple, kwargs: dict, settings: PlanSettings,
                           elsewhere: bool) -> bool:
@@ -623,6 +667,7 @@ class RematModule(nn.Module):
             steps = self._step_samples.get(family, [])  # (the shapes timed in the steps, rebound where they can be)
             steps[:] = [s.bound(b) for s in steps for b in [symbolic.rebound(dict(s.bindings), earlier)] if b]
         self._symbolic[family] = symbolic
+        self._generic.pop(family, None)  # (its sizes are the new capture's symbols)
         for c in self._compiled.values():  # the shapes measured before: samples to fit later shapes' times from
             bindings = symbolic.bindings(*c.skeleton) if symbolic is not None and c.family == family else None
             if c.sample is not None and bindings:
@@ -733,7 +778,7 @@ class RematModule(nn.Module):
             compiled = self._add_sharded(args, kwargs) if sharded else self._add(args, kwargs)
         if compiled.lent:  # planned on meta: the model's own weights from now on
             compiled.bind_to(self.model)
-        return compiled.chain.orchestrator, kwargs
+        return compiled.orchestrator(), kwargs
 
     def _apply(self, fn, recurse=True):
         # captured graphs hold the old tensors: re-plan after .to()/.cuda(), but for plans made on meta
@@ -741,6 +786,7 @@ class RematModule(nn.Module):
         self._drop_plans(keep_lent=True)
         self._symbolic.clear()
         self._symbolic_dims.clear()
+        self._generic.clear()
         self._first_capture_failed.clear()
         self._samples.clear()
         self._step_samples.clear()
@@ -822,7 +868,10 @@ def remat(
     is specialized from that capture (no trace; hierremat.graphs.symbolic), and the block menus
     solved for another shape are re-costed at the new sizes (no ILP solve); "error": raise.
     max_shapes: how many shapes' plans are kept (least recently used dropped first; a dropped
-    shape is planned again when it comes back).
+    shape is planned again when it comes back). A shape specialized from the symbolic capture runs
+    the graphs its family shares (hierremat.graphs.generic) and holds about 40-60 KiB; at most
+    MAX_SHAPES_WITH_GRAPHS (64) of the plans kept hold graphs of their own (a shape exported on its
+    own, block options' code generated at its shape).
     device: as for hierremat.plan. A module planned on meta computes with the model's own weights from
     its first call after ``to_empty`` and initialization (a call before raises).
     offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.

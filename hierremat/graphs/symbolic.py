@@ -165,6 +165,39 @@ def _drop_whole_slices(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+#: node.meta key, set by SymbolicCapture.specialize: a tensor's sizes in the symbolic capture (sympy
+#: expressions of its symbols, or ints), or a size's expression
+SYMBOLIC_SHAPE = "hierremat_symbolic_shape"
+
+
+class SizeLiteral(int):
+    """An int in a specialized graph's arguments that stands for a size of the symbolic capture: ``expr``,
+    the sympy expression of the capture's symbols it was folded from (_fold_sizes). It prints, hashes and
+    compares as the int, so the graph's code and signature are an export's at that shape; what it was
+    folded from lets hierremat.graphs.generic compute it from the inputs' sizes again."""
+
+    expr: sympy.Expr
+
+    def __new__(cls, value: int, expr: sympy.Expr) -> "SizeLiteral":
+        literal = super().__new__(cls, value)
+        literal.expr = expr
+        return literal
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    __str__ = __repr__
+
+    def __copy__(self) -> "SizeLiteral":
+        return self
+
+    def __deepcopy__(self, memo) -> "SizeLiteral":
+        return self
+
+    def __reduce__(self):
+        return SizeLiteral, (int(self), self.expr)
+
+
 class _Unbound(Exception):
     """A symbolic size with a symbol the call's inputs do not bind (an unbacked size, say)."""
 
@@ -209,6 +242,10 @@ class _SpecializedMetas(FakeTensorProp):
 
     def run_node(self, n: fx.Node):
         symbolic = n.meta.get("val")
+        if isinstance(symbolic, torch.Tensor):  # (what hierremat.graphs.generic computes sizes from)
+            n.meta[SYMBOLIC_SHAPE] = tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in symbolic.shape)
+        elif isinstance(symbolic, torch.SymInt):
+            n.meta[SYMBOLIC_SHAPE] = symbolic.node.expr  # (a size: _fold_sizes' SizeLiteral)
         if n.op in ("call_function", "get_attr") and symbolic is not None:
             try:
                 value = pytree.tree_map(
@@ -222,11 +259,13 @@ class _SpecializedMetas(FakeTensorProp):
 
 
 def _fold_sizes(graph: fx.Graph) -> None:
-    """Replace every node that computes a size (``sym_size``, arithmetic on sizes) by its value."""
+    """Replace every node that computes a size (``sym_size``, arithmetic on sizes) by its value, a
+    SizeLiteral that says which size it is."""
     for node in list(graph.nodes):
         value = node.meta.get("val")
         if node.op == "call_function" and isinstance(value, int) and not isinstance(value, bool):
-            node.replace_all_uses_with(value)
+            expr = node.meta.get(SYMBOLIC_SHAPE)
+            node.replace_all_uses_with(SizeLiteral(value, expr) if isinstance(expr, sympy.Expr) else value)
             graph.erase_node(node)
 
 

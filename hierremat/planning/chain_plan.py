@@ -386,6 +386,12 @@ class PlannedChain:
         self._by_step_grads = {}
         self._bind(plan)
 
+    def use_stages(self, stages: Sequence[Callable]) -> None:
+        """Run ``stages`` from now on, the same programs as the stages planned (hierremat.graphs.generic: one copy
+        that runs at every shape of the symbolic capture)."""
+        self.stages = list(stages)
+        self.reread_tensors()
+
     def reread_tensors(self) -> None:
         """Read the stages' parameters and buffers again (a model planned on meta and materialized since:
         hierremat.runtime.lent_weights): the gradients each backward makes, and the buffers replays restore."""

@@ -182,6 +182,12 @@ class ChainMenus:
     #: under autocast, the caller's recipe the stages were traced for (None: not known, or no autocast)
     backward_autocast: bool | None = None
 
+    @property
+    def runs_generated_code(self) -> bool:
+        """Whether any stage runs code generated for it (a block option, a no-grad forward, a compiled form)."""
+        return (any(e is not None for executors in self.executors for e in executors)
+                or any(e is not None for e in self.forward_executors) or bool(self.compiled or self.compiled_forwards))
+
     def menu_size(self, stage: int) -> int:
         """n: the number of options of stage ``stage``'s menu (0 without one)."""
         menu = self.menus.get(self.signatures[stage])

@@ -1,0 +1,169 @@
+"""One set of graphs for every input shape (hierremat.graphs.generic): a shape specialized from the symbolic capture
+runs its family's size-generic stages and orchestrator, checked to be its own program, and keeps no graph of its own
+(issue 35: "no graph per shape")."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import sympy
+import torch
+from torch import fx
+
+import hierremat as hr
+from hierremat.api.compiled_shape import ChainDispatch, chain_inputs
+from hierremat.graphs.capture import capture
+from hierremat.graphs.generic import GenericChain, same_but_sizes, size_generic
+from hierremat.graphs.segment import build_chain_graph
+from hierremat.graphs.symbolic import SYMBOLIC_SHAPE, SizeLiteral, capture_symbolic
+
+from models import tiny_gpt2
+
+VOCAB = 512
+
+
+def _batch(length: int, batch: int = 2, pad: int = 0, seed: int = 0) -> dict:
+    """A dynamically padded batch: the last row padded by ``pad`` tokens (mask 0, labels -100)."""
+    g = torch.Generator().manual_seed(seed + length)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if pad:
+        mask[-1, length - pad:] = 0
+        labels[-1, length - pad:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
+
+
+def _chain(model, symbolic, kwargs):
+    return build_chain_graph(capture(model, (), kwargs, symbolic=symbolic, export=False), model)
+
+
+def test_a_chain_made_size_generic_runs_every_shape_of_the_capture_as_its_own_graphs_do_bitwise():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
+    symbolic = capture_symbolic(model, (), _batch(24, pad=3))
+    reference = _chain(model, symbolic, _batch(24, pad=3))
+    generic = GenericChain.of(reference, ChainDispatch())
+    assert generic is not None
+    # each size is computed from the graph's own inputs: no size of the shape it was made from is left
+    sizes = [n for m in (generic.orchestrator, *(s.graph_module for s in generic.stages)) for n in m.graph.nodes
+             if n.target is torch.ops.aten.sym_size.int]
+    assert sizes
+    for length, batch, pad in ((37, 3, 5), (9, 2, 0), (24, 2, 1)):
+        kwargs = _batch(length, batch, pad, seed=1)
+        chain = _chain(model, symbolic, kwargs)
+        assert generic.holds_for(chain), length
+        x, shared = chain_inputs(chain, (), kwargs)
+        with torch.no_grad():
+            for own, shared_stage in zip(chain.stages, generic.stages):
+                expected, got = own(x, *shared), shared_stage(x, *shared)
+                expected, got = (expected, got) if isinstance(expected, tuple) else ((expected,), (got,))
+                assert all(torch.equal(a, b) for a, b in zip(expected, got) if isinstance(a, torch.Tensor)), length
+                x = expected[0]
+
+
+def test_a_graph_that_differs_from_the_reference_in_more_than_its_sizes_is_not_its_program():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
+    symbolic = capture_symbolic(model, (), _batch(24))
+    reference = _chain(model, symbolic, _batch(24))
+    generic = GenericChain.of(reference, ChainDispatch())
+    other = _chain(model, symbolic, _batch(31))
+    assert generic.holds_for(other)
+    stage = other.stages[1].graph_module
+    node = next(n for n in stage.graph.nodes if _literals(n.args))
+    # the same value without what it stands for: an int the program fixed at this shape
+    node.args = fx.node.map_aggregate(node.args, lambda v: int(v) if isinstance(v, SizeLiteral) else v)
+    assert not same_but_sizes(reference.stages[1].graph_module, stage)
+    assert not generic.holds_for(other)
+    # another constant
+    other = _chain(model, symbolic, _batch(31))
+    stage = other.stages[1].graph_module
+    node = next(n for n in stage.graph.nodes if any(isinstance(a, float) for a in n.args))
+    node.args = tuple(a * 2 if isinstance(a, float) else a for a in node.args)
+    assert not generic.holds_for(other)
+
+
+def _literals(value) -> list:
+    found = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, SizeLiteral) else v)
+    return found
+
+
+def _full_graph(size: int, shape: tuple) -> fx.GraphModule:
+    """x -> torch.full([size], 1.0), x's sizes in the symbolic capture ``shape``."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta[SYMBOLIC_SHAPE] = shape
+    graph.output(graph.call_function(torch.ops.aten.full.default, ([size], 1.0)))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_sizes_are_computed_from_the_inputs_dimensions_with_the_arithmetic_they_were_folded_from():
+    from torch.utils._sympy.functions import FloorDiv
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    size = SizeLiteral(16, FloorDiv(s0 * s1, 4) + 2 * s0 - 11)  # (folded at 6 x 10: 15 + 12 - 11)
+    gm = _full_graph(size, (s0, s1))
+    assert gm(torch.zeros(4, 12)).shape == (16,)  # (the graph as specialized: the size it was folded at)
+    generic = size_generic(gm)
+    assert generic is not None and generic is not gm
+    assert generic(torch.zeros(6, 10)).shape == (16,)
+    assert generic(torch.zeros(4, 12)).shape == (9,)  # 12 + 8 - 11
+    assert same_but_sizes(gm, _full_graph(SizeLiteral(9, size.expr), (s0, s1)))
+    assert not same_but_sizes(gm, _full_graph(SizeLiteral(9, s0 + 3), (s0, s1)))  # another size
+    assert not same_but_sizes(gm, _full_graph(16, (s0, s1)))  # a size fixed at 16
+    # a symbol that is no whole dimension of an input: the graph keeps its own sizes
+    assert size_generic(_full_graph(SizeLiteral(6, sympy.Symbol("s7")), (s0, s1))) is None
+    # a graph without sizes is its own generic form
+    plain = _full_graph(6, (s0, s1))
+    assert size_generic(plain) is plain
+
+
+def _graph_modules() -> int:
+    gc.collect()
+    return sum(isinstance(o, fx.GraphModule) for o in gc.get_objects())
+
+
+def test_shapes_specialized_from_the_capture_share_one_set_of_graphs_and_train_bitwise():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False)  # (padded: symbolic at once)
+    lengths = (40, 17, 63, 29, 40, 17, 50, 33)
+    for step, length in enumerate(lengths):
+        batch = _batch(length, pad=0 if step == 3 else 1 + step % 4, seed=step)  # (29: every mask all ones)
+        for m in (model, reference):
+            torch.manual_seed(step)
+            m_out = (module if m is model else reference)(**batch)
+            m_out.loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), length
+        model.zero_grad()
+        reference.zero_grad()
+        if step == 3:
+            graphs_after_four = _graph_modules()
+    compiled = list(module._compiled.values())
+    assert len(compiled) == len(set(lengths))
+    assert all(c.dispatch is not None and c.sources == [] for c in compiled)
+    assert len({id(c.chain.orchestrator) for c in compiled}) == 1
+    assert len({tuple(map(id, c.chain.stages)) for c in compiled}) == 1
+    # three more lengths planned, no graph more held
+    assert _graph_modules() == graphs_after_four
+
+
+def test_plans_that_hold_graphs_of_their_own_are_bounded_apart(monkeypatch):
+    from hierremat.api import whole_model
+
+    monkeypatch.setattr(whole_model, "MAX_SHAPES_WITH_GRAPHS", 1)
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
+    shared = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False)
+    own = hr.remat(copy.deepcopy(model), (), _batch(40, pad=3), budget="64GiB", cache=False, dynamic=False)
+    lengths = (40, 17, 29, 33)
+    for length in lengths:
+        for module in (shared, own):
+            module(**_batch(length, pad=1)).loss.backward()
+    assert len(shared.plans) == len(lengths) and not any(c.holds_graphs for c in shared._compiled.values())
+    (kept,) = own._compiled.values()  # (each exported on its own: the one used last)
+    assert kept.holds_graphs and kept.skeleton[1]["input_ids"].shape[1] == lengths[-1]
