@@ -6,8 +6,9 @@ orchestrator) with every SizeLiteral computed from the sizes of its own inputs a
 and integer arithmetic on them, as the symbolic program computes it), so that one copy runs at every shape
 of the capture. :func:`same_but_sizes` checks that the graph specialized at another shape is the same
 program: the same nodes, arguments and attributes, each SizeLiteral standing for the same size. Where it is,
-that shape runs the generic copy and keeps no graph of its own (hierremat.api.generic_chain); where it is
-not (a pass that decided by a size, a slice whole at one length only), the shape keeps its own.
+that shape runs the generic copy and keeps no graph of its own (hierremat.api.whole_model.RematModule.
+_share_graphs); where it is not (a pass that decided by a size, a slice whole at one length only), the shape
+keeps its own.
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ def same_but_sizes(reference: fx.GraphModule, other: fx.GraphModule) -> bool:
     """Whether ``other`` is ``reference``'s program at another shape of one symbolic capture: node for node the
     same operations on the same arguments (nodes by position; each SizeLiteral for the same size, whatever its
     value here; any other value equal), the same attributes (the same objects, or tensors equal in dtype, shape and
-    values), placeholders of the same symbolic sizes, the same output structure."""
+    values), placeholders of the same symbolic sizes, the same output structure and calling convention."""
     ours, theirs = list(reference.graph.nodes), list(other.graph.nodes)
-    if len(ours) != len(theirs) or reference.graph._codegen.__class__ is not other.graph._codegen.__class__:
+    codegens = reference.graph._codegen, other.graph._codegen  # (an orchestrator's: the model's calling convention)
+    if (len(ours) != len(theirs) or type(codegens[0]) is not type(codegens[1])
+            or getattr(codegens[0], "pytree_info", None) != getattr(codegens[1], "pytree_info", None)):
         return False
     position = {n: i for i, n in enumerate(ours)}
     position.update({n: i for i, n in enumerate(theirs)})
