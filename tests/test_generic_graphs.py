@@ -14,7 +14,7 @@ from torch import fx
 import hierremat as hr
 from hierremat.api.compiled_shape import ChainDispatch, chain_inputs
 from hierremat.graphs.capture import capture
-from hierremat.graphs.generic import GenericChain, same_but_sizes, size_generic
+from hierremat.graphs.generic import GenericChain, _same, same_but_sizes, size_generic
 from hierremat.graphs.segment import build_chain_graph
 from hierremat.graphs.symbolic import SYMBOLIC_SHAPE, SizeLiteral, capture_symbolic
 
@@ -116,9 +116,13 @@ def test_sizes_are_computed_from_the_inputs_dimensions_with_the_arithmetic_they_
     assert not same_but_sizes(gm, _full_graph(16, (s0, s1)))  # a size fixed at 16
     # a symbol that is no whole dimension of an input: the graph keeps its own sizes
     assert size_generic(_full_graph(SizeLiteral(6, sympy.Symbol("s7")), (s0, s1))) is None
-    # a graph without sizes is its own generic form
+    # a graph without sizes: a copy of its own (its source kept with it)
     plain = _full_graph(6, (s0, s1))
-    assert size_generic(plain) is plain
+    assert size_generic(plain) is not plain and size_generic(plain)(torch.zeros(4, 12)).shape == (6,)
+    # a size inside a slice is compared as a size too
+    assert _same(slice(0, SizeLiteral(4, s1)), slice(0, SizeLiteral(7, s1)), {})
+    assert not _same(slice(0, SizeLiteral(4, s1)), slice(0, 4), {})
+    assert not _same(slice(0, SizeLiteral(4, s1)), slice(0, SizeLiteral(4, s0)), {})
 
 
 def _graph_modules() -> int:
@@ -167,3 +171,23 @@ def test_plans_that_hold_graphs_of_their_own_are_bounded_apart(monkeypatch):
     assert len(shared.plans) == len(lengths) and not any(c.holds_graphs for c in shared._compiled.values())
     (kept,) = own._compiled.values()  # (each exported on its own: the one used last)
     assert kept.holds_graphs and kept.skeleton[1]["input_ids"].shape[1] == lengths[-1]
+
+
+def test_shapes_sharing_graphs_accumulate_gradients_across_shapes_and_survive_a_deepcopy():
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False)
+    for length in (40, 23, 31):  # (each planned, sharing the family's graphs)
+        module(**_batch(length, pad=1)).loss.backward()
+    model.zero_grad()
+    # two shapes' forwards, then both backwards: each runs its own plan through the one orchestrator
+    losses = [module(**_batch(length, pad=2, seed=5)).loss for length in (23, 31)]
+    sum(losses).backward()
+    expected = [reference(**_batch(length, pad=2, seed=5)).loss for length in (23, 31)]
+    sum(expected).backward()
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    copied = copy.deepcopy(module)
+    assert torch.equal(copied(**_batch(31, pad=2, seed=6)).loss, reference(**_batch(31, pad=2, seed=6)).loss)
+    assert all(c.dispatch is not None for c in copied._compiled.values() if c.bindings)

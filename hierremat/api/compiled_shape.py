@@ -1,7 +1,8 @@
 """One input shape's plan, made runnable: what a RematModule keeps per shape.
 
 ``ChainModule`` runs the chain of stages by its schedule (hierremat.planning.chain_plan.PlannedChain);
-``CompiledShape`` holds it with the model's captured graph, the plan (hierremat.plans.model_plan.ModelPlan),
+``CompiledShape`` holds it with the model's captured graph (its own, or its family's size-generic one:
+hierremat.graphs.generic), the plan (hierremat.plans.model_plan.ModelPlan),
 the sample its profile gives shape fits (hierremat.planning.shape_fit) and, under FSDP2, its sharded chain.
 Made by hierremat.api.shape_planning.compile_shape.
 """
@@ -9,6 +10,7 @@ Made by hierremat.api.shape_planning.compile_shape.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 
 import torch
@@ -61,15 +63,24 @@ class ChainModule(nn.Module):
 
 class ChainDispatch(nn.Module):
     """The chain a size-generic orchestrator calls (hierremat.graphs.generic.GenericChain): the ChainModule of the
-    shape being called, set before each call (``current``, not a submodule: the shapes' plans are RematModule's)."""
+    shape being called, set before each call by :meth:`use`, per thread (not a submodule: the shapes' plans are
+    RematModule's)."""
 
     def __init__(self):
         super().__init__()
-        object.__setattr__(self, "current", None)
+        object.__setattr__(self, "_current", threading.local())
+
+    def use(self, chain: nn.Module) -> None:
+        self._current.chain = chain
 
     @torch.compiler.disable(reason="hierremat's chain runner: its schedule keeps Python state Dynamo cannot trace")
     def forward(self, x: torch.Tensor, *shared) -> tuple:
-        return self.current(x, *shared)
+        return self._current.chain(x, *shared)
+
+    def __deepcopy__(self, memo) -> "ChainDispatch":
+        copied = ChainDispatch()  # (set again before the copy's next call: CompiledShape.orchestrator)
+        memo[id(self)] = copied
+        return copied
 
 
 class _ChainInputs(Exception):
@@ -143,7 +154,7 @@ class CompiledShape:
     def orchestrator(self) -> nn.Module:
         """The captured model to call at this shape: its own, or its family's size-generic one, set to run its chain."""
         if self.dispatch is not None:
-            object.__setattr__(self.dispatch, "current", self.chain_module)
+            self.dispatch.use(self.chain_module)
         return self.chain.orchestrator
 
     def released_output(self) -> tuple[bool, ...] | None:

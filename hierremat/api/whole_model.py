@@ -4,7 +4,7 @@
 capture, or specialize the symbolic capture, cut into a chain, profile, menus, the chain DP) and keeps the plan
 (hierremat.api.compiled_shape), least recently used dropped beyond ``max_shapes``. Shapes of one family (the same
 inputs, other sizes) share one symbolic capture (hierremat.graphs.symbolic), one set of size-generic graphs that
-runs each of them (hierremat.graphs.generic: a shape's plan holds no graph of its own) and the samples their costs are
+runs each of them where it is their program (hierremat.graphs.generic: such a shape's plan holds no graph of its own) and the samples their costs are
 fitted from (hierremat.planning.shape_fit: shapes profiled, shapes measured only to fit from, and the times the
 training steps record); it presents the model's forward signature, state_dict keys and attributes to training loops
 (Trainer, accelerate).
@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 #: code holds its schedule, costs and runner state alone: 36 KiB of Python allocations for a 2-layer GPT-2, 61 KiB for
 #: a 12-layer one (benchmarks/bench_shapes.py --rss; 0.6 and 2.3 MiB with graphs of its own).
 DEFAULT_MAX_SHAPES = 1024
-#: Of those, how many may hold graphs of their own (CompiledShape.holds_graphs: exported on their own, or running
-#: block options' generated code traced at their shape), least recently used dropped first.
+#: Of those, with the default, how many may hold graphs of their own (CompiledShape.holds_graphs: exported on their
+#: own, of a program not shared, or running block options' generated code traced at their shape), least recently
+#: used dropped first (a max_shapes given bounds them all, as before).
 MAX_SHAPES_WITH_GRAPHS = 64
 
 
@@ -137,6 +138,8 @@ class RematModule(nn.Module):
         self.dynamic = dynamic
         self.settings = settings
         self.max_shapes = max_shapes
+        #: of those, how many may hold graphs of their own: MAX_SHAPES_WITH_GRAPHS, or all where max_shapes was set
+        self._max_with_graphs = MAX_SHAPES_WITH_GRAPHS if max_shapes == DEFAULT_MAX_SHAPES else max_shapes
         self._compiled: OrderedDict[tuple, CompiledShape] = OrderedDict()  # least recently used first
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
         self._symbolic_dims: dict[tuple, frozenset] = {}  # per _family_key: the dimensions its capture made symbolic
@@ -243,13 +246,18 @@ class RematModule(nn.Module):
         compiled.family = family
         if compiled.bindings is not None and compiled.plan.capture_kind == "specialized" and not shards:
             self._share_graphs(family, compiled)
-        self._compiled[_input_key(self.model, args, kwargs, self._per_padding)] = compiled
+        key = _input_key(self.model, args, kwargs, self._per_padding)
+        self._compiled[key] = compiled
+        self._compiled.move_to_end(key)  # (a shape planned again: the one used last, never the one dropped)
         while len(self._compiled) > self.max_shapes:
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
-        with_graphs = [key for key, c in self._compiled.items() if c.holds_graphs]
-        for key in with_graphs[:max(0, len(with_graphs) - MAX_SHAPES_WITH_GRAPHS)]:
-            forget_sources(self._compiled.pop(key).sources)
+        with_graphs = [k for k, c in self._compiled.items() if c.holds_graphs]
+        for k in with_graphs[:max(0, len(with_graphs) - self._max_with_graphs)]:
+            forget_sources(self._compiled.pop(k).sources)
+        families = {c.family for c in self._compiled.values()}
+        for family_left in [f for f in self._generic if f not in families]:  # (its last plan dropped)
+            del self._generic[family_left]
         return compiled
 
     def _share_graphs(self, family: tuple, compiled: CompiledShape) -> None:
@@ -260,14 +268,20 @@ class RematModule(nn.Module):
         generics = self._generic.setdefault(family, [])
         if generics is None:
             return
-        generic = next((g for g in generics if g.holds_for(compiled.chain)), None)
+        try:
+            generic = next((g for g in generics if g.holds_for(compiled.chain)), None)
+            if generic is None and len(generics) < MAX_GENERIC_CHAINS:
+                generic = GenericChain.of(compiled.chain, ChainDispatch())
+        except Exception as err:  # (a graph the check or the copy cannot read: the shape keeps its own graphs)
+            log.info("%s's graphs not shared at this shape: %s", type(self.model).__name__, err)
+            return
         if generic is None and len(generics) < MAX_GENERIC_CHAINS:
-            generic = GenericChain.of(compiled.chain, ChainDispatch())
-            if generic is None:
-                log.info("%s's graphs compute a size hierremat cannot compute from their inputs' sizes: each input "
-                         "shape keeps graphs of its own", type(self.model).__name__)
+            log.info("%s's graphs compute a size hierremat cannot compute from their inputs' sizes: shapes of this "
+                     "program keep graphs of their own", type(self.model).__name__)
+            if not generics:
                 self._generic[family] = None
-                return
+            return
+        if generic is not None and generic not in generics:
             setattr(compiled.chain.orchestrator, CHAIN_ATTRIBUTE, nn.Identity())  # (the reference keeps no plan)
             generics.append(generic)
             log.info("%s's graphs made size-generic: every shape specialized from its symbolic capture to this program "
@@ -869,9 +883,10 @@ def remat(
     solved for another shape are re-costed at the new sizes (no ILP solve); "error": raise.
     max_shapes: how many shapes' plans are kept (least recently used dropped first; a dropped
     shape is planned again when it comes back). A shape specialized from the symbolic capture runs
-    the graphs its family shares (hierremat.graphs.generic) and holds about 40-60 KiB; at most
-    MAX_SHAPES_WITH_GRAPHS (64) of the plans kept hold graphs of their own (a shape exported on its
-    own, block options' code generated at its shape).
+    the graphs its family shares where they are its program (hierremat.graphs.generic) and holds
+    36-61 KiB; with the default, at most MAX_SHAPES_WITH_GRAPHS (64) of the plans kept hold graphs of
+    their own (a shape exported on its own or of a program not shared, block options' code generated at
+    its shape); a max_shapes given bounds those too.
     device: as for hierremat.plan. A module planned on meta computes with the model's own weights from
     its first call after ``to_empty`` and initialization (a call before raises).
     offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.

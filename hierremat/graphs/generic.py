@@ -36,10 +36,8 @@ class _NotGeneric(Exception):
 
 def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
     """A copy of ``gm`` (its graph copied, its attributes shared) that computes each SizeLiteral in its nodes'
-    arguments from its placeholders' sizes at every call; ``gm`` itself where it has none (no size in its code);
-    None where one cannot be computed so (_NotGeneric)."""
-    if not any(_has_literal((n.args, n.kwargs)) for n in gm.graph.nodes):
-        return gm
+    arguments from its placeholders' sizes at every call (a copy alike where it has none); None where one cannot
+    be computed so (_NotGeneric)."""
     graph = copy.deepcopy(gm.graph)
     placeholders = list(graph.find_nodes(op="placeholder"))
     dims = {}  # symbol -> (placeholder, dim): where each symbol is a whole dimension of an input
@@ -51,6 +49,10 @@ def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
                     dims.setdefault(size, (p, d))
     computed: dict = {}
     anchor = next(n for n in graph.nodes if n.op != "placeholder")  # (the output, at least)
+    if not any(_has_literal((n.args, n.kwargs)) for n in graph.nodes):
+        generic_gm = fx.GraphModule(gm, graph)
+        generic_gm.meta.update(gm.meta)
+        return generic_gm
 
     def build(expr) -> object:
         if expr in computed:
@@ -62,11 +64,12 @@ def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
                 raise _NotGeneric(f"no input of the graph has {expr} as a dimension")
             p, d = dims[expr]
             node = graph.call_function(torch.ops.aten.sym_size.int, (p, d))
-        elif type(expr) in _OPERATORS:
+        elif any(isinstance(expr, kind) for kind in _OPERATORS):  # (CleanDiv is a FloorDiv)
+            op = next(_OPERATORS[kind] for kind in _OPERATORS if isinstance(expr, kind))
             terms = [build(a) for a in expr.args]
             node = terms[0]
             for term in terms[1:]:
-                node = graph.call_function(_OPERATORS[type(expr)], (node, term))
+                node = graph.call_function(op, (node, term))
         else:
             raise _NotGeneric(f"a size computed as {expr} ({type(expr).__name__})")
         computed[expr] = node
@@ -109,6 +112,9 @@ def same_but_sizes(reference: fx.GraphModule, other: fx.GraphModule) -> bool:
     for a, b in zip(ours, theirs):
         if a.op != b.op or a.target != b.target or not _same((a.args, a.kwargs), (b.args, b.kwargs), position):
             return False
+        if a.op == "call_module" and a.target != CHAIN_ATTRIBUTE and (
+                operator.attrgetter(a.target)(reference) is not operator.attrgetter(b.target)(other)):
+            return False
         if a.op == "placeholder" and a.meta.get(SYMBOLIC_SHAPE) != b.meta.get(SYMBOLIC_SHAPE):
             return False
         if a.op == "get_attr" and not _same_attribute(
@@ -123,6 +129,9 @@ def _same(a, b, position: dict) -> bool:
         return isinstance(a, fx.Node) and isinstance(b, fx.Node) and position[a] == position[b]
     if isinstance(a, SizeLiteral) or isinstance(b, SizeLiteral):
         return isinstance(a, SizeLiteral) and isinstance(b, SizeLiteral) and a.expr == b.expr
+    if isinstance(a, slice) or isinstance(b, slice):
+        return (isinstance(a, slice) and isinstance(b, slice)
+                and all(_same(x, y, position) for x, y in ((a.start, b.start), (a.stop, b.stop), (a.step, b.step))))
     if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
         return (type(a) is type(b) and len(a) == len(b)
                 and all(_same(x, y, position) for x, y in zip(a, b)))
@@ -131,6 +140,8 @@ def _same(a, b, position: dict) -> bool:
                 and all(_same(a[k], b[k], position) for k in a))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return _same_attribute(a, b)
+    if _has_literal(a) or _has_literal(b):  # (a size inside a value compared by equality: not known to be the same)
+        return False
     return type(a) is type(b) and (a == b or (a != a and b != b))  # (NaN equal to NaN)
 
 
@@ -148,7 +159,7 @@ def _same_attribute(a, b) -> bool:
 MAX_GENERIC_CHAINS = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GenericChain:
     """A chain whose stages and orchestrator run at every shape of one symbolic capture, made from one shape's
     specialized chain (``reference``, what another shape's is checked against: :meth:`holds_for`).
@@ -169,8 +180,6 @@ class GenericChain:
         modules = [size_generic(stage.graph_module) for stage in chain.stages]
         if orchestrator is None or any(m is None for m in modules):
             return None
-        if orchestrator is chain.orchestrator:  # (a copy of its own, to call the chain through dispatch)
-            orchestrator = fx.GraphModule(orchestrator, copy.deepcopy(orchestrator.graph))
         setattr(orchestrator, CHAIN_ATTRIBUTE, dispatch)
         stages = tuple(GraphStage(m, stage.shared_indices, stage.stage_name) for m, stage in zip(modules, chain.stages))
         return cls(chain, stages, orchestrator, dispatch)
