@@ -161,6 +161,18 @@ class LossOnly(nn.Module):
         return self.model(ids, labels=labels, use_cache=False).loss
 
 
+def padded_batch(length: int, batch: int = 2, pad: int = 0, seed: int = 0, vocab_size: int = 512) -> dict:
+    """A dynamically padded language-model batch: the last row padded by ``pad`` tokens (mask 0, labels -100)."""
+    g = torch.Generator().manual_seed(seed + length)
+    ids = torch.randint(0, vocab_size, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if pad:
+        mask[-1, length - pad:] = 0
+        labels[-1, length - pad:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (integer views: signed zeros and NaN payloads count)."""
     if a.dtype != b.dtype or a.shape != b.shape:

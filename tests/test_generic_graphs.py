@@ -18,21 +18,14 @@ from hierremat.graphs.generic import GenericChain, _same, same_but_sizes, size_g
 from hierremat.graphs.segment import build_chain_graph
 from hierremat.graphs.symbolic import SYMBOLIC_SHAPE, SizeLiteral, capture_symbolic
 
-from models import tiny_gpt2
+from models import padded_batch, tiny_gpt2
 
 VOCAB = 512
 
 
 def _batch(length: int, batch: int = 2, pad: int = 0, seed: int = 0) -> dict:
-    """A dynamically padded batch: the last row padded by ``pad`` tokens (mask 0, labels -100)."""
-    g = torch.Generator().manual_seed(seed + length)
-    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    labels = ids.clone()
-    if pad:
-        mask[-1, length - pad:] = 0
-        labels[-1, length - pad:] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
+    """A dynamically padded batch (models.padded_batch), called as the capture is: without a key/value cache."""
+    return {**padded_batch(length, batch, pad, seed, VOCAB), "use_cache": False}
 
 
 def _chain(model, symbolic, kwargs):

@@ -38,21 +38,14 @@ from hierremat.planning.shape_fit import (
 from hierremat.runtime.profile import ChainProfile
 from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
-from models import same_bits, tiny_gpt2
+from models import padded_batch, same_bits, tiny_gpt2
 
 VOCAB = 512
 
 
 def _batch(length: int, batch: int = 2, pad: int = 0, seed: int = 0) -> dict:
     """A dynamically padded batch: the last row padded by ``pad`` tokens (mask 0, labels -100)."""
-    g = torch.Generator().manual_seed(seed + length)
-    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    labels = ids.clone()
-    if pad:
-        mask[-1, length - pad:] = 0
-        labels[-1, length - pad:] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return padded_batch(length, batch, pad, seed, VOCAB)
 
 
 def test_symbolic_capture_specializes_to_the_model_at_each_shape():

@@ -268,26 +268,27 @@ class RematModule(nn.Module):
         generics = self._generic.setdefault(family, [])
         if generics is None:
             return
+        made = False  # (whether this shape's graphs are made the generic ones of a program of its own)
         try:
             generic = next((g for g in generics if g.holds_for(compiled.chain)), None)
-            if generic is None and len(generics) < MAX_GENERIC_CHAINS:
+            made = generic is None and len(generics) < MAX_GENERIC_CHAINS
+            if made:
                 generic = GenericChain.of(compiled.chain, ChainDispatch())
         except Exception as err:  # (a graph the check or the copy cannot read: the shape keeps its own graphs)
             log.info("%s's graphs not shared at this shape: %s", type(self.model).__name__, err)
             return
-        if generic is None and len(generics) < MAX_GENERIC_CHAINS:
-            log.info("%s's graphs compute a size hierremat cannot compute from their inputs' sizes: shapes of this "
-                     "program keep graphs of their own", type(self.model).__name__)
-            if not generics:
-                self._generic[family] = None
+        if generic is None:
+            if made:
+                log.info("%s's graphs compute a size hierremat cannot compute from their inputs' sizes: shapes of "
+                         "this program keep graphs of their own", type(self.model).__name__)
+                if not generics:
+                    self._generic[family] = None
             return
-        if generic is not None and generic not in generics:
+        if made:
             setattr(compiled.chain.orchestrator, CHAIN_ATTRIBUTE, nn.Identity())  # (the reference keeps no plan)
             generics.append(generic)
             log.info("%s's graphs made size-generic: every shape specialized from its symbolic capture to this program "
                      "runs them (%d programs)", type(self.model).__name__, len(generics))
-        if generic is None:
-            return
         compiled.run_generic(generic)
         menus = compiled.chain_module.planned.menus
         if menus is None or not menus.runs_generated_code:

@@ -49,10 +49,6 @@ def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
                     dims.setdefault(size, (p, d))
     computed: dict = {}
     anchor = next(n for n in graph.nodes if n.op != "placeholder")  # (the output, at least)
-    if not any(_has_literal((n.args, n.kwargs)) for n in graph.nodes):
-        generic_gm = fx.GraphModule(gm, graph)
-        generic_gm.meta.update(gm.meta)
-        return generic_gm
 
     def build(expr) -> object:
         if expr in computed:
