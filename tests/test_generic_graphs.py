@@ -94,7 +94,7 @@ def _full_graph(size: int, shape: tuple) -> fx.GraphModule:
 
 
 def test_sizes_are_computed_from_the_inputs_dimensions_with_the_arithmetic_they_were_folded_from():
-    from torch.utils._sympy.functions import FloorDiv
+    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PowByNatural, PythonMod
 
     s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
     size = SizeLiteral(16, FloorDiv(s0 * s1, 4) + 2 * s0 - 11)  # (folded at 6 x 10: 15 + 12 - 11)
@@ -107,8 +107,22 @@ def test_sizes_are_computed_from_the_inputs_dimensions_with_the_arithmetic_they_
     assert same_but_sizes(gm, _full_graph(SizeLiteral(9, size.expr), (s0, s1)))
     assert not same_but_sizes(gm, _full_graph(SizeLiteral(9, s0 + 3), (s0, s1)))  # another size
     assert not same_but_sizes(gm, _full_graph(16, (s0, s1)))  # a size fixed at 16
-    # a symbol that is no whole dimension of an input: the graph keeps its own sizes
+    # powers, maxima, minima, remainders and ceiling divisions, as torch's shape environment writes them
+    size = s0 ** 2 + PowByNatural(s1, 2) + Max(s0, s1 - 3) + Min(s0, 5) + Mod(s1, 4) + PythonMod(s0, 3) \
+        + CeilDiv(s1, 3) + sympy.Max(s0, 2)
+
+    def expected(a, b):
+        return a * a + b * b + max(a, b - 3) + min(a, 5) + b % 4 + a % 3 + -(-b // 3) + max(a, 2)
+
+    generic = size_generic(_full_graph(SizeLiteral(expected(6, 10), size), (s0, s1)))
+    assert generic is not None
+    for a, b in ((6, 10), (4, 12), (7, 3), (2, 17)):
+        assert generic(torch.zeros(a, b)).shape == (expected(a, b),), (a, b)
+    # a symbol that is no whole dimension of an input, a power that is not a natural number's, a fraction: the
+    # graph keeps its own sizes
     assert size_generic(_full_graph(SizeLiteral(6, sympy.Symbol("s7")), (s0, s1))) is None
+    assert size_generic(_full_graph(SizeLiteral(1, s0 ** -1 * 6), (s0, s1))) is None
+    assert size_generic(_full_graph(SizeLiteral(3, s0 / 2), (s0, s1))) is None
     # a graph without sizes: a copy of its own (its source kept with it)
     plain = _full_graph(6, (s0, s1))
     assert size_generic(plain) is not plain and size_generic(plain)(torch.zeros(4, 12)).shape == (6,)
@@ -184,3 +198,30 @@ def test_shapes_sharing_graphs_accumulate_gradients_across_shapes_and_survive_a_
     copied = copy.deepcopy(module)
     assert torch.equal(copied(**_batch(31, pad=2, seed=6)).loss, reference(**_batch(31, pad=2, seed=6)).loss)
     assert all(c.dispatch is not None for c in copied._compiled.values() if c.bindings)
+
+
+def test_a_family_whose_last_plan_is_dropped_is_forgotten_with_its_generic_graphs_and_their_sources():
+    from hierremat.graphs.sources import _eval_cache
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
+    reference = copy.deepcopy(model)
+    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False, max_shapes=2)
+    for length in (40, 17):
+        module(**_batch(length, pad=1)).loss.backward()
+    (family,) = module._generic
+    sources = [key for generic in module._generic[family] for key in generic.sources]
+    assert sources and all(key in _eval_cache() for key in sources)
+    for length in (33, 21):  # calls of another family (no labels): the first family's two plans dropped
+        unlabelled = {k: v for k, v in _batch(length, pad=1).items() if k != "labels"}
+        module(**unlabelled).logits.sum().backward()
+    assert all(c.family != family for c in module._compiled.values())
+    assert family not in module._families_kept() and not any(key in _eval_cache() for key in sources)
+    model.zero_grad()
+    batch = _batch(29, pad=2, seed=3)  # (the first family again: captured again, as at its first shape)
+    loss = module(**batch).loss
+    loss.backward()
+    expected = reference(**batch).loss
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))

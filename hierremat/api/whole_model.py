@@ -256,9 +256,31 @@ class RematModule(nn.Module):
         for k in with_graphs[:max(0, len(with_graphs) - self._max_with_graphs)]:
             forget_sources(self._compiled.pop(k).sources)
         families = {c.family for c in self._compiled.values()}
-        for family_left in [f for f in self._generic if f not in families]:  # (its last plan dropped)
-            del self._generic[family_left]
+        for family_left in self._families_kept() - families:  # (its last plan dropped)
+            self._forget_family(family_left)
         return compiled
+
+    def _per_family(self) -> tuple[dict, ...]:
+        """What is kept per family of input shapes (_family_key) beside its plans, and forgotten with its last plan
+        (not which first-shape captures failed: a few dimensions each, so that a failed export is not tried again)."""
+        return self._symbolic, self._symbolic_dims, self._generic, self._samples, self._step_samples
+
+    def _families_kept(self) -> set[tuple]:
+        """The families of input shapes something is kept for beside their plans."""
+        return {family for kept in self._per_family() for family in kept}
+
+    def _forget_family(self, family: tuple) -> None:
+        """Forget what a family of input shapes kept beside its plans (its last one dropped): its symbolic capture,
+        its size-generic graphs (and their sources), the shapes measured to fit from. Called again, its first shape
+        is a first shape again (where its capture there failed before, it is not tried again)."""
+        self._drop_generic(family)
+        for kept in self._per_family():
+            kept.pop(family, None)
+
+    def _drop_generic(self, family: tuple) -> None:
+        """Drop the family's size-generic graphs (hierremat.graphs.generic), forgetting their sources."""
+        for generic in self._generic.pop(family, None) or ():
+            forget_sources(list(generic.sources))
 
     def _share_graphs(self, family: tuple, compiled: CompiledShape) -> None:
         """Run ``compiled``, a shape specialized from its family's symbolic capture, from the family's size-generic
@@ -657,7 +679,7 @@ class RematModule(nn.Module):
             return earlier
         shapes = [c.skeleton for c in self._compiled.values() if c.family == family]
         if not shapes and family not in self._symbolic:  # the family's first shape: symbolic at once where sizes
-            # are said to vary (and shapes planned; not again where its plans were all dropped since)
+            # are said to vary (a family whose plans were all dropped is forgotten with them: _forget_family)
             return self._first_shape_capture(family, args, kwargs) if self.on_new_shape == "replan" else None
         dims = varying_dims([*shapes, (args, kwargs)]) | self._symbolic_dims.get(family, frozenset())
         if dims and self._first_capture_failed.get(family) == dims:  # (failed at the first shape with these)
@@ -682,7 +704,7 @@ class RematModule(nn.Module):
             steps = self._step_samples.get(family, [])  # (the shapes timed in the steps, rebound where they can be)
             steps[:] = [s.bound(b) for s in steps for b in [symbolic.rebound(dict(s.bindings), earlier)] if b]
         self._symbolic[family] = symbolic
-        self._generic.pop(family, None)  # (its sizes are the new capture's symbols)
+        self._drop_generic(family)  # (its sizes are the new capture's symbols)
         for c in self._compiled.values():  # the shapes measured before: samples to fit later shapes' times from
             bindings = symbolic.bindings(*c.skeleton) if symbolic is not None and c.family == family else None
             if c.sample is not None and bindings:
@@ -698,7 +720,7 @@ class RematModule(nn.Module):
         """The symbolic capture at a family's first shape, with the sizes said to vary symbolic
         (_dims_said_to_vary), or None where none is or the capture fails (logged; the second shape then captures
         with the sizes that differ, as where none is said to vary)."""
-        if family in self._first_capture_failed:  # (not tried again where its plans were all dropped since)
+        if family in self._first_capture_failed:  # (not tried again, also where its plans were all dropped since)
             return None
         dims, why = self._dims_said_to_vary(args, kwargs)
         if not dims:
@@ -799,12 +821,9 @@ class RematModule(nn.Module):
         # captured graphs hold the old tensors: re-plan after .to()/.cuda(), but for plans made on meta
         # (to_empty materializes the model they were made for: they bind to its tensors when next called)
         self._drop_plans(keep_lent=True)
-        self._symbolic.clear()
-        self._symbolic_dims.clear()
-        self._generic.clear()
+        for family in self._families_kept():
+            self._forget_family(family)
         self._first_capture_failed.clear()
-        self._samples.clear()
-        self._step_samples.clear()
         self._recost_seconds, self._blocks_built, self._lost_without_blocks = None, False, 0.0  # (another device's)
         self._blocks_pay = False
         return super()._apply(fn, recurse)

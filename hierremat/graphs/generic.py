@@ -20,13 +20,28 @@ from dataclasses import dataclass
 import sympy
 import torch
 from torch import fx
-from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PowByNatural, PythonMod
 
 from .segment import CHAIN_ATTRIBUTE, ChainGraph, GraphStage
+from .sources import forget_sources, recorded_sources
 from .symbolic import SYMBOLIC_SHAPE, SizeLiteral
 
-#: sympy's operations a size may be built with, as the Python operators on ints that compute them
-_OPERATORS = {sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv}
+
+def _ceil_div(a, b):
+    """``ceil(a / b)`` for ints (and the SymInts fx traces): torch's CeilDiv."""
+    return -(-a // b)
+
+
+#: the operations a size may be built with (sympy's, and those of torch's shape environment,
+#: torch.utils._sympy.functions), as the operations on Python ints that compute them; each folds its
+#: arguments pairwise, left to right (a sum, a product, a max of several terms). A power's exponent must be a
+#: natural number (_power).
+_OPERATORS = {
+    sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv,  # (CleanDiv is a FloorDiv)
+    CeilDiv: _ceil_div, Mod: operator.mod, PythonMod: operator.mod, sympy.Mod: operator.mod,
+    Max: torch.sym_max, sympy.Max: torch.sym_max, Min: torch.sym_min, sympy.Min: torch.sym_min,
+    sympy.Pow: operator.pow, PowByNatural: operator.pow,
+}
 
 
 class _NotGeneric(Exception):
@@ -60,8 +75,10 @@ def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
                 raise _NotGeneric(f"no input of the graph has {expr} as a dimension")
             p, d = dims[expr]
             node = graph.call_function(torch.ops.aten.sym_size.int, (p, d))
-        elif any(isinstance(expr, kind) for kind in _OPERATORS):  # (CleanDiv is a FloorDiv)
+        elif any(isinstance(expr, kind) for kind in _OPERATORS):
             op = next(_OPERATORS[kind] for kind in _OPERATORS if isinstance(expr, kind))
+            if op is operator.pow and not (isinstance(expr.args[1], sympy.Integer) and expr.args[1] >= 0):
+                raise _NotGeneric(f"a size computed as {expr} (a power that is not a natural number's)")
             terms = [build(a) for a in expr.args]
             node = terms[0]
             for term in terms[1:]:
@@ -161,24 +178,34 @@ class GenericChain:
     specialized chain (``reference``, what another shape's is checked against: :meth:`holds_for`).
 
     The orchestrator calls the chain through ``dispatch`` (hierremat.api.compiled_shape.ChainDispatch), set to
-    the called shape's chain runner before each call."""
+    the called shape's chain runner before each call. ``sources``: the keys of fx's sources of its graphs
+    (hierremat.graphs.sources), to forget when it is dropped."""
 
     reference: ChainGraph
     stages: tuple[GraphStage, ...]
     orchestrator: fx.GraphModule
     dispatch: torch.nn.Module
+    sources: tuple[str, ...]
 
     @classmethod
     def of(cls, chain: ChainGraph, dispatch: torch.nn.Module) -> "GenericChain | None":
         """``chain``'s graphs made size-generic (:func:`size_generic`), its orchestrator calling the chain through
-        ``dispatch``; None where a graph cannot be."""
-        orchestrator = size_generic(chain.orchestrator)
-        modules = [size_generic(stage.graph_module) for stage in chain.stages]
+        ``dispatch``; None where a graph cannot be (the sources of those made forgotten)."""
+        sources: list[str] = []
+        try:
+            with recorded_sources() as sources:
+                orchestrator = size_generic(chain.orchestrator)
+                modules = [size_generic(stage.graph_module) for stage in chain.stages] if orchestrator is not None \
+                    else []
+        except BaseException:
+            forget_sources(sources)
+            raise
         if orchestrator is None or any(m is None for m in modules):
+            forget_sources(sources)
             return None
         setattr(orchestrator, CHAIN_ATTRIBUTE, dispatch)
         stages = tuple(GraphStage(m, stage.shared_indices, stage.stage_name) for m, stage in zip(modules, chain.stages))
-        return cls(chain, stages, orchestrator, dispatch)
+        return cls(chain, stages, orchestrator, dispatch, tuple(sources))
 
     def holds_for(self, chain: ChainGraph) -> bool:
         """Whether ``chain`` (specialized from the same symbolic capture at another shape) is this one's program
