@@ -738,6 +738,14 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
         if step == 8:
             assert len(traced) == before
     assert "block options re-costed at this shape after 2 steps without them" in caplog.text
+    # the plans whose block options were re-costed from one solve hold one copy of their op lists
+    # (hierremat.planning.menus._parsed_menu; BlockOption.to_dict shares them)
+    recosted = [p for p in module.plans if any(m.get("recosted") for m in p.menus.values())]
+    assert len(recosted) >= 2
+    assert len(recosted[0].menus) == len(recosted[1].menus)  # (by stage order: a signature names its sizes too)
+    for menu_a, menu_b in zip(recosted[0].menus.values(), recosted[1].menus.values()):
+        pairs = list(zip(menu_a["options"], menu_b["options"]))
+        assert pairs and all(a["fwd_ops"] is b["fwd_ops"] and a["bwd_ops"] is b["bwd_ops"] for a, b in pairs)
 
 
 def test_a_new_shape_is_planned_for_how_the_caller_used_the_output_at_the_others(caplog):

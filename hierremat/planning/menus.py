@@ -45,6 +45,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -57,7 +58,7 @@ from ..graphs.eager_masks import has_value_branch
 from ..graphs.joint import JointGraph, to_block_graph, trace_joint
 from ..runtime.node_profile import profile_nodes
 from ..plans.costs import OptionCosts
-from ..store.cache import CacheKey, OptionsCache, default_cache
+from ..store.cache import CacheKey, OptionsCache, canonical_json, default_cache
 from ..ilp.options import MENU_TIME_LIMIT, forward_only, recost_options, solve_menu
 from ..plans.block_options import BlockOption
 from ..ilp.solve import solve_count
@@ -797,6 +798,26 @@ def _solved_at_other_sizes(cache: OptionsCache, family: CacheKey) -> dict | None
         return None
 
 
+#: Menus solved at other sizes parsed lately (_parsed_menu), by their payload's canonical JSON.
+_PARSED_MENUS: OrderedDict[str, StageMenu] = OrderedDict()
+#: How many _PARSED_MENUS keeps (one per distinct block signature a model re-costs, typically two or three).
+PARSED_MENUS = 8
+
+
+def _parsed_menu(payload: dict) -> StageMenu:
+    """``StageMenu.from_dict(payload)``, the same object for the same payload while it is among the last
+    PARSED_MENUS parsed: every shape whose block options are re-costed from it then shares its options' op lists
+    (recost_options replaces their costs alone), where each parsed its own (2 MiB a shape for a 4-layer GPT-2)."""
+    text = canonical_json(payload)
+    menu = _PARSED_MENUS.get(text)
+    if menu is None:
+        menu = _PARSED_MENUS[text] = StageMenu.from_dict(payload)
+        while len(_PARSED_MENUS) > PARSED_MENUS:
+            _PARSED_MENUS.popitem(last=False)
+    _PARSED_MENUS.move_to_end(text)
+    return menu
+
+
 def _recosted_menu(graph: BlockGraph, payload: dict | None, signature: str) -> StageMenu | None:
     """The menu solved for this block at other sizes (``payload``, a cached StageMenu), its options
     re-costed on ``graph`` (hierremat.ilp.options.recost_options); None where there is none or it
@@ -804,7 +825,7 @@ def _recosted_menu(graph: BlockGraph, payload: dict | None, signature: str) -> S
     if payload is None:
         return None
     try:
-        solved = StageMenu.from_dict(payload)
+        solved = _parsed_menu(payload)
         if graph_structure(solved.graph, sizes=False) != graph_structure(graph, sizes=False):
             return None
         options = recost_options(graph, solved.options)

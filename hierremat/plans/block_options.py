@@ -83,10 +83,12 @@ class BlockOption:
         )
 
     def to_dict(self) -> dict:
+        """As JSON (the op lists as they are: tuples of pairs, written as arrays; shared, not copied, so that every
+        plan holding a menu's dict of options re-costed from one solve holds one copy of their op lists)."""
         return {
             "name": self.name,
-            "fwd_ops": [list(op) for op in self.fwd_ops],
-            "bwd_ops": [list(op) for op in self.bwd_ops],
+            "fwd_ops": self.fwd_ops,
+            "bwd_ops": self.bwd_ops,
             "fwd_time": self.fwd_time,
             "bwd_time": self.bwd_time,
             "kept_bytes": self.kept_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from .block_options import BlockOption
 from .stage_info import StageInfo
 from ..budget import format_bytes
 from .sequential_plan import SequentialPlan
@@ -214,7 +215,7 @@ class ModelPlan:
             stages=tuple(StageInfo(**s) for s in d["stages"]),
             shared_bytes=int(d["shared_bytes"]),
             capture_seconds=float(d["capture_seconds"]),
-            menus=dict(d.get("menus", {})),
+            menus={signature: _as_made(menu) for signature, menu in d.get("menus", {}).items()},
             options_seconds=float(d.get("options_seconds", 0.0)),
             options_solves=int(d.get("options_solves", 0)),
             segmentation=str(d.get("segmentation", "blocks")),
@@ -231,3 +232,9 @@ class ModelPlan:
             output_copies_bytes=int(d.get("output_copies_bytes", 0)),
             cost_model=str(d.get("cost_model") or ""),
         )
+
+
+def _as_made(menu: dict) -> dict:
+    """A menu's dict read from JSON as a plan made in this process holds it: each option's op lists tuples of
+    pairs (BlockOption.to_dict), where JSON gives lists."""
+    return {**menu, "options": [BlockOption.from_dict(option).to_dict() for option in menu.get("options", ())]}
