@@ -746,6 +746,15 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     for menu_a, menu_b in zip(recosted[0].menus.values(), recosted[1].menus.values()):
         pairs = list(zip(menu_a["options"], menu_b["options"]))
         assert pairs and all(a["fwd_ops"] is b["fwd_ops"] and a["bwd_ops"] is b["bwd_ops"] for a, b in pairs)
+    # and run their family's size-generic stages, their block options bound to them (ChainMenus.use_stages): the
+    # stages traced at their shapes are not held (the gradients above were bitwise at every step)
+    shared = [c for c in module._compiled.values() if c.dispatch is not None and c.plan.menus]
+    assert shared
+    for compiled in shared:
+        executors = compiled.chain_module.planned.menus.executors
+        joints = [(e.joint, stage) for stage, row in zip(compiled.chain.stages, executors) for e in row
+                  if hasattr(e, "joint")]
+        assert joints and all(joint.stage is stage for joint, stage in joints)
 
 
 def test_a_new_shape_is_planned_for_how_the_caller_used_the_output_at_the_others(caplog):

@@ -28,7 +28,7 @@ from ..graphs.eager_masks import has_value_branch, padding_key
 from ..graphs.hf import call_kwargs, upcasts_outputs
 from ..graphs.generic import MAX_GENERIC_CHAINS, GenericChain
 from ..graphs.segment import CHAIN_ATTRIBUTE
-from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources
+from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources, source_keys
 from ..graphs.symbolic import SymbolicCapture, capture_symbolic, every_dim, marked_dims, padded_dims, varying_dims
 from ..budget import parse_budget
 from ..dp.solve import DEFAULT_SLOTS
@@ -285,8 +285,9 @@ class RematModule(nn.Module):
     def _share_graphs(self, family: tuple, compiled: CompiledShape) -> None:
         """Run ``compiled``, a shape specialized from its family's symbolic capture, from the family's size-generic
         graphs where they are its program (hierremat.graphs.generic.GenericChain.holds_for), made from its own where
-        none is (up to MAX_GENERIC_CHAINS): its own graphs are then dropped, and their sources with them where no
-        block option runs generated code (a shape's plan then holds its schedule, costs and runner state alone)."""
+        none is (up to MAX_GENERIC_CHAINS): its own graphs are then dropped, and their sources with them (a shape's
+        plan then holds its schedule, costs and runner state alone, and where block options were re-costed at its
+        shape, their joint graphs and generated code, bound to the generic stages: ChainMenus.use_stages)."""
         generics = self._generic.setdefault(family, [])
         if generics is None:
             return
@@ -311,11 +312,14 @@ class RematModule(nn.Module):
             generics.append(generic)
             log.info("%s's graphs made size-generic: every shape specialized from its symbolic capture to this program "
                      "runs them (%d programs)", type(self.model).__name__, len(generics))
+        own = source_keys([compiled.chain.orchestrator,
+                           *(getattr(stage, "graph_module", stage) for stage in compiled.chain.stages)])
         compiled.run_generic(generic)
         menus = compiled.chain_module.planned.menus
-        if menus is None or not menus.runs_generated_code:
-            forget_sources(compiled.sources)
-            compiled.sources = []
+        generated = menus is not None and menus.runs_generated_code  # (the code generated for block options stays)
+        dropped = set(own if generated else compiled.sources)
+        forget_sources(list(dropped))
+        compiled.sources = [key for key in compiled.sources if key not in dropped]
 
     def _times_from_steps(self, family: tuple, args: tuple, kwargs: dict, settings: PlanSettings,
                           elsewhere: bool) -> bool:

@@ -38,6 +38,14 @@ def recorded_sources() -> Iterator[list[str]]:
             keys.extend(itertools.islice(cache, before, None))
 
 
+def source_keys(modules) -> list[str]:
+    """The keys of fx's sources of these GraphModules (each instance's class runs code compiled from its own source,
+    under the key fx's loader keeps it by), those fx keeps."""
+    cache = _eval_cache()
+    keys = [getattr(getattr(type(m).forward, "__code__", None), "co_filename", None) for m in modules]
+    return [key for key in keys if cache is not None and key in cache]
+
+
 def forget_sources(keys: list[str]) -> None:
     """Drop the sources under ``keys`` from fx's cache and from ``linecache``."""
     cache = _eval_cache()

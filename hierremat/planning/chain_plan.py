@@ -390,6 +390,8 @@ class PlannedChain:
         """Run ``stages`` from now on, the same programs as the stages planned (hierremat.graphs.generic: one copy
         that runs at every shape of the symbolic capture)."""
         self.stages = list(stages)
+        if self.menus is not None:
+            self.menus.use_stages(self.stages)
         self.reread_tensors()
 
     def reread_tensors(self) -> None:

@@ -189,6 +189,18 @@ class ChainMenus:
         return (any(e is not None for executors in self.executors for e in executors)
                 or any(e is not None for e in self.forward_executors) or bool(self.compiled or self.compiled_forwards))
 
+    def use_stages(self, stages: Sequence) -> None:
+        """Bind every stage's block options to ``stages``, the same programs as the stages traced (hierremat.graphs.
+        generic's copies), so that the traced stages, graphs of one shape, are no longer held: an executor's joint
+        graph keeps its stage for the parameters and buffers it reads, which ``stages`` hold under the same names. The
+        joint graphs and the code generated from them stay (traced at the shape: a plan that runs them still holds
+        graphs of its own, CompiledShape.holds_graphs)."""
+        for stage, executors in zip(stages, self.executors):
+            for executor in executors:
+                joint = getattr(executor, "joint", None)
+                if isinstance(joint, JointGraph):
+                    joint.stage = stage
+
     def menu_size(self, stage: int) -> int:
         """n: the number of options of stage ``stage``'s menu (0 without one)."""
         menu = self.menus.get(self.signatures[stage])
