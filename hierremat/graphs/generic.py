@@ -35,7 +35,7 @@ def _ceil_div(a, b):
 #: the operations a size may be built with (sympy's, and those of torch's shape environment,
 #: torch.utils._sympy.functions), as the operations on Python ints that compute them; each folds its
 #: arguments pairwise, left to right (a sum, a product, a max of several terms). A power's exponent must be a
-#: natural number (_power).
+#: natural number (else the size is refused, as any other operation is: size_generic).
 _OPERATORS = {
     sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv,  # (CleanDiv is a FloorDiv)
     CeilDiv: _ceil_div, Mod: operator.mod, PythonMod: operator.mod, sympy.Mod: operator.mod,
