@@ -192,6 +192,10 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
     rng = random.Random(SEED)
     bitwise = True
     per_length: dict[int, dict] = {}
+
+    def same_grads() -> bool:  # every hierremat method's gradients of the step just run, bitwise plain's
+        return all(torch.equal(a, b) for remat in remats for a, b in zip(methods[0].grads, remat.grads))
+
     # one step of each method at the longest length first (counted in its wall time): the process's first step
     # through a model, and hierremat's through the plan remat made, so that no loop length's first step is also that
     warm = padded_batch(high, vocab, SEED - 1)
@@ -201,7 +205,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
         method.seconds += elapsed
         if method in remats:
             per_length[method.name, high] = {"plan": method.module.plans[-1], "first": elapsed + planned[method.name]}
-    bitwise &= all(torch.equal(a, b) for remat in remats for a, b in zip(methods[0].grads, remat.grads))
+    bitwise &= same_grads()
     seen: set[int] = {high}
     for step, length in enumerate(schedule):
         batch = padded_batch(length, vocab, SEED + step)
@@ -218,8 +222,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
                 method.step_seconds.setdefault(length, []).append(elapsed)
             elif method in remats:
                 first_step[method.name] = elapsed
-        plain = methods[0]
-        bitwise &= all(torch.equal(a, b) for remat in remats for a, b in zip(plain.grads, remat.grads))
+        bitwise &= same_grads()
         for remat in remats if first else ():
             per_length[remat.name, length] = {"plan": remat.module.plans[-1], "first": first_step[remat.name]}
     for (name, length), row in per_length.items():  # one extra step per length, measured, not timed

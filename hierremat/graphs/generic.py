@@ -75,16 +75,16 @@ def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
                 raise _NotGeneric(f"no input of the graph has {expr} as a dimension")
             p, d = dims[expr]
             node = graph.call_function(torch.ops.aten.sym_size.int, (p, d))
-        elif any(isinstance(expr, kind) for kind in _OPERATORS):
-            op = next(_OPERATORS[kind] for kind in _OPERATORS if isinstance(expr, kind))
+        else:
+            op = next((fn for kind, fn in _OPERATORS.items() if isinstance(expr, kind)), None)
+            if op is None:
+                raise _NotGeneric(f"a size computed as {expr} ({type(expr).__name__})")
             if op is operator.pow and not (isinstance(expr.args[1], sympy.Integer) and expr.args[1] >= 0):
                 raise _NotGeneric(f"a size computed as {expr} (a power that is not a natural number's)")
             terms = [build(a) for a in expr.args]
             node = terms[0]
             for term in terms[1:]:
                 node = graph.call_function(op, (node, term))
-        else:
-            raise _NotGeneric(f"a size computed as {expr} ({type(expr).__name__})")
         computed[expr] = node
         return node
 
