@@ -147,9 +147,17 @@ class CompiledShape:
     @property
     def holds_graphs(self) -> bool:
         """Whether it holds graphs of its own: its own captured graphs (not its family's size-generic ones), or block
-        options' generated code (traced at its shape)."""
+        options' generated code traced at its shape (not its family's: hierremat.planning.family_programs)."""
         menus = self.chain_module.planned.menus
-        return self.dispatch is None or (menus is not None and menus.runs_generated_code)
+        return self.dispatch is None or (menus is not None and menus.runs_code_of_its_own)
+
+    @property
+    def holds_menus(self) -> bool:
+        """Whether it holds block options costed at its shape (their StageMenus: block graphs and options; 0.2 MiB of
+        Python allocations for a 4-layer GPT-2, whose programs its family shares:
+        hierremat.planning.family_programs)."""
+        menus = self.chain_module.planned.menus
+        return menus is not None and bool(menus.menus)
 
     def orchestrator(self) -> nn.Module:
         """The captured model to call at this shape: its own, or its family's size-generic one, set to run its chain."""

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -47,7 +47,8 @@ from ..planning.chain_plan import (
 )
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
-from ..planning.menus import NOISE_MARGIN, StageMenu, build_menus, cost_model_version, stage_arguments
+from ..planning.family_programs import FamilyPrograms
+from ..planning.menus import NOISE_MARGIN, PlanMenu, StageMenu, build_menus, cost_model_version, stage_arguments
 from ..planning.shape_fit import ShapeFit, ShapeSample, chain_pattern
 from .compiled_shape import ONE_RUN_NOTE, ChainModule, CompiledShape, chain_inputs, copies_note
 
@@ -217,12 +218,15 @@ class ProfiledChain:
     #: priced from node times profiled apart, compare with option 0 as they were measured; :meth:`in_steps` scales
     #: the whole chain back to the steps
     step_ratios: tuple[float, float, float] | None = None
+    #: the stages' family's joint graphs and programs for every shape (hierremat.planning.family_programs), where
+    #: they run a size-generic chain: what build_menus costs and runs their block options with
+    programs: FamilyPrograms | None = None
 
     @classmethod
     def of(
         cls, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, deadline: float | None,
         fitted: ShapeFit | None = None, weights_of: nn.Module | None = None, blocks: bool = True, timed: bool = True,
-        one_run: bool = False, menus: bool = True,
+        one_run: bool = False, menus: bool = True, programs: FamilyPrograms | None = None,
     ) -> "ProfiledChain":
         """deadline: when building the block menus must be done (``time.perf_counter()``).
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
@@ -256,7 +260,7 @@ class ProfiledChain:
         profile_seconds = time.perf_counter() - started
         profiled = cls(chain, x0, shared, settings, profile, profile_seconds, None, fitted, weights_of,
                        one_run=one_run and fitted is None and profile.repeats < PROFILE_REPEATS,
-                       step_ratios=ratios)
+                       step_ratios=ratios, programs=programs)
         return profiled.with_block_menus(deadline, blocks) if timed and menus else profiled  # (a sample: no menu used)
 
     def with_block_menus(self, deadline: float | None, blocks: bool = True) -> "ProfiledChain":
@@ -271,7 +275,7 @@ class ProfiledChain:
             self.chain.stages, self.x0, self.shared, signatures, cache=self.settings.options_cache(),
             variants=self.settings.variants, deadline=deadline, residents=self.chain.residents,
             recompute_across_dropouts=self.settings.segmentation != "none", fitted=self.fitted, blocks=blocks,
-            backward_autocast=self.settings.backward_autocast, arguments=arguments,
+            backward_autocast=self.settings.backward_autocast, arguments=arguments, programs=self.programs,
         )
         if blocks:
             cost_cache = StageCostCache(self.settings.options_cache())
@@ -406,7 +410,7 @@ class ProfiledChain:
         menus = self.menus
         return ModelPlan(
             chain_plan, tuple(self.chain.infos), self.shared_bytes, capture_seconds,
-            menus={sig: m.to_dict() for sig, m in menus.menus.items()} if menus else {},
+            menus={sig: PlanMenu(m) for sig, m in menus.menus.items()} if menus else {},
             options_seconds=menus.seconds if menus else 0.0, options_solves=menus.solves if menus else 0,
             segmentation=self.settings.segmentation, variants=self.settings.variants, compiled=compiled,
             outputs=self.settings.outputs,
@@ -425,7 +429,7 @@ def profile_and_solve(
     chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings, started: float,
     fitted: ShapeFit | None, budget_bytes: int, weights_of: nn.Module | None = None,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, output_copies_bytes: int = 0,
-    defer: bool = False, one_run: bool = False, profiling: bool = False,
+    defer: bool = False, one_run: bool = False, profiling: bool = False, programs: FamilyPrograms | None = None,
 ) -> tuple[ProfiledChain, SequentialPlan, bool]:
     """Profile the chain, build its block menus (compiled forms too where ``settings.compile``) and solve
     its plan within ``budget_bytes``: (the profiled chain, the plan, whether its options run compiled).
@@ -455,7 +459,7 @@ def profile_and_solve(
     lazy = (fitted is not None or defer or profiling) and settings.block_options == "ilp" \
         and settings.strategy == "optimal" and not compiling
     profiled = replace(ProfiledChain.of(chain, x0, shared, settings, settings.deadline(started), fitted, weights_of,
-                                        blocks=not lazy, one_run=one_run),
+                                        blocks=not lazy, one_run=one_run, programs=None if compiling else programs),
                        output_copies_bytes=output_copies_bytes)
     cached = lazy and fitted is None and profiled.menus_cached()  # (built at once: a lookup)
     if lazy and fitted is None and not cached and recost_seconds is None:  # (what capturing and profiling it took)
@@ -502,6 +506,7 @@ def compile_shape(
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, upcasts: bool = False,
     defer: bool = False, steps_time: bool = False, profiling: bool = False,
+    programs_for: Callable[[ChainGraph], FamilyPrograms | None] | None = None,
 ) -> CompiledShape:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
@@ -514,7 +519,9 @@ def compile_shape(
     recost_seconds: what re-costing block options at a fitted shape takes (profile_and_solve). upcasts: the caller
     copies the fp16/bf16 outputs to fp32 (hierremat.graphs.hf.upcasts_outputs): the copies are planned for.
     defer: a measured shape may be planned without block options, none built yet (profile_and_solve). profiling:
-    the caller's torch.profiler session runs: block options are put off where the budget allows (profile_and_solve)."""
+    the caller's torch.profiler session runs: block options are put off where the budget allows (profile_and_solve).
+    programs_for: the joint graphs and programs of the size-generic chain a chain specialized from ``symbolic`` runs
+    (hierremat.planning.family_programs; None where it runs none yet): its block options are costed and run on them."""
     started = time.perf_counter()
     model = uncompiled(model)
     if is_sharded(model) and not shards:
@@ -550,6 +557,7 @@ def compile_shape(
                 chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
                 output_released, recost_seconds, chain.half_outputs_in_fp32_bytes if upcasts else 0, defer,
                 one_run=steps_time and fitted is None, profiling=profiling,
+                programs=programs_for(chain) if programs_for is not None and specialized and lent_to is None else None,
             )
         if fitted is None:
             sample = profiled.sample()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Sequence
@@ -40,6 +41,7 @@ from ..runtime.fsdp import is_fsdp_module, is_sharded, without_weights
 from ..runtime.lent_weights import has_abstract_weights, lent_inputs
 from ..runtime.profile import PROFILE_REPEATS
 from ..planning.chain_plan import PLAN_TIME_LIMIT
+from ..planning.family_programs import FamilyPrograms
 from .sequential import check_devices
 from ..planning.shape_fit import (
     ShapeSample, add_sample, chain_pattern, memory_sizes_ahead, memory_sizes_to_sample, sizes_to_sample,
@@ -57,8 +59,9 @@ log = logging.getLogger(__name__)
 #: a 12-layer one (benchmarks/bench_shapes.py --rss; 0.6 and 2.3 MiB with graphs of its own).
 DEFAULT_MAX_SHAPES = 1024
 #: Of those, with the default, how many may hold graphs of their own (CompiledShape.holds_graphs: exported on their
-#: own, of a program not shared, or running block options' generated code traced at their shape), least recently
-#: used dropped first (a max_shapes given bounds them all, as before).
+#: own, of a program not shared, or running block options' generated code traced at their shape) or block options
+#: costed at their shape (CompiledShape.holds_menus: 0.3 MiB for a 4-layer GPT-2), least recently used dropped first
+#: (a max_shapes given bounds them all, as before).
 MAX_SHAPES_WITH_GRAPHS = 64
 
 
@@ -146,6 +149,9 @@ class RematModule(nn.Module):
         #: per _family_key: the size-generic graphs its shapes specialized from its symbolic capture run (_share_graphs;
         #: one per program among them); None: its graphs could not be made size-generic
         self._generic: dict[tuple, list[GenericChain] | None] = {}
+        #: per size-generic chain: its stages' joint graphs traced once with symbolic sizes and the block options'
+        #: programs generated from them (hierremat.planning.family_programs), dropped with it
+        self._programs: weakref.WeakKeyDictionary[GenericChain, FamilyPrograms] = weakref.WeakKeyDictionary()
         #: per _family_key whose first shape's symbolic capture failed: the dimensions it tried (not tried again)
         self._first_capture_failed: dict[tuple, frozenset] = {}
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
@@ -214,7 +220,8 @@ class RematModule(nn.Module):
                                          [*samples, *self._step_samples_of(family)], shards,
                                          self._released_output(family), self._recost_seconds if defer_blocks else None,
                                          upcasts_outputs(self), defer_blocks and self._deferring(settings),
-                                         steps_time=from_steps, profiling=profiler_active())
+                                         steps_time=from_steps, profiling=profiler_active(),
+                                         programs_for=lambda chain: self._programs_for(family, chain))
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
@@ -252,7 +259,7 @@ class RematModule(nn.Module):
         while len(self._compiled) > self.max_shapes:
             _, dropped = self._compiled.popitem(last=False)
             forget_sources(dropped.sources)
-        with_graphs = [k for k, c in self._compiled.items() if c.holds_graphs]
+        with_graphs = [k for k, c in self._compiled.items() if c.holds_graphs or c.holds_menus]
         for k in with_graphs[:max(0, len(with_graphs) - self._max_with_graphs)]:
             forget_sources(self._compiled.pop(k).sources)
         families = {c.family for c in self._compiled.values()}
@@ -277,10 +284,24 @@ class RematModule(nn.Module):
         for kept in self._per_family():
             kept.pop(family, None)
 
+    def _programs_for(self, family: tuple, chain) -> FamilyPrograms | None:
+        """The joint graphs and programs (hierremat.planning.family_programs) of the family's size-generic chain that
+        ``chain`` (specialized from its symbolic capture) runs; None where it runs none yet (_share_graphs makes it)."""
+        generic = next((g for g in self._generic.get(family) or () if g.holds_for(chain)), None)
+        if generic is None:
+            return None
+        if generic not in self._programs:
+            self._programs[generic] = FamilyPrograms(generic.stages)
+        return self._programs[generic]
+
     def _drop_generic(self, family: tuple) -> None:
-        """Drop the family's size-generic graphs (hierremat.graphs.generic), forgetting their sources."""
+        """Drop the family's size-generic graphs (hierremat.graphs.generic) and their block options' programs
+        (hierremat.planning.family_programs), forgetting their sources."""
         for generic in self._generic.pop(family, None) or ():
             forget_sources(list(generic.sources))
+            programs = self._programs.pop(generic, None)
+            if programs is not None:  # (plans that still run them run on: only tracebacks read the sources)
+                forget_sources(source_keys(programs.graph_modules()))
 
     def _share_graphs(self, family: tuple, compiled: CompiledShape) -> None:
         """Run ``compiled``, a shape specialized from its family's symbolic capture, from the family's size-generic
@@ -316,7 +337,7 @@ class RematModule(nn.Module):
                            *(getattr(stage, "graph_module", stage) for stage in compiled.chain.stages)])
         compiled.run_generic(generic)
         menus = compiled.chain_module.planned.menus
-        generated = menus is not None and menus.runs_generated_code  # (the code generated for block options stays)
+        generated = menus is not None and menus.runs_code_of_its_own  # (the code generated for block options stays)
         dropped = set(own if generated else compiled.sources)
         forget_sources(list(dropped))
         compiled.sources = [key for key in compiled.sources if key not in dropped]
@@ -910,7 +931,8 @@ def remat(
     the graphs its family shares where they are its program (hierremat.graphs.generic) and holds
     36-61 KiB; with the default, at most MAX_SHAPES_WITH_GRAPHS (64) of the plans kept hold graphs of
     their own (a shape exported on its own or of a program not shared, block options' code generated at
-    its shape); a max_shapes given bounds those too.
+    its shape) or block options costed at their shape (whose code their family shares:
+    hierremat.planning.family_programs); a max_shapes given bounds those too.
     device: as for hierremat.plan. A module planned on meta computes with the model's own weights from
     its first call after ``to_empty`` and initialization (a call before raises).
     offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import sympy
 import torch
@@ -44,15 +45,41 @@ _OPERATORS = {
 }
 
 
-class _NotGeneric(Exception):
-    """A size a graph cannot compute from its inputs' sizes (a symbol no input has as a whole dimension, an
+class NotGeneric(Exception):
+    """A size that cannot be computed from a graph's inputs' sizes (a symbol no input has as a whole dimension, an
     operation outside _OPERATORS)."""
+
+
+def fold_size(expr, symbol: Callable, apply: Callable, computed: dict | None = None):
+    """``expr`` (a sympy size) computed from its symbols' values, operation by operation, left to right: ``symbol(s)``
+    gives a symbol's value, ``apply(fn, a, b)`` the value of a binary operation of _OPERATORS on two values (ints,
+    SymInts, or fx nodes that compute them); ``computed`` memoizes sub-expressions. Raises NotGeneric for an operation
+    outside _OPERATORS or a power that is not a natural number's."""
+    computed = computed if computed is not None else {}
+    if expr in computed:
+        return computed[expr]
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    if isinstance(expr, sympy.Symbol):
+        value = symbol(expr)
+    else:
+        op = next((fn for kind, fn in _OPERATORS.items() if isinstance(expr, kind)), None)
+        if op is None:
+            raise NotGeneric(f"a size computed as {expr} ({type(expr).__name__})")
+        if op is operator.pow and not (isinstance(expr.args[1], sympy.Integer) and expr.args[1] >= 0):
+            raise NotGeneric(f"a size computed as {expr} (a power that is not a natural number's)")
+        terms = [fold_size(a, symbol, apply, computed) for a in expr.args]
+        value = terms[0]
+        for term in terms[1:]:
+            value = apply(op, value, term)
+    computed[expr] = value
+    return value
 
 
 def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
     """A copy of ``gm`` (its graph copied, its attributes shared) that computes each SizeLiteral in its nodes'
     arguments from its placeholders' sizes at every call (a copy alike where it has none); None where one cannot
-    be computed so (_NotGeneric)."""
+    be computed so (NotGeneric)."""
     graph = copy.deepcopy(gm.graph)
     placeholders = list(graph.find_nodes(op="placeholder"))
     dims = {}  # symbol -> (placeholder, dim): where each symbol is a whole dimension of an input
@@ -65,28 +92,13 @@ def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
     computed: dict = {}
     anchor = next(n for n in graph.nodes if n.op != "placeholder")  # (the output, at least)
 
+    def symbol(s) -> fx.Node:
+        if s not in dims:
+            raise NotGeneric(f"no input of the graph has {s} as a dimension")
+        return graph.call_function(torch.ops.aten.sym_size.int, dims[s])
+
     def build(expr) -> object:
-        if expr in computed:
-            return computed[expr]
-        if isinstance(expr, sympy.Integer):
-            return int(expr)
-        if isinstance(expr, sympy.Symbol):
-            if expr not in dims:
-                raise _NotGeneric(f"no input of the graph has {expr} as a dimension")
-            p, d = dims[expr]
-            node = graph.call_function(torch.ops.aten.sym_size.int, (p, d))
-        else:
-            op = next((fn for kind, fn in _OPERATORS.items() if isinstance(expr, kind)), None)
-            if op is None:
-                raise _NotGeneric(f"a size computed as {expr} ({type(expr).__name__})")
-            if op is operator.pow and not (isinstance(expr.args[1], sympy.Integer) and expr.args[1] >= 0):
-                raise _NotGeneric(f"a size computed as {expr} (a power that is not a natural number's)")
-            terms = [build(a) for a in expr.args]
-            node = terms[0]
-            for term in terms[1:]:
-                node = graph.call_function(op, (node, term))
-        computed[expr] = node
-        return node
+        return fold_size(expr, symbol, lambda op, a, b: graph.call_function(op, (a, b)), computed)
 
     def generic(value):
         if isinstance(value, SizeLiteral):
@@ -97,7 +109,7 @@ def size_generic(gm: fx.GraphModule) -> fx.GraphModule | None:
         try:
             for node in [n for n in graph.nodes if n.op != "placeholder" and _has_literal((n.args, n.kwargs))]:
                 node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), generic)
-        except _NotGeneric:
+        except NotGeneric:
             return None
     generic_gm = fx.GraphModule(gm, graph)
     generic_gm.meta.update(gm.meta)

@@ -44,6 +44,7 @@ import contextlib
 import operator
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -105,6 +106,9 @@ class JointGraph:
     phase: dict[str, str] = field(repr=False)
     resident_seeds: dict[int, str] = field(default_factory=dict)
     resident_grads: dict[int, str] = field(default_factory=dict)
+    #: a graph traced with symbolic sizes (hierremat.graphs.symbolic_joint): each symbol's value at the shape it is
+    #: costed at (storage bytes, :func:`to_block_graph`); None for a graph traced at one shape
+    sizes: dict | None = field(default=None, repr=False)
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -112,6 +116,10 @@ class JointGraph:
 
     def compute_nodes(self) -> list[fx.Node]:
         return [n for n in self.module.graph.nodes if n.op == "call_function"]
+
+    def tensor_nodes(self) -> list[fx.Node]:
+        """The compute nodes but size nodes (:func:`is_size_node`): the BlockGraph's nodes."""
+        return [n for n in self.module.graph.nodes if n.op == "call_function" and not is_size_node(n)]
 
     @property
     def forward_node_names(self) -> list[str]:
@@ -476,13 +484,36 @@ def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bo
 # --------------------------------------------------------------------------- BlockGraph
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of t's storage as the budget's meter on t's device counts them."""
+def is_size_node(node: fx.Node) -> bool:
+    """Whether ``node`` computes a size (a SymInt) rather than a tensor: ``aten.sym_size.int`` and the integer
+    arithmetic on it that a trace with symbolic sizes records (hierremat.graphs.symbolic_joint)."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"),
+                                                     (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def size_expr(value) -> sympy.Expr:
+    """A size's sympy expression (a SymInt's, in its trace's symbols), or the integer's."""
+    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(int(value))
+
+
+def evaluate_size(value, sizes: dict | None) -> int:
+    """``value`` (an int, a SymInt or a sympy expression) at ``sizes`` (symbol -> int)."""
+    expr = value if isinstance(value, sympy.Basic) else size_expr(value)
+    if expr.free_symbols:
+        if sizes is None or not expr.free_symbols <= sizes.keys():
+            raise ValueError(f"a size {expr} of a graph traced with symbolic sizes, evaluated without its symbols' "
+                             "values")
+        expr = expr.xreplace({s: sympy.Integer(sizes[s]) for s in expr.free_symbols})
+    return int(expr)
+
+
+def _tensor_bytes(t: torch.Tensor, sizes: dict | None = None) -> int:
+    """Bytes of t's storage as the budget's meter on t's device counts them (its symbolic size at ``sizes``)."""
     try:
-        nbytes = int(t.untyped_storage().nbytes())
+        nbytes = t.untyped_storage().nbytes()
     except Exception:  # pragma: no cover - tensors without storage
-        nbytes = int(t.numel() * t.element_size())
-    return allocated_bytes(nbytes, t.device)
+        nbytes = t.numel() * t.element_size()
+    return allocated_bytes(evaluate_size(nbytes, sizes), t.device)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -515,7 +546,7 @@ def storage_layout(joint: JointGraph) -> NodeLayout:
             if isinstance(val, torch.Tensor):
                 owner.setdefault(StorageWeakRef(val.untyped_storage()), node.name)
             continue
-        if node.op != "call_function":
+        if node.op != "call_function" or is_size_node(node):
             continue
         out_bytes[node.name] = 0
         if isinstance(val, torch.Tensor):
@@ -532,7 +563,7 @@ def storage_layout(joint: JointGraph) -> NodeLayout:
                 alias_of[node.name] = owner[key]
             else:
                 owner[key] = node.name
-                out_bytes[node.name] = _tensor_bytes(val)
+                out_bytes[node.name] = _tensor_bytes(val, joint.sizes)
         elif isinstance(val, (tuple, list)):
             tensors = [v for v in val if isinstance(v, torch.Tensor)]
             owners = {owner.get(StorageWeakRef(v.untyped_storage())) for v in tensors}
@@ -541,7 +572,7 @@ def storage_layout(joint: JointGraph) -> NodeLayout:
                 continue
             used = {u.args[1] for u in node.users if u.target is operator.getitem}
             unused[node.name] = sum(
-                _tensor_bytes(v)
+                _tensor_bytes(v, joint.sizes)
                 for i, v in enumerate(val)
                 if isinstance(v, torch.Tensor) and i not in used and StorageWeakRef(v.untyped_storage()) not in owner
             )
@@ -571,13 +602,13 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
     # the elements of a multi-output op are allocated by the op: it owns their bytes
     element_bytes: dict[str, int] = {}
     element_of: dict[str, str] = {}  # getitem owning an element -> its op
-    for node in joint.compute_nodes():
+    for node in joint.tensor_nodes():
         source = node.args[0] if node.target is operator.getitem and node.args else None
         if isinstance(source, fx.Node) and source.name in layout.unused_bytes and not layout.alias_of.get(node.name):
             element_bytes[source.name] = element_bytes.get(source.name, 0) + layout.out_bytes[node.name]
             element_of[node.name] = source.name
     nodes_fwd, nodes_bwd = [], []
-    for node in joint.compute_nodes():
+    for node in joint.tensor_nodes():
         name = node.name
         activation.add(name)
         inputs = tuple(dict.fromkeys(a.name for a in node.all_input_nodes if a.name in activation))
@@ -611,10 +642,10 @@ def to_block_graph(joint: JointGraph, node_costs: dict[str, tuple[float, int]] |
     return BlockGraph(
         nodes=tuple(nodes_fwd + nodes_bwd),
         input_name=joint.input_name,
-        input_bytes=_tensor_bytes(x_val),
+        input_bytes=_tensor_bytes(x_val, joint.sizes),
         output_name=joint.output_names[0],
         output_grad_name=tangent,
-        output_grad_bytes=_tensor_bytes(t_val),
+        output_grad_bytes=_tensor_bytes(t_val, joint.sizes),
         input_grad_name=joint.input_grad_name,
         held_grad_names=tuple(joint.resident_grads.values()),
         seed_readers=seed_readers,
@@ -630,7 +661,7 @@ def saved_for_backward(joint: JointGraph) -> dict[str, int]:
     """
     layout = storage_layout(joint)
     saved: dict[str, int] = {}
-    for node in joint.compute_nodes():
+    for node in joint.tensor_nodes():
         if joint.phase[node.name] != BACKWARD:
             continue
         for a in node.all_input_nodes:

@@ -46,6 +46,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -60,8 +61,9 @@ from ..runtime.node_profile import profile_nodes
 from ..plans.costs import OptionCosts
 from ..store.cache import CacheKey, OptionsCache, canonical_json, default_cache
 from ..ilp.options import MENU_TIME_LIMIT, forward_only, recost_options, solve_menu
-from ..plans.block_options import BlockOption
+from ..plans.block_options import BlockOption, ForwardOnly
 from ..ilp.solve import solve_count
+from .family_programs import FamilyPrograms
 from .output_stage import fused_head_option
 from .shape_fit import FIT_VERSION, ShapeFit
 from ..device.autocast import AutocastState
@@ -119,13 +121,7 @@ class StageMenu:
     recosted: bool = False
 
     def to_dict(self) -> dict:
-        return {
-            "graph": self.graph.to_dict(),
-            "options": [o.to_dict() for o in self.options],
-            "solve_seconds": self.solve_seconds,
-            "coarse": self.coarse,
-            "recosted": self.recosted,
-        }
+        return {key: entry(self) for key, entry in _MENU_ENTRIES.items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageMenu":
@@ -136,6 +132,36 @@ class StageMenu:
             coarse=str(d.get("coarse", "")),
             recosted=bool(d.get("recosted", False)),
         )
+
+
+#: StageMenu.to_dict's entries, each as computed from the menu
+_MENU_ENTRIES = {
+    "graph": lambda menu: menu.graph.to_dict(),
+    "options": lambda menu: [o.to_dict() for o in menu.options],
+    "solve_seconds": lambda menu: menu.solve_seconds,
+    "coarse": lambda menu: menu.coarse,
+    "recosted": lambda menu: menu.recosted,
+}
+
+
+class PlanMenu(Mapping):
+    """A StageMenu as a plan holds it (ModelPlan.menus): its :meth:`StageMenu.to_dict`, each entry made when read and
+    not kept, so that a plan holds its menu once, as the objects its executors run (the block graph's nodes as dicts
+    were a third of what a plan whose block options were re-costed at its shape held)."""
+
+    __slots__ = ("menu",)
+
+    def __init__(self, menu: StageMenu):
+        self.menu = menu
+
+    def __getitem__(self, key: str):
+        return _MENU_ENTRIES[key](self.menu)
+
+    def __iter__(self):
+        return iter(_MENU_ENTRIES)
+
+    def __len__(self) -> int:
+        return len(_MENU_ENTRIES)
 
 
 @dataclass
@@ -182,12 +208,24 @@ class ChainMenus:
     recipe_dependent: tuple[str, ...] = ()
     #: under autocast, the caller's recipe the stages were traced for (None: not known, or no autocast)
     backward_autocast: bool | None = None
+    #: signatures whose joint graph and programs are their family's, traced once for every shape
+    #: (hierremat.planning.family_programs): none of this shape's own
+    shared_code: frozenset[str] = frozenset()
 
     @property
     def runs_generated_code(self) -> bool:
         """Whether any stage runs code generated for it (a block option, a no-grad forward, a compiled form)."""
         return (any(e is not None for executors in self.executors for e in executors)
                 or any(e is not None for e in self.forward_executors) or bool(self.compiled or self.compiled_forwards))
+
+    @property
+    def runs_code_of_its_own(self) -> bool:
+        """Whether any stage runs code generated from a graph traced at this shape: :attr:`runs_generated_code`
+        but for the programs its family shares (:attr:`shared_code`)."""
+        own = [i for i, sig in enumerate(self.signatures) if sig not in self.shared_code]
+        return (any(e is not None for i in own for e in self.executors[i])
+                or any(self.forward_executors[i] is not None for i in own if i < len(self.forward_executors))
+                or bool(self.compiled or self.compiled_forwards))
 
     def use_stages(self, stages: Sequence) -> None:
         """Bind every stage's block options to ``stages``, the same programs as the stages traced (hierremat.graphs.
@@ -560,6 +598,7 @@ def build_menus(
     blocks: bool = True,
     backward_autocast: bool | None = None,
     arguments: tuple | None = None,
+    programs: FamilyPrograms | None = None,
 ) -> ChainMenus:
     """Trace, profile and solve (or load) the menu of every distinct stage signature.
 
@@ -585,6 +624,10 @@ def build_menus(
     backward_autocast: under autocast, whether the caller runs the backward under it too (None: not known;
     stages whose backward it changes then get no menu, ChainMenus.recipe_dependent: exact_under_autocast).
     arguments: the stages' arguments as stage_arguments gives them for ``signatures``, where computed already.
+    programs: the stages' family's joint graphs traced with symbolic sizes and their programs
+    (hierremat.planning.family_programs), where the stages run a size-generic chain: a stage whose family has one
+    costs its options on it and runs its programs (traced nowhere here); one whose family has none traces its own
+    here, and gives the family one where it gets a menu.
     """
     started = time.perf_counter()
     cache = cache if cache is not None else default_cache()
@@ -600,7 +643,10 @@ def build_menus(
     graph_keys: dict[str, str] = {}
     executors: list[list] = [[None] for _ in range(L)]
     generated: dict[str, list[GeneratedOption]] = {}  # one program per (signature, option), made when first run
-    forwards: dict[str, GeneratedForward] = {}  # one no-grad forward per signature, made when first run
+    forwards: dict[str, ForwardOnly] = {}  # one no-grad forward per signature
+    generated_forwards: dict[str, GeneratedForward] = {}  # its program, made when first run
+    family_keys: dict[str, tuple] = {}  # signature -> its stage's key in ``programs``
+    shared_code: set[str] = set()  # signatures whose joint graph and programs are their family's (``programs``)
     forward_executors: list = [None] * L
     speeds: dict[str, ExecutorSpeeds] = {}
     solves_before = solve_count()
@@ -636,14 +682,19 @@ def build_menus(
                     raise ValueError(f"under autocast on {x0.device.type}, a replayed graph is not known to give eager "
                                      "autocast's gradients bitwise (AUTOCAST_EXACT_DEVICE_TYPES)")
                 input_grad = i > 0 or x0.requires_grad
-                joint = trace_joint(
-                    stage, xs[i], shareds[i], input_requires_grad=input_grad, autocast=autocast, resident_grads=reads,
-                    backward_under_autocast=bool(backward_autocast),
-                )
-                if autocast.enabled:
-                    exact_under_autocast(joint, stage, xs[i], shareds[i], input_grad, autocast, reads, backward_autocast)
-                if variants:
-                    joint = run_in_place(pack_relu_masks(pack_dropout_masks(joint)))
+                trace_options = dict(input_requires_grad=input_grad, autocast=autocast, resident_grads=reads,
+                                     backward_under_autocast=bool(backward_autocast))
+                family_keys[signature] = (i, input_grad, reads, autocast.describe(), backward_autocast, variants)
+                joint = programs.joint_at(family_keys[signature], xs[i], shareds[i]) if programs is not None else None
+                if joint is None:
+                    joint = trace_joint(stage, xs[i], shareds[i], **trace_options)
+                    if autocast.enabled:
+                        exact_under_autocast(joint, stage, xs[i], shareds[i], input_grad, autocast, reads,
+                                             backward_autocast)
+                    if variants:
+                        joint = _with_variants(joint)
+                else:
+                    shared_code.add(signature)
                 if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
                     raise ValueError("the stage returns several tensors")
                 graph = to_block_graph(joint)
@@ -667,21 +718,31 @@ def build_menus(
                          recompute_across_dropouts, node_costs)
             if menu is not None:
                 menus[signature] = menu
+                if programs is not None and signature not in shared_code:  # (the family's graph for every shape)
+                    programs.adopt(family_keys[signature], joint, xs[i], shareds[i],
+                                   _with_variants if variants else lambda j: j, graph_structure, **trace_options)
         joint, menu = joints.get(signature), menus.get(signature)
         if joint is None or menu is None:
             continue
-        bound = rebind(joint, stage)
+        shared = signature in shared_code
+        bound = rebind(joint, programs.stages[i] if shared else stage)  # (the family's: the same parameters)
         if signature not in generated:
-            generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
             mutations = frozenset(node for node, _ in joint.mutations)
             # (priced as the stage's own no-grad forward is measured, without the kernels' scratch: see
             # forward_only; the two run the same kernels)
-            forwards[signature] = GeneratedForward(joint, forward_only(menu.graph, also=mutations, count_scratch=False))
+            forwards[signature] = forward_only(menu.graph, also=mutations, count_scratch=False)
+            if shared:
+                key = family_keys[signature]
+                generated[signature] = [programs.option(key, joint, option) for option in menu.options]
+                generated_forwards[signature] = programs.forward(key, joint, forwards[signature])
+            else:
+                generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
+                generated_forwards[signature] = GeneratedForward(joint, forwards[signature])
         binding = StageBinding(bound)
         executors[i] = [None] + [
             OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])
         ]
-        forward_executors[i] = ForwardExecutor(forwards[signature], binding)
+        forward_executors[i] = ForwardExecutor(generated_forwards[signature], binding)
         if signature not in speeds and fitted is not None:
             fitted_speeds = fitted.speeds(i)
             if fitted_speeds is not None:
@@ -696,10 +757,15 @@ def build_menus(
     solves = solve_count() - solves_before
     return ChainMenus(
         menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,
-        forwards={sig: f.forward for sig, f in forwards.items()}, forward_executors=forward_executors,
+        forwards=forwards, forward_executors=forward_executors,
         output_option=output_option, residents=residents, recipe_dependent=tuple(recipe_dependent),
-        backward_autocast=backward_autocast if autocast.enabled else None,
+        backward_autocast=backward_autocast if autocast.enabled else None, shared_code=frozenset(shared_code),
     )
+
+
+def _with_variants(joint: JointGraph) -> JointGraph:
+    """``joint`` rewritten with hierremat's operator variants (hierremat.graphs.variants)."""
+    return run_in_place(pack_relu_masks(pack_dropout_masks(joint)))
 
 
 def _returns_several_tensors(stage) -> bool:

@@ -17,8 +17,9 @@ class ModelPlan:
 
     shared_bytes: bytes of the values computed once before the chain and held during it
     (attention masks, position ids); predicted_peak_bytes includes them.
-    menus: stage signature -> its block-option menu as a dict (hierremat.planning.menus.
-    StageMenu), so that a saved plan runs without solving again; options k >= 1 of a
+    menus: stage signature -> its block-option menu as a mapping (hierremat.planning.menus.
+    StageMenu.to_dict's entries: a plan made here reads them from the menu, hierremat.planning.menus.PlanMenu; one
+    loaded holds them), so that a saved plan runs without solving again; options k >= 1 of a
     stage in ``chain.costs`` are that menu's options in order.
     options_seconds, options_solves: time spent building the menus (trace, profile, ILP)
     and the number of ILP solves (0 when every menu came from the cache).
@@ -183,7 +184,7 @@ class ModelPlan:
                 "stages": [s.__dict__ for s in self.stages],
                 "shared_bytes": self.shared_bytes,
                 "capture_seconds": self.capture_seconds,
-                "menus": self.menus,
+                "menus": {signature: dict(menu) for signature, menu in self.menus.items()},
                 "options_seconds": self.options_seconds,
                 "options_solves": self.options_solves,
                 "segmentation": self.segmentation,

@@ -64,6 +64,10 @@ class GeneratedOption:
             self._program = generate_option(self.joint, self.option, _accumulate)
         return self._program
 
+    def modules(self) -> list:
+        """The GraphModules generated so far (none before the first run)."""
+        return [] if self._program is None else [self._program.forward_module, self._program.backward_module]
+
 
 class OptionExecutor:
     """Runs ``option`` on ``joint`` (one stage, one output, one output gradient).
@@ -122,6 +126,10 @@ class GeneratedForward:
         if self._program is None:
             self._program = generate_forward_only(self.joint, self.forward.ops)
         return self._program
+
+    def modules(self) -> list:
+        """The GraphModules generated so far (none before the first run)."""
+        return [] if self._program is None else [self._program.module]
 
 
 class ForwardExecutor:

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..device.autocast import AutocastState
 from ..device.memory import allocated_bytes, check_no_profiler, cpu_allocator_changes, cpu_memory_profile
-from ..graphs.joint import JointGraph, is_view_node, joint_inputs, overwritten_argument
+from ..graphs.joint import JointGraph, evaluate_size, is_view_node, joint_inputs, overwritten_argument
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
 FLOPS_PER_S = 1e12
@@ -225,7 +225,8 @@ def profile_nodes(
         i: joint.module.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
         for i, name in joint.tangent_names.items()
     }
-    tangents = [torch.ones(v.shape, dtype=v.dtype, device=device) for _, v in sorted(tangent_vals.items())]
+    tangents = [torch.ones([evaluate_size(n, joint.sizes) for n in v.shape], dtype=v.dtype, device=device)
+                for _, v in sorted(tangent_vals.items())]  # (a graph traced with symbolic sizes: at its sizes)
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in joint_inputs(joint, x, shared, tangents)]
     cuda = device.type == "cuda"
     devices = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []

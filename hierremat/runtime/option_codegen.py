@@ -42,7 +42,9 @@ import torch
 from torch import fx
 from torch.fx.graph import _BoxedCodeGen
 
-from ..graphs.joint import JointGraph
+from ..graphs.generic import fold_size
+from ..graphs.joint import JointGraph, is_size_node, size_expr
+from ..graphs.symbolic_joint import size_sources
 from ..plans.block_options import COMPUTE
 from ..plans.block_options import BlockOption
 
@@ -156,6 +158,9 @@ class _PhaseBuilder:
         self.env: dict[str, fx.Node | _Elements] = {}
         self.first_compute: fx.Node | None = None
         self.read_elements = _read_elements(joint.module.graph)
+        # a graph traced with symbolic sizes: its size nodes are computed in each phase from an input it has
+        self.size_sources = size_sources(joint)
+        self.sizes: dict = {}  # sympy expression -> the node computing it in this phase
 
     def input(self, name: str, source: InputSource) -> fx.Node:
         """A placeholder for ``source``, placed before every computation (fx's argument order)."""
@@ -172,12 +177,25 @@ class _PhaseBuilder:
         return node
 
     def read(self, name: str):
+        node = self.nodes.get(name)
+        if name not in self.env and node is not None and is_size_node(node):
+            return self._size(node)
         if name not in self.env:
             source = self.sources.pop(name, None)
             if source is None:
                 raise ValueError(f"the option reads {name!r} before computing it (or after freeing it)")
             self.env[name] = self.input(name, source)
         return self.env[name]
+
+    def _size(self, node: fx.Node):
+        """The size ``node`` computes (hierremat.graphs.symbolic_joint), from the sizes of this phase's inputs."""
+        return fold_size(size_expr(node.meta["val"]), self._symbol, lambda op, a, b: self.call(op, a, b), self.sizes)
+
+    def _symbol(self, symbol) -> fx.Node:
+        for name, dim in self.size_sources.get(symbol, ()):
+            if name in self.env or name in self.sources:
+                return self.call(torch.ops.aten.sym_size.int, self.read(name), dim)
+        raise ValueError(f"the size {symbol} is a dimension of no input this phase has")
 
     def _added(self, node: fx.Node) -> fx.Node:
         if self.first_compute is None:

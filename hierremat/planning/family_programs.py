@@ -1,0 +1,100 @@
+"""Block options' graphs and code shared by every shape of a family: one joint graph per stage, traced once.
+
+At a shape of a family whose stages run size-generic graphs (hierremat.graphs.generic.GenericChain), a stage's
+block options need its joint graph at that shape, for the BlockGraph their costs are read from and for the code
+that runs them. Traced at each shape, each shape's plan held graphs and generated code of its own (1.7 MiB for a
+4-layer GPT-2). :class:`FamilyPrograms` holds, for one generic chain, each stage's joint graph traced once with
+symbolic sizes (hierremat.graphs.symbolic_joint), and the programs generated from it: every later shape costs its
+block options on that graph at its sizes (JointGraph.sizes) and runs the same programs.
+
+The symbolic graph is made at a shape whose joint graph was traced there: its nodes are renamed as that graph's
+(menus and node times name them so) and it is kept only where its BlockGraph at that shape is that graph's, node
+for node and byte for byte. A shape its trace does not hold for (a guard that fails there) traces its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from ..graphs.generic import NotGeneric
+from ..graphs.joint import JointGraph, to_block_graph
+from ..graphs.symbolic_joint import SymbolicJoint, as_traced, trace_symbolic_joint
+from ..plans.block_options import BlockOption, ForwardOnly
+from ..runtime.block_exec import GeneratedForward, GeneratedOption
+
+log = logging.getLogger(__name__)
+
+
+class FamilyPrograms:
+    """Joint graphs traced with symbolic sizes, and the programs generated from them, for the stages of one
+    size-generic chain (``stages``, its GraphStages), shared by every shape that runs them.
+
+    joints: (stage index, trace settings) -> the stage's SymbolicJoint, or None where one could not be made (not
+    tried again). options / forwards: (stage index, trace settings, op lists) -> the program, made on first run."""
+
+    def __init__(self, stages: Sequence[torch.nn.Module]):
+        self.stages = tuple(stages)
+        self.joints: dict[tuple, SymbolicJoint | None] = {}
+        self.options: dict[tuple, GeneratedOption] = {}
+        self.forwards: dict[tuple, GeneratedForward] = {}
+
+    def joint_at(self, key: tuple, x: torch.Tensor, shared: tuple) -> JointGraph | None:
+        """Stage ``key[0]``'s joint graph at the sizes of ``x`` and ``shared`` (SymbolicJoint.at_sizes); None where
+        none was made for ``key`` or it does not hold there."""
+        symbolic = self.joints.get(key)
+        return symbolic.at_sizes(x, shared) if symbolic is not None else None
+
+    def adopt(self, key: tuple, traced: JointGraph, x: torch.Tensor, shared: tuple, rewrite: Callable,
+              structure: Callable, **trace_options) -> None:
+        """Trace stage ``key[0]`` of ``stages`` with symbolic sizes, rewrite it as ``traced`` was (``rewrite``: the
+        operator variants; symbolic_joint.as_traced: its nodes named as ``traced``'s, run in place where they are),
+        and keep it where its BlockGraph at these sizes is ``traced``'s (``structure``: what is compared,
+        hierremat.planning.menus.graph_structure). Once per key: a graph that could not be made is not tried again."""
+        if key in self.joints:
+            return
+        self.joints[key] = None
+        i = key[0]
+        try:
+            symbolic = trace_symbolic_joint(self.stages[i], x, shared, **trace_options)
+            joint = as_traced(rewrite(symbolic.joint), traced)
+            if joint is None:
+                raise NotGeneric("its operators are not those of the graph traced at this shape")
+            symbolic = replace(symbolic, joint=joint)
+            here = symbolic.at_sizes(x, shared)
+            if here is None or structure(to_block_graph(here)) != structure(to_block_graph(traced)):
+                raise NotGeneric("its BlockGraph at this shape is not the one traced here")
+        except Exception as err:  # (any failure: the family's shapes trace their own, as before)
+            log.info("stage %d: no joint graph for every shape (%s): each shape traces its own", i, err,
+                     exc_info=log.isEnabledFor(logging.DEBUG))
+            return
+        self.joints[key] = symbolic
+        log.info("stage %d: one joint graph for every shape of its family", i)
+
+    def option(self, key: tuple, joint: JointGraph, option: BlockOption) -> GeneratedOption:
+        """The program of ``option`` on stage ``key[0]``'s symbolic joint graph (``joint``, at any sizes), shared by
+        every shape whose option computes and frees the same nodes."""
+        op_key = (key, option.fwd_ops, option.bwd_ops)
+        generated = self.options.get(op_key)
+        if generated is None:
+            generated = self.options[op_key] = GeneratedOption(replace(joint, sizes=None), option)
+        return generated
+
+    def forward(self, key: tuple, joint: JointGraph, forward: ForwardOnly) -> GeneratedForward:
+        """The no-grad forward program of ``forward``'s op list on stage ``key[0]``'s symbolic joint graph."""
+        op_key = (key, forward.ops)
+        generated = self.forwards.get(op_key)
+        if generated is None:
+            generated = self.forwards[op_key] = GeneratedForward(replace(joint, sizes=None), forward)
+        return generated
+
+    def graph_modules(self) -> list:
+        """Every GraphModule it holds: the joint graphs, and the programs generated so far (whose fx sources are
+        forgotten with it: hierremat.graphs.sources)."""
+        modules = [symbolic.joint.module for symbolic in self.joints.values() if symbolic is not None]
+        for generated in (*self.options.values(), *self.forwards.values()):
+            modules += generated.modules()
+        return modules
