@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import hierremat as hr
@@ -158,3 +159,34 @@ def test_plans_re_costed_at_each_length_run_one_program_per_option_and_train_bit
     assert held
     module._forget_family(family[0].family)
     assert not module._programs and not any(key in _eval_cache() for key in held)
+
+
+def test_the_fused_head_is_made_once_for_every_shape_of_a_family():
+    """With ``outputs="loss"`` the output stage also offers its LM head fused with the loss: every length that runs
+    its family's size-generic chain offers the one fused stage made from the generic last stage (its sizes computed
+    from its inputs), holds no graph of its own for it, and trains as plain autograd does (to the fused head's fp32
+    rounding: tests/test_fused_head.py)."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
+    reference = copy.deepcopy(model)
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(model, (), _batch(64, pad=3), budget="1KiB", cache=False, outputs="loss")
+    budget = int(1.1 * err.value.min_budget_bytes)
+    module = hr.remat(model, (), _batch(64, pad=3), budget=budget, cache=False, outputs="loss")
+    fused = []
+    for step, length in enumerate((64, 41, 57, 33, 60)):
+        batch = _batch(length, pad=1 + step % 3, seed=step)
+        for m in (module, reference):
+            torch.manual_seed(step)
+            m(**batch).loss.backward()
+        for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=f"{length}: {name}")
+        model.zero_grad()
+        reference.zero_grad()
+        compiled = module._compiled[next(reversed(module._compiled))]
+        menus = compiled.chain_module.planned.menus
+        if compiled.dispatch is not None and menus is not None and menus.output_shared:
+            fused.append((menus.executors[-1][1].stage, compiled.holds_graphs))
+    assert len(fused) >= 3 and all(stage is fused[0][0] for stage, _ in fused)
+    assert not all(holds for _, holds in fused)  # (where no block option is its own: no graph of its own)
+    assert any(c.plan.chain.stage_actions()[-1].endswith("[fused_head]") for c in module._compiled.values())

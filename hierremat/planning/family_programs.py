@@ -25,6 +25,7 @@ from ..graphs.joint import JointGraph, to_block_graph
 from ..graphs.symbolic_joint import SymbolicJoint, as_traced, trace_symbolic_joint
 from ..plans.block_options import BlockOption, ForwardOnly
 from ..runtime.block_exec import GeneratedForward, GeneratedOption
+from .output_stage import fused_head_stage
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class FamilyPrograms:
         self.joints: dict[tuple, SymbolicJoint | None] = {}
         self.options: dict[tuple, GeneratedOption] = {}
         self.forwards: dict[tuple, GeneratedForward] = {}
+        self._fused_head: object = False  # (not made yet)
 
     def joint_at(self, key: tuple, x: torch.Tensor, shared: tuple) -> JointGraph | None:
         """Stage ``key[0]``'s joint graph at the sizes of ``x`` and ``shared`` (SymbolicJoint.at_sizes); None where
@@ -91,10 +93,20 @@ class FamilyPrograms:
             generated = self.forwards[op_key] = GeneratedForward(replace(joint, sizes=None), forward)
         return generated
 
+    def fused_head(self):
+        """The last stage with its LM head fused with the loss (hierremat.planning.output_stage.fused_head_stage),
+        made once from the generic stage: its sizes computed from its inputs, every shape runs it; None where the
+        fused head does not apply."""
+        if self._fused_head is False:
+            self._fused_head = fused_head_stage(self.stages[-1])
+        return self._fused_head
+
     def graph_modules(self) -> list:
         """Every GraphModule it holds: the joint graphs, and the programs generated so far (whose fx sources are
         forgotten with it: hierremat.graphs.sources)."""
         modules = [symbolic.joint.module for symbolic in self.joints.values() if symbolic is not None]
+        if self._fused_head:
+            modules.append(self._fused_head.graph_module)
         for generated in (*self.options.values(), *self.forwards.values()):
             modules += generated.modules()
         return modules

@@ -211,6 +211,8 @@ class ChainMenus:
     #: signatures whose joint graph and programs are their family's, traced once for every shape
     #: (hierremat.planning.family_programs): none of this shape's own
     shared_code: frozenset[str] = frozenset()
+    #: whether the last stage's fused head (``output_option``) is its family's, made once for every shape
+    output_shared: bool = False
 
     @property
     def runs_generated_code(self) -> bool:
@@ -221,8 +223,9 @@ class ChainMenus:
     @property
     def runs_code_of_its_own(self) -> bool:
         """Whether any stage runs code generated from a graph traced at this shape: :attr:`runs_generated_code`
-        but for the programs its family shares (:attr:`shared_code`)."""
-        own = [i for i, sig in enumerate(self.signatures) if sig not in self.shared_code]
+        but for the programs and the fused head its family shares (:attr:`shared_code`, :attr:`output_shared`)."""
+        own = [i for i, sig in enumerate(self.signatures) if sig not in self.shared_code
+               and not (self.output_shared and i == len(self.executors) - 1)]
         return (any(e is not None for i in own for e in self.executors[i])
                 or any(self.forward_executors[i] is not None for i in own if i < len(self.forward_executors))
                 or bool(self.compiled or self.compiled_forwards))
@@ -655,10 +658,13 @@ def build_menus(
     # (a device's alone: its stages are refused before they are traced)
     replay_inexact = autocast.enabled and x0.device.type not in AUTOCAST_EXACT_DEVICE_TYPES
     output_option = None
+    output_shared = False  # (the fused head is the family's: made once from its generic last stage)
     if variants and not (residents is not None and residents.touches(L - 1)):
-        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache)
+        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache,
+                                  programs.fused_head() if programs is not None else False)
         if fused is not None:
             output_option, executors[-1] = fused[:2], [None, fused[2]]
+            output_shared = programs is not None
     # the last stage gets a menu too where it returns one tensor and has no fused head (a
     # chain of identical blocks: the last block's menu is the others')
     menu_stages = (stages if output_option is None else stages[:-1]) if blocks else []
@@ -760,6 +766,7 @@ def build_menus(
         forwards=forwards, forward_executors=forward_executors,
         output_option=output_option, residents=residents, recipe_dependent=tuple(recipe_dependent),
         backward_autocast=backward_autocast if autocast.enabled else None, shared_code=frozenset(shared_code),
+        output_shared=output_shared,
     )
 
 

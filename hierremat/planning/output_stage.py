@@ -73,13 +73,14 @@ class AutogradStageExecutor:
 
 
 def fused_head_option(
-    stages, x: torch.Tensor, shared: tuple, signature: str, cost_cache: StageCostCache,
+    stages, x: torch.Tensor, shared: tuple, signature: str, cost_cache: StageCostCache, fused: object = False,
 ) -> tuple[OptionCosts, tuple[bool, ...], AutogradStageExecutor] | None:
     """The last stage's fused-head option: (its costs, the output gradient mask they were
     measured with, its executor), or None where the fused head does not apply. Costs come
-    from the cache under ``signature`` when measured before."""
+    from the cache under ``signature`` when measured before. fused: the fused stage where made already (its
+    family's, hierremat.planning.family_programs; None: the fused head does not apply), else made here."""
     index = len(stages) - 1
-    fused = fused_head_stage(stages[index])
+    fused = fused_head_stage(stages[index]) if fused is False else fused
     if fused is None:
         return None
     requires_grad = index > 0 or x.requires_grad
