@@ -6,6 +6,7 @@ of plain autograd, bitwise (issue 35: "no graph per shape")."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,14 +15,14 @@ import hierremat as hr
 
 from hierremat.api.compiled_shape import ChainDispatch, chain_inputs
 from hierremat.graphs.capture import capture
-from hierremat.graphs.generic import GenericChain
+from hierremat.graphs.generic import GenericChain, NotGeneric
 from hierremat.graphs.joint import is_size_node, to_block_graph, trace_joint
 from hierremat.graphs.segment import build_chain_graph
 from hierremat.graphs.sources import _eval_cache, source_keys
 from hierremat.graphs.symbolic import capture_symbolic
 from hierremat.graphs.symbolic_joint import trace_symbolic_joint
 from hierremat.ilp.options import recost_options, solve_menu
-from hierremat.planning.family_programs import FamilyPrograms
+from hierremat.planning.family_programs import FamilyPrograms, _check_size_sources
 from hierremat.planning.menus import _with_variants, graph_structure, rebind, stage_arguments
 from hierremat.runtime.block_exec import OptionExecutor
 from hierremat.runtime.node_profile import profile_nodes
@@ -76,7 +77,7 @@ def test_the_joint_traced_once_gives_each_shapes_block_graph_node_for_node_and_b
             assert graph_structure(to_block_graph(here)) == graph_structure(expected), (type(model).__name__, length)
 
 
-def test_options_generated_once_run_every_shape_with_plain_autogradss_gradients_bitwise():
+def test_options_generated_once_run_every_shape_with_plain_autograds_gradients_bitwise():
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
     symbolic, generic = _family(model, _batch(24, pad=3))
@@ -123,6 +124,10 @@ def test_a_shape_the_trace_does_not_hold_for_traces_its_own():
     other[mask] = shared[mask][..., :-1, :-1]  # (the mask's length is x's: one symbol, two values)
     assert traced.at_sizes(x, tuple(other)) is None
     assert traced.at_sizes(x[:, :, :1], shared) is None  # (a dimension the trace fixed)
+    # a size the backward could compute from x alone, which an option need not keep: not kept for every shape
+    _check_size_sources(traced.joint)
+    with pytest.raises(NotGeneric):
+        _check_size_sources(dataclasses.replace(traced.joint, tangent_names={}, shared_names=()))
 
 
 def test_plans_re_costed_at_each_length_run_one_program_per_option_and_train_bitwise(monkeypatch):

@@ -590,7 +590,8 @@ def compile_shape(
                 cost_model_version(),
             )
         if plan.menus or options_used(plan.chain.schedule):  # (a fused head alone is an option with no menu stored)
-            stored = {sig: StageMenu.from_dict(m) for sig, m in plan.menus.items()}
+            stored = {sig: m.menu if isinstance(m, PlanMenu) else StageMenu.from_dict(m)  # (one made here: its menu)
+                      for sig, m in plan.menus.items()}
             menus = build_menus(
                 chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents,
                 backward_autocast=plan.backward_autocast,

@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SHAPES = 1024
 #: Of those, with the default, how many may hold graphs of their own (CompiledShape.holds_graphs: exported on their
 #: own, of a program not shared, or running block options' generated code traced at their shape) or block options
-#: costed at their shape (CompiledShape.holds_menus: 0.3 MiB for a 4-layer GPT-2), least recently used dropped first
+#: costed at their shape (CompiledShape.holds_menus: 0.2 MiB for a 4-layer GPT-2), least recently used dropped first
 #: (a max_shapes given bounds them all, as before).
 MAX_SHAPES_WITH_GRAPHS = 64
 
@@ -225,7 +225,8 @@ class RematModule(nn.Module):
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
-        compiled.sources = sources
+        family_sources = {key for programs in self._programs.values() for key in source_keys(programs.graph_modules())}
+        compiled.sources = [key for key in sources if key not in family_sources]  # (the family's: forgotten with it)
         compiled.family_timed = self._timed_count(family)
         if from_steps:  # (a shape planned again goes on with the steps timed before)
             before = self._compiled.get(key)
@@ -287,7 +288,11 @@ class RematModule(nn.Module):
     def _programs_for(self, family: tuple, chain) -> FamilyPrograms | None:
         """The joint graphs and programs (hierremat.planning.family_programs) of the family's size-generic chain that
         ``chain`` (specialized from its symbolic capture) runs; None where it runs none yet (_share_graphs makes it)."""
-        generic = next((g for g in self._generic.get(family) or () if g.holds_for(chain)), None)
+        try:
+            generic = next((g for g in self._generic.get(family) or () if g.holds_for(chain)), None)
+        except Exception as err:  # (a graph the check cannot read: as _share_graphs, the shape keeps its own)
+            log.info("%s's graphs not shared at this shape: %s", type(self.model).__name__, err)
+            return None
         if generic is None:
             return None
         if generic not in self._programs:

@@ -118,7 +118,7 @@ class JointGraph:
         return [n for n in self.module.graph.nodes if n.op == "call_function"]
 
     def tensor_nodes(self) -> list[fx.Node]:
-        """The compute nodes but size nodes (:func:`is_size_node`): the BlockGraph's nodes."""
+        """The compute nodes except size nodes (:func:`is_size_node`): the BlockGraph's nodes."""
         return [n for n in self.module.graph.nodes if n.op == "call_function" and not is_size_node(n)]
 
     @property
@@ -493,12 +493,14 @@ def is_size_node(node: fx.Node) -> bool:
 
 def size_expr(value) -> sympy.Expr:
     """A size's sympy expression (a SymInt's, in its trace's symbols), or the integer's."""
+    if isinstance(value, (torch.SymFloat, torch.SymBool)):
+        raise ValueError(f"{value} is a {type(value).__name__}, not an integer size")
     return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(int(value))
 
 
 def evaluate_size(value, sizes: dict | None) -> int:
-    """``value`` (an int, a SymInt or a sympy expression) at ``sizes`` (symbol -> int)."""
-    expr = value if isinstance(value, sympy.Basic) else size_expr(value)
+    """``value`` (an int or a SymInt) at ``sizes`` (symbol -> int)."""
+    expr = size_expr(value)
     if expr.free_symbols:
         if sizes is None or not expr.free_symbols <= sizes.keys():
             raise ValueError(f"a size {expr} of a graph traced with symbolic sizes, evaluated without its symbols' "

@@ -4,7 +4,7 @@ A size-generic stage (hierremat.graphs.generic) computes its sizes from its inpu
 :func:`hierremat.graphs.joint.trace_joint` from fake inputs whose sizes are symbols of one ShapeEnv (the symbols
 its placeholders' ``SYMBOLIC_SHAPE`` names, made symbols of the trace), it gives a joint graph whose tensors have
 symbolic shapes and whose sizes are nodes of their own (``aten.sym_size.int`` and integer arithmetic on them:
-:func:`is_size_node`). That graph is every shape's:
+hierremat.graphs.joint.is_size_node). That graph is every shape's:
 
 * its BlockGraph at a shape is :func:`hierremat.graphs.joint.to_block_graph` of the joint with its ``sizes`` set
   (:meth:`SymbolicJoint.at_sizes`): each storage's bytes are its symbolic size evaluated there; size nodes are no nodes of
@@ -37,11 +37,18 @@ from .variants.in_place import in_place_overload, out_overload
 class SymbolicJoint:
     """A stage's joint graph traced with symbolic sizes, and what says where it holds.
 
-    joint: the graph (``sizes`` None: :func:`at_sizes` gives it at a shape). guards: the conditions on its symbols
-    the trace relied on (sympy booleans), each to hold at a shape it is used at."""
+    joint: the graph (``sizes`` None: :meth:`at_sizes` gives it at a shape). env: the ShapeEnv it was traced in,
+    whose guards (the conditions on its symbols the trace, and the rewrites after it, relied on) must hold at a
+    shape it is used at."""
 
     joint: JointGraph
-    guards: tuple
+    env: ShapeEnv
+
+    @property
+    def guards(self) -> list:
+        """The trace's guards as sympy booleans, in the symbols its tensors' shapes name (a symbol the trace found
+        equal to another replaced by it)."""
+        return [guard.expr.xreplace(self.env.replacements) for guard in self.env.guards]
 
     def at_sizes(self, x: torch.Tensor, shared: tuple) -> JointGraph | None:
         """The joint graph costed at the sizes of ``x`` and ``shared`` (JointGraph.sizes: symbol -> int); None where
@@ -75,8 +82,10 @@ class SymbolicJoint:
                     or evaluate_size(fake.untyped_storage().nbytes(), sizes) != value.untyped_storage().nbytes()):
                 return None
         values = {s: sympy.Integer(v) for s, v in sizes.items()}
-        if not all(bool(sympy.sympify(guard).xreplace(values)) for guard in self.guards):
-            return None
+        for guard in self.guards:
+            held = sympy.sympify(guard).xreplace(values)
+            if held.free_symbols or not bool(held):  # (a guard on a symbol no input binds: not known to hold)
+                return None
         return replace(self.joint, sizes=sizes)
 
 
@@ -118,7 +127,7 @@ def trace_symbolic_joint(stage: torch.nn.Module, x: torch.Tensor, shared: tuple,
         if isinstance(shared[index], torch.Tensor):
             fake_shared[index] = fake(shared[index], placeholder)
     joint = trace_joint(stage, fake_x, tuple(fake_shared), **trace_options)
-    return SymbolicJoint(joint, tuple(g.expr for g in env.guards))
+    return SymbolicJoint(joint, env)
 
 
 def _unbound(symbol):

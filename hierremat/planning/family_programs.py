@@ -20,14 +20,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..graphs.generic import NotGeneric
-from ..graphs.joint import JointGraph, to_block_graph
-from ..graphs.symbolic_joint import SymbolicJoint, as_traced, trace_symbolic_joint
+from ..graphs.generic import NotGeneric, fold_size
+from ..graphs.joint import JointGraph, is_size_node, size_expr, to_block_graph
+from ..graphs.symbolic_joint import SymbolicJoint, as_traced, size_sources, trace_symbolic_joint
 from ..plans.block_options import BlockOption, ForwardOnly
 from ..runtime.block_exec import GeneratedForward, GeneratedOption
 from .output_stage import fused_head_stage
 
 log = logging.getLogger(__name__)
+
+_NOT_MADE = object()  # (FamilyPrograms.fused_head not made yet)
 
 
 class FamilyPrograms:
@@ -42,13 +44,17 @@ class FamilyPrograms:
         self.joints: dict[tuple, SymbolicJoint | None] = {}
         self.options: dict[tuple, GeneratedOption] = {}
         self.forwards: dict[tuple, GeneratedForward] = {}
-        self._fused_head: object = False  # (not made yet)
+        self._fused_head: object = _NOT_MADE
 
     def joint_at(self, key: tuple, x: torch.Tensor, shared: tuple) -> JointGraph | None:
         """Stage ``key[0]``'s joint graph at the sizes of ``x`` and ``shared`` (SymbolicJoint.at_sizes); None where
         none was made for ``key`` or it does not hold there."""
         symbolic = self.joints.get(key)
-        return symbolic.at_sizes(x, shared) if symbolic is not None else None
+        try:
+            return symbolic.at_sizes(x, shared) if symbolic is not None else None
+        except Exception as err:  # (a size or guard it cannot read: this shape traces its own)
+            log.info("stage %d: the joint graph for every shape not read at this shape (%s)", key[0], err)
+            return None
 
     def adopt(self, key: tuple, traced: JointGraph, x: torch.Tensor, shared: tuple, rewrite: Callable,
               structure: Callable, **trace_options) -> None:
@@ -66,6 +72,7 @@ class FamilyPrograms:
             if joint is None:
                 raise NotGeneric("its operators are not those of the graph traced at this shape")
             symbolic = replace(symbolic, joint=joint)
+            _check_size_sources(joint)
             here = symbolic.at_sizes(x, shared)
             if here is None or structure(to_block_graph(here)) != structure(to_block_graph(traced)):
                 raise NotGeneric("its BlockGraph at this shape is not the one traced here")
@@ -78,8 +85,9 @@ class FamilyPrograms:
 
     def option(self, key: tuple, joint: JointGraph, option: BlockOption) -> GeneratedOption:
         """The program of ``option`` on stage ``key[0]``'s symbolic joint graph (``joint``, at any sizes), shared by
-        every shape whose option computes and frees the same nodes."""
-        op_key = (key, option.fwd_ops, option.bwd_ops)
+        every shape whose option computes and frees the same nodes and keeps the same of x and y (its pins: what
+        the backward reads)."""
+        op_key = (key, option.fwd_ops, option.bwd_ops, option.pins_input, option.pins_output)
         generated = self.options.get(op_key)
         if generated is None:
             generated = self.options[op_key] = GeneratedOption(replace(joint, sizes=None), option)
@@ -97,7 +105,7 @@ class FamilyPrograms:
         """The last stage with its LM head fused with the loss (hierremat.planning.output_stage.fused_head_stage),
         made once from the generic stage: its sizes computed from its inputs, every shape runs it; None where the
         fused head does not apply."""
-        if self._fused_head is False:
+        if self._fused_head is _NOT_MADE:
             self._fused_head = fused_head_stage(self.stages[-1])
         return self._fused_head
 
@@ -105,8 +113,31 @@ class FamilyPrograms:
         """Every GraphModule it holds: the joint graphs, and the programs generated so far (whose fx sources are
         forgotten with it: hierremat.graphs.sources)."""
         modules = [symbolic.joint.module for symbolic in self.joints.values() if symbolic is not None]
-        if self._fused_head:
+        if self._fused_head is not _NOT_MADE and self._fused_head is not None:
             modules.append(self._fused_head.graph_module)
         for generated in (*self.options.values(), *self.forwards.values()):
             modules += generated.modules()
         return modules
+
+
+def _check_size_sources(joint: JointGraph) -> None:
+    """Raise NotGeneric where a size of ``joint`` could not be computed in a phase of an option's generated code
+    (hierremat.runtime.option_codegen computes each from an input the phase has, with the operations
+    hierremat.graphs.generic.fold_size knows; a SymFloat or SymBool is none): every symbol must be a dimension of
+    x or a shared value (the forward has them), and of the output gradient or a shared value (the backward has them,
+    not x where the option does not keep it)."""
+    forward = {joint.input_name, *joint.shared_names}
+    backward = {*joint.tangent_names.values(), *joint.shared_names}
+    sources = size_sources(joint)
+    needed = set()
+    for node in joint.compute_nodes():
+        if is_size_node(node):
+            if not isinstance(node.meta["val"], torch.SymInt):
+                raise NotGeneric(f"{node.name} is a {type(node.meta['val']).__name__}, not an integer size")
+            expr = size_expr(node.meta["val"])
+            fold_size(expr, lambda symbol: 1, lambda op, a, b: 1)  # (raises NotGeneric for an operation it lacks)
+            needed |= expr.free_symbols
+    for symbol in needed:
+        names = {name for name, _ in sources.get(symbol, ())}
+        if not names & forward or not names & backward:
+            raise NotGeneric(f"the size {symbol} is a dimension of no input both phases have")

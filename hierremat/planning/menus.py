@@ -163,6 +163,9 @@ class PlanMenu(Mapping):
     def __len__(self) -> int:
         return len(_MENU_ENTRIES)
 
+    def __repr__(self) -> str:
+        return f"PlanMenu({len(self.menu.options)} options{', re-costed' if self.menu.recosted else ''})"
+
 
 @dataclass
 class ChainMenus:
@@ -215,15 +218,10 @@ class ChainMenus:
     output_shared: bool = False
 
     @property
-    def runs_generated_code(self) -> bool:
-        """Whether any stage runs code generated for it (a block option, a no-grad forward, a compiled form)."""
-        return (any(e is not None for executors in self.executors for e in executors)
-                or any(e is not None for e in self.forward_executors) or bool(self.compiled or self.compiled_forwards))
-
-    @property
     def runs_code_of_its_own(self) -> bool:
-        """Whether any stage runs code generated from a graph traced at this shape: :attr:`runs_generated_code`
-        but for the programs and the fused head its family shares (:attr:`shared_code`, :attr:`output_shared`)."""
+        """Whether any stage runs code generated from a graph traced at this shape (a block option, a no-grad
+        forward, a compiled form, the fused head), not the programs and the fused head its family shares
+        (:attr:`shared_code`, :attr:`output_shared`)."""
         own = [i for i, sig in enumerate(self.signatures) if sig not in self.shared_code
                and not (self.output_shared and i == len(self.executors) - 1)]
         return (any(e is not None for i in own for e in self.executors[i])
@@ -661,7 +659,7 @@ def build_menus(
     output_shared = False  # (the fused head is the family's: made once from its generic last stage)
     if variants and not (residents is not None and residents.touches(L - 1)):
         fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache,
-                                  programs.fused_head() if programs is not None else False)
+                                  **({"make": lambda _: programs.fused_head()} if programs is not None else {}))
         if fused is not None:
             output_option, executors[-1] = fused[:2], [None, fused[2]]
             output_shared = programs is not None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch import fx
@@ -73,14 +74,15 @@ class AutogradStageExecutor:
 
 
 def fused_head_option(
-    stages, x: torch.Tensor, shared: tuple, signature: str, cost_cache: StageCostCache, fused: object = False,
+    stages, x: torch.Tensor, shared: tuple, signature: str, cost_cache: StageCostCache,
+    make: Callable = fused_head_stage,
 ) -> tuple[OptionCosts, tuple[bool, ...], AutogradStageExecutor] | None:
     """The last stage's fused-head option: (its costs, the output gradient mask they were
     measured with, its executor), or None where the fused head does not apply. Costs come
-    from the cache under ``signature`` when measured before. fused: the fused stage where made already (its
-    family's, hierremat.planning.family_programs; None: the fused head does not apply), else made here."""
+    from the cache under ``signature`` when measured before. make: the fused stage of the last stage, or None
+    (:func:`fused_head_stage`; its family's, made once: hierremat.planning.family_programs)."""
     index = len(stages) - 1
-    fused = fused_head_stage(stages[index]) if fused is False else fused
+    fused = make(stages[index])
     if fused is None:
         return None
     requires_grad = index > 0 or x.requires_grad

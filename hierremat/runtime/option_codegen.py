@@ -160,6 +160,10 @@ class _PhaseBuilder:
         self.read_elements = _read_elements(joint.module.graph)
         # a graph traced with symbolic sizes: its size nodes are computed in each phase from an input it has
         self.size_sources = size_sources(joint)
+        self.size_dims: dict[str, list] = {}  # input placeholder -> the symbols it has as a dimension
+        for symbol, where in self.size_sources.items():
+            for name, _ in where:
+                self.size_dims.setdefault(name, []).append(symbol)
         self.sizes: dict = {}  # sympy expression -> the node computing it in this phase
 
     def input(self, name: str, source: InputSource) -> fx.Node:
@@ -185,16 +189,27 @@ class _PhaseBuilder:
             if source is None:
                 raise ValueError(f"the option reads {name!r} before computing it (or after freeing it)")
             self.env[name] = self.input(name, source)
+            for symbol in self.size_dims.get(name, ()):  # (its sizes now: it may be freed before a size is needed)
+                self._size_of(symbol)
         return self.env[name]
 
     def _size(self, node: fx.Node):
         """The size ``node`` computes (hierremat.graphs.symbolic_joint), from the sizes of this phase's inputs."""
-        return fold_size(size_expr(node.meta["val"]), self._symbol, lambda op, a, b: self.call(op, a, b), self.sizes)
+        return self._size_of(size_expr(node.meta["val"]))
+
+    def _size_of(self, expr):
+        return fold_size(expr, self._symbol, lambda op, a, b: self.call(op, a, b), self.sizes)
 
     def _symbol(self, symbol) -> fx.Node:
+        """``symbol`` as a dimension of an input this phase has (each input's are taken when it is read: read)."""
         for name, dim in self.size_sources.get(symbol, ()):
-            if name in self.env or name in self.sources:
-                return self.call(torch.ops.aten.sym_size.int, self.read(name), dim)
+            value = self.env.get(name)
+            if isinstance(value, fx.Node) and self.nodes.get(name) is not None and self.nodes[name].op == "placeholder":
+                return self.call(torch.ops.aten.sym_size.int, value, dim)
+        for name, dim in self.size_sources.get(symbol, ()):
+            if name in self.sources:
+                self.read(name)  # (takes its sizes, this one among them)
+                return self.sizes[symbol]
         raise ValueError(f"the size {symbol} is a dimension of no input this phase has")
 
     def _added(self, node: fx.Node) -> fx.Node:
