@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SHAPES = 1024
 #: Of those, with the default, how many may hold graphs of their own (CompiledShape.holds_graphs: exported on their
 #: own, of a program not shared, or running block options' generated code traced at their shape) or block options
-#: costed at their shape (CompiledShape.holds_menus: 0.2 MiB for a 4-layer GPT-2), least recently used dropped first
-#: (a max_shapes given bounds them all, as before).
+#: costed at their shape (CompiledShape.holds_menus: 0.2-0.35 MiB for a 4-12-layer GPT-2), least recently used dropped
+#: first (a max_shapes given bounds them all, as before).
 MAX_SHAPES_WITH_GRAPHS = 64
 
 
