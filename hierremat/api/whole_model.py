@@ -312,8 +312,9 @@ class RematModule(nn.Module):
         """Run ``compiled``, a shape specialized from its family's symbolic capture, from the family's size-generic
         graphs where they are its program (hierremat.graphs.generic.GenericChain.holds_for), made from its own where
         none is (up to MAX_GENERIC_CHAINS): its own graphs are then dropped, and their sources with them (a shape's
-        plan then holds its schedule, costs and runner state alone, and where block options were re-costed at its
-        shape, their joint graphs and generated code, bound to the generic stages: ChainMenus.use_stages)."""
+        plan then holds its schedule, costs and runner state alone, and where its block options run code traced at its
+        shape, not its family's (hierremat.planning.family_programs), that code, bound to the generic stages:
+        ChainMenus.use_stages)."""
         generics = self._generic.setdefault(family, [])
         if generics is None:
             return

@@ -83,7 +83,7 @@ class SymbolicJoint:
                 return None
         values = {s: sympy.Integer(v) for s, v in sizes.items()}
         for guard in self.guards:
-            held = sympy.sympify(guard).xreplace(values)
+            held = guard.xreplace(values)
             if held.free_symbols or not bool(held):  # (a guard on a symbol no input binds: not known to hold)
                 return None
         return replace(self.joint, sizes=sizes)

@@ -132,9 +132,7 @@ def _check_size_sources(joint: JointGraph) -> None:
     needed = set()
     for node in joint.compute_nodes():
         if is_size_node(node):
-            if not isinstance(node.meta["val"], torch.SymInt):
-                raise NotGeneric(f"{node.name} is a {type(node.meta['val']).__name__}, not an integer size")
-            expr = size_expr(node.meta["val"])
+            expr = size_expr(node.meta["val"])  # (raises ValueError for a SymFloat or SymBool)
             fold_size(expr, lambda symbol: 1, lambda op, a, b: 1)  # (raises NotGeneric for an operation it lacks)
             needed |= expr.free_symbols
     for symbol in needed:

@@ -64,7 +64,7 @@ from ..ilp.options import MENU_TIME_LIMIT, forward_only, recost_options, solve_m
 from ..plans.block_options import BlockOption, ForwardOnly
 from ..ilp.solve import solve_count
 from .family_programs import FamilyPrograms
-from .output_stage import fused_head_option
+from .output_stage import fused_head_option, fused_head_stage
 from .shape_fit import FIT_VERSION, ShapeFit
 from ..device.autocast import AutocastState
 from ..runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOption, OptionExecutor
@@ -658,8 +658,8 @@ def build_menus(
     output_option = None
     output_shared = False  # (the fused head is the family's: made once from its generic last stage)
     if variants and not (residents is not None and residents.touches(L - 1)):
-        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache,
-                                  **({"make": lambda _: programs.fused_head()} if programs is not None else {}))
+        make = fused_head_stage if programs is None else lambda _: programs.fused_head()
+        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache, make)
         if fused is not None:
             output_option, executors[-1] = fused[:2], [None, fused[2]]
             output_shared = programs is not None

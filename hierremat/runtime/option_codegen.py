@@ -202,10 +202,9 @@ class _PhaseBuilder:
 
     def _symbol(self, symbol) -> fx.Node:
         """``symbol`` as a dimension of an input this phase has (each input's are taken when it is read: read)."""
-        for name, dim in self.size_sources.get(symbol, ()):
-            value = self.env.get(name)
-            if isinstance(value, fx.Node) and self.nodes.get(name) is not None and self.nodes[name].op == "placeholder":
-                return self.call(torch.ops.aten.sym_size.int, value, dim)
+        for name, dim in self.size_sources.get(symbol, ()):  # (inputs: placeholders, never _Elements)
+            if name in self.env:
+                return self.call(torch.ops.aten.sym_size.int, self.env[name], dim)
         for name, dim in self.size_sources.get(symbol, ()):
             if name in self.sources:
                 self.read(name)  # (takes its sizes, this one among them)
