@@ -12,6 +12,7 @@ training steps record); it presents the model's forward signature, state_dict ke
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -46,6 +47,7 @@ from .sequential import check_devices
 from ..planning.shape_fit import (
     ShapeSample, add_sample, chain_pattern, memory_sizes_ahead, memory_sizes_to_sample, sizes_to_sample,
 )
+from .collector import collector_paused
 from .compiled_shape import ChainDispatch, CompiledShape
 from .ranks import UNBOUNDED_BYTES, ranks_plan
 from .shape_planning import PlanSettings, compile_shape, device_types, lending_device, sample_at
@@ -214,8 +216,10 @@ class RematModule(nn.Module):
             self._sample_shorter_length(symbolic, args, kwargs, samples, from_steps)
         key = _input_key(self.model, args, kwargs, self._per_padding)
         sources: list[str] = []
+        # (planned from the family's symbolic capture: the collector paused, its cycles freed young: api.collector)
+        specializes = not first and symbolic is not None and symbolic.bindings(args, kwargs) is not None
         try:
-            with recorded_sources() as sources:
+            with recorded_sources() as sources, collector_paused() if specializes else contextlib.nullcontext():
                 compiled = compile_shape(self.model, args, kwargs, budget_bytes, plan, settings, symbolic,
                                          [*samples, *self._step_samples_of(family)], shards,
                                          self._released_output(family), self._recost_seconds if defer_blocks else None,
