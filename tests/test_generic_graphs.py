@@ -137,7 +137,10 @@ def _graph_modules() -> int:
     return sum(isinstance(o, fx.GraphModule) for o in gc.get_objects())
 
 
-def test_shapes_specialized_from_the_capture_share_one_set_of_graphs_and_train_bitwise():
+def test_shapes_specialized_from_the_capture_share_one_set_of_graphs_and_train_bitwise(monkeypatch):
+    checks = []  # (whether a shape runs the generic graphs: checked once per shape, not again after its planning)
+    holds_for = GenericChain.holds_for
+    monkeypatch.setattr(GenericChain, "holds_for", lambda self, chain: checks.append(1) or holds_for(self, chain))
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
@@ -161,6 +164,7 @@ def test_shapes_specialized_from_the_capture_share_one_set_of_graphs_and_train_b
     assert len({tuple(map(id, c.chain.stages)) for c in compiled}) == 1
     # three more lengths planned, no graph more held
     assert _graph_modules() == graphs_after_four
+    assert len(checks) == len(set(lengths)) - 1 and module._matched is None  # (the first made them: one a shape after)
 
 
 def test_plans_that_hold_graphs_of_their_own_are_bounded_apart(monkeypatch):

@@ -154,6 +154,9 @@ class RematModule(nn.Module):
         #: per size-generic chain: its stages' joint graphs traced once with symbolic sizes and the block options'
         #: programs generated from them (hierremat.planning.family_programs), dropped with it
         self._programs: weakref.WeakKeyDictionary[GenericChain, FamilyPrograms] = weakref.WeakKeyDictionary()
+        #: (the chain a shape being planned specialized, the size-generic chain _programs_for found it runs or None),
+        #: for _share_graphs to use, not check again; held only while that shape is planned (_add)
+        self._matched: tuple | None = None
         #: per _family_key whose first shape's symbolic capture failed: the dimensions it tried (not tried again)
         self._first_capture_failed: dict[tuple, frozenset] = {}
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
@@ -228,6 +231,7 @@ class RematModule(nn.Module):
                                          programs_for=lambda chain: self._programs_for(family, chain))
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
+            self._matched = None
             raise
         family_sources = {key for programs in self._programs.values() for key in source_keys(programs.graph_modules())}
         compiled.sources = [key for key in sources if key not in family_sources]  # (the family's: forgotten with it)
@@ -256,8 +260,9 @@ class RematModule(nn.Module):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)
         compiled.family = family
+        matched, self._matched = self._matched, None  # (not held past this shape's planning: it holds its graphs)
         if compiled.bindings is not None and compiled.plan.capture_kind == "specialized" and not shards:
-            self._share_graphs(family, compiled)
+            self._share_graphs(family, compiled, matched)
         key = _input_key(self.model, args, kwargs, self._per_padding)
         self._compiled[key] = compiled
         self._compiled.move_to_end(key)  # (a shape planned again: the one used last, never the one dropped)
@@ -297,6 +302,7 @@ class RematModule(nn.Module):
         except Exception as err:  # (a graph the check cannot read: as _share_graphs, the shape keeps its own)
             log.info("%s's graphs not shared at this shape: %s", type(self.model).__name__, err)
             return None
+        self._matched = (chain, generic)
         if generic is None:
             return None
         if generic not in self._programs:
@@ -312,19 +318,23 @@ class RematModule(nn.Module):
             if programs is not None:  # (plans that still run them run on: only tracebacks read the sources)
                 forget_sources(source_keys(programs.graph_modules()))
 
-    def _share_graphs(self, family: tuple, compiled: CompiledShape) -> None:
+    def _share_graphs(self, family: tuple, compiled: CompiledShape, matched: tuple | None = None) -> None:
         """Run ``compiled``, a shape specialized from its family's symbolic capture, from the family's size-generic
         graphs where they are its program (hierremat.graphs.generic.GenericChain.holds_for), made from its own where
         none is (up to MAX_GENERIC_CHAINS): its own graphs are then dropped, and their sources with them (a shape's
         plan then holds its schedule, costs and runner state alone, and where its block options run code traced at its
         shape, not its family's (hierremat.planning.family_programs), that code, bound to the generic stages:
-        ChainMenus.use_stages)."""
+        ChainMenus.use_stages). matched: (a chain, the generic one it runs or None) as _programs_for found them while
+        it was planned, used where that chain is ``compiled``'s and the generic one still its family's."""
         generics = self._generic.setdefault(family, [])
         if generics is None:
             return
         made = False  # (whether this shape's graphs are made the generic ones of a program of its own)
         try:
-            generic = next((g for g in generics if g.holds_for(compiled.chain)), None)
+            if matched is not None and matched[0] is compiled.chain and (matched[1] is None or matched[1] in generics):
+                generic = matched[1]  # (found while it was planned: nothing joined generics since)
+            else:
+                generic = next((g for g in generics if g.holds_for(compiled.chain)), None)
             made = generic is None and len(generics) < MAX_GENERIC_CHAINS
             if made:
                 generic = GenericChain.of(compiled.chain, ChainDispatch())
