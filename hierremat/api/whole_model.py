@@ -219,10 +219,12 @@ class RematModule(nn.Module):
             self._sample_shorter_length(symbolic, args, kwargs, samples, from_steps)
         key = _input_key(self.model, args, kwargs, self._per_padding)
         sources: list[str] = []
-        # (planned from the family's symbolic capture: the collector paused, its cycles freed young: api.collector)
-        specializes = not first and symbolic is not None and symbolic.bindings(args, kwargs) is not None
+        # (a new shape planned from its family's symbolic capture: the collector paused, its cycles freed young; not a
+        # plan made again to build block options, which may solve and trace for seconds: api.collector)
+        pause_collector = (not first and defer_blocks and symbolic is not None
+                           and symbolic.bindings(args, kwargs) is not None)
         try:
-            with recorded_sources() as sources, collector_paused() if specializes else contextlib.nullcontext():
+            with recorded_sources() as sources, collector_paused() if pause_collector else contextlib.nullcontext():
                 compiled = compile_shape(self.model, args, kwargs, budget_bytes, plan, settings, symbolic,
                                          [*samples, *self._step_samples_of(family)], shards,
                                          self._released_output(family), self._recost_seconds if defer_blocks else None,
