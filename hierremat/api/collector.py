@@ -10,9 +10,10 @@ at the cost of those objects alone, before the step runs.
 
 PyTorch pauses it for the same reason around ``get_state_dict`` (``torch.distributed.checkpoint.state_dict``).
 Only a new shape's planning from its family's symbolic capture is paused (a tenth of a second at 4 layers, 0.24 s at
-12); an export, a family's first shape (profiled, its block options solved) and a shape planned again to build its
-block options once they pay (``RematModule._plan_again``: ILP solves and traces, seconds) run with the collector as
-the caller set it, so that no long phase holds its garbage.
+12); a family's first shape (profiled, its block options solved), a shape outside the capture (exported on its own)
+and a shape planned again to build its block options once they pay (``RematModule._plan_again``: ILP solves and
+traces, seconds) run with the collector as the caller set it, so that no long phase holds its garbage. (A shape whose
+sizes bind the capture but fail one of its guards is exported under the pause: rare, seconds.)
 """
 
 from __future__ import annotations
