@@ -154,9 +154,6 @@ class RematModule(nn.Module):
         #: per size-generic chain: its stages' joint graphs traced once with symbolic sizes and the block options'
         #: programs generated from them (hierremat.planning.family_programs), dropped with it
         self._programs: weakref.WeakKeyDictionary[GenericChain, FamilyPrograms] = weakref.WeakKeyDictionary()
-        #: (the chain a shape being planned specialized, the size-generic chain _programs_for found it runs or None),
-        #: for _share_graphs to use, not check again; held only while that shape is planned (_add)
-        self._matched: tuple | None = None
         #: per _family_key whose first shape's symbolic capture failed: the dimensions it tried (not tried again)
         self._first_capture_failed: dict[tuple, frozenset] = {}
         self._samples: dict[tuple, list[ShapeSample]] = {}  # per _family_key: times measured at its shapes
@@ -219,6 +216,7 @@ class RematModule(nn.Module):
             self._sample_shorter_length(symbolic, args, kwargs, samples, from_steps)
         key = _input_key(self.model, args, kwargs, self._per_padding)
         sources: list[str] = []
+        matched: list[tuple] = []  # (_programs_for's (chain, generic chain or None), for _share_graphs: checked once)
         # (a new shape planned from its family's symbolic capture: the collector paused, its cycles freed young; not a
         # plan made again to build block options, which may solve and trace for seconds: api.collector)
         pause_collector = (not first and defer_blocks and symbolic is not None
@@ -230,10 +228,9 @@ class RematModule(nn.Module):
                                          self._released_output(family), self._recost_seconds if defer_blocks else None,
                                          upcasts_outputs(self), defer_blocks and self._deferring(settings),
                                          steps_time=from_steps, profiling=profiler_active(),
-                                         programs_for=lambda chain: self._programs_for(family, chain))
+                                         programs_for=lambda chain: self._programs_for(family, chain, matched))
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
-            self._matched = None
             raise
         family_sources = {key for programs in self._programs.values() for key in source_keys(programs.graph_modules())}
         compiled.sources = [key for key in sources if key not in family_sources]  # (the family's: forgotten with it)
@@ -262,9 +259,8 @@ class RematModule(nn.Module):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)
         compiled.family = family
-        matched, self._matched = self._matched, None  # (not held past this shape's planning: it holds its graphs)
         if compiled.bindings is not None and compiled.plan.capture_kind == "specialized" and not shards:
-            self._share_graphs(family, compiled, matched)
+            self._share_graphs(family, compiled, matched[-1] if matched else None)
         key = _input_key(self.model, args, kwargs, self._per_padding)
         self._compiled[key] = compiled
         self._compiled.move_to_end(key)  # (a shape planned again: the one used last, never the one dropped)
@@ -296,15 +292,17 @@ class RematModule(nn.Module):
         for kept in self._per_family():
             kept.pop(family, None)
 
-    def _programs_for(self, family: tuple, chain) -> FamilyPrograms | None:
+    def _programs_for(self, family: tuple, chain, matched: list | None = None) -> FamilyPrograms | None:
         """The joint graphs and programs (hierremat.planning.family_programs) of the family's size-generic chain that
-        ``chain`` (specialized from its symbolic capture) runs; None where it runs none yet (_share_graphs makes it)."""
+        ``chain`` (specialized from its symbolic capture) runs; None where it runs none yet (_share_graphs makes it).
+        matched: where given, (chain, the generic chain it runs or None) is appended to it, for _share_graphs."""
         try:
             generic = next((g for g in self._generic.get(family) or () if g.holds_for(chain)), None)
         except Exception as err:  # (a graph the check cannot read: as _share_graphs, the shape keeps its own)
             log.info("%s's graphs not shared at this shape: %s", type(self.model).__name__, err)
             return None
-        self._matched = (chain, generic)
+        if matched is not None:
+            matched.append((chain, generic))
         if generic is None:
             return None
         if generic not in self._programs:
