@@ -42,8 +42,9 @@ def _reference(h, weight, bias, target, reduction):
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fused_op_equals_linear_then_cross_entropy(reduction, with_bias, monkeypatch):
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 4096 * 64)  # several chunks of 64 rows
-    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(lce, "TILE_BYTES", 4 * 65 * 1008)  # tiles of 65 rows and 1008 columns: partial ones
+    monkeypatch.setattr(lce, "MIN_TILE_COLUMNS", 1008)      # at both ends, four column tiles a row's log-sum-exp
+    assert lce.tile_shape(300, 4096) == (65, 1008)
     torch.manual_seed(reduction)
     h = torch.randn(300, 48, requires_grad=True)
     weight = (0.2 * torch.randn(4096, 48)).requires_grad_()
@@ -57,6 +58,44 @@ def test_fused_op_equals_linear_then_cross_entropy(reduction, with_bias, monkeyp
     g = torch.randn(loss.shape)
     for a, b in zip(torch.autograd.grad(loss, inputs, g), torch.autograd.grad(ref, inputs, g)):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_tiles_cover_the_logits_within_their_bytes():
+    """Every (rows, vocabulary) is covered by tiles of at most TILE_BYTES of fp32 logits, at least
+    MIN_TILE_COLUMNS wide where the vocabulary is, each block of rows reading the weight once per pass."""
+    for rows in (1, 7, 300, 1024, 8192, 100_000):
+        for vocabulary in (1, 500, 1024, 4096, 50257, 256_000):
+            tile_rows, columns = lce.tile_shape(rows, vocabulary)
+            assert 1 <= tile_rows <= rows and 1 <= columns <= vocabulary
+            assert columns >= min(vocabulary, lce.MIN_TILE_COLUMNS)
+            assert 4 * tile_rows * columns <= max(lce.TILE_BYTES, 4 * columns)  # one row of a wide tile at least
+            seen = torch.zeros(min(rows, 64), min(vocabulary, 64), dtype=torch.int)
+            for block, cols in lce._tiles(rows, vocabulary):
+                seen[block, cols] += 1
+            assert bool((seen == 1).all())
+
+
+def test_fused_op_log_sum_exp_over_tiles_with_infinite_and_large_logits(monkeypatch):
+    """The running maximum across column tiles: a first tile of only -inf logits (a masked part of the
+    vocabulary) before finite ones; logits far beyond exp's range either way (every row's far below 0, or
+    hundreds above it): loss and gradients those of linear then cross_entropy."""
+    monkeypatch.setattr(lce, "TILE_BYTES", 4 * 16 * 256)
+    monkeypatch.setattr(lce, "MIN_TILE_COLUMNS", 256)
+    torch.manual_seed(5)
+    target = torch.randint(256, 1024, (48,))
+    for scale, offset in ((30.0, 0.0), (0.1, -1000.0)):
+        h = (scale * torch.randn(48, 16)).requires_grad_()
+        weight = (2 * torch.randn(1024, 16)).requires_grad_()
+        bias = torch.full((1024,), offset)
+        bias[:256] = float("-inf")  # the first column tile of every row
+        bias[600:700] -= 1e4
+        inputs = (h, weight)
+        loss = lce.linear_cross_entropy(h, weight, bias, target)
+        ref = _reference(h, weight, bias, target, 1)
+        assert torch.isfinite(loss)
+        torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
+        for a, b in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(ref, inputs)):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # (a log-sum-exp of ~300 rounds at ~2e-5)
 
 
 def test_fused_op_with_bf16_hidden_states_upcasts_like_the_model():
@@ -76,8 +115,7 @@ def test_fused_op_with_bf16_hidden_states_upcasts_like_the_model():
 def test_fused_op_adds_an_fp32_weights_gradient_into_grad(grad_state, monkeypatch):
     """With ``.grad`` allocated, the weight's gradient goes into it chunk by chunk: no
     ``[vocabulary, width]`` tensor in the backward; without, it becomes ``.grad`` as before."""
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 4096 * 4 * 4)  # chunks of 4 rows
-    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(lce, "TILE_BYTES", 4 * 16 * 1024)  # tiles of 16 rows and 1024 columns
     torch.manual_seed(0)
     h = torch.randn(256, 32, requires_grad=True)
     target = torch.randint(0, 4096, (256,))
@@ -106,7 +144,7 @@ def test_fused_op_with_the_triton_row_kernels_equals_linear_then_cross_entropy(r
     CPU tensors): the same loss and gradients to fp32 rounding, ignored rows and an
     ignore_index that is a valid column included; bf16 hidden states get bf16 gradients."""
     monkeypatch.setattr(lce, "_row_kernels", lambda h: interpreted_triton_kernels)
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 1500 * 4 * 16)  # chunks of 16 rows
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 1500 * 4 * 16)  # chunks of 16 whole rows
     monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
     torch.manual_seed(reduction)
     for dtype, ignore_index, with_bias in ((torch.float32, -100, True), (torch.float32, 0, False), (torch.bfloat16, -100, False)):
@@ -154,8 +192,8 @@ def test_fused_op_forward_chunk_is_counted_by_the_tracker_as_the_allocator_count
     (before: the outputs' bytes only; the logsumexp's temporary, a second chunk, is gone)."""
     from hierremat.device.memory import CpuAllocatorMeter
 
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 4096 * 4 * 64)  # chunks of 64 rows: 1 MiB
-    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(lce, "TILE_BYTES", 4 * 64 * 1024)  # tiles of 64 rows and 1024 columns: 256 KiB
+    assert lce.tile_shape(256, 4096) == (64, 1024)
     torch.manual_seed(0)
     h, weight = torch.randn(256, 32), torch.randn(4096, 32)
     target = torch.randint(0, 4096, (256,))
@@ -165,7 +203,7 @@ def test_fused_op_forward_chunk_is_counted_by_the_tracker_as_the_allocator_count
             loss = lce.linear_cross_entropy(h, weight, None, target)
         peaks.append(meter.peak_bytes)
         del loss
-    chunk = 64 * 4096 * 4
+    chunk = 64 * 1024 * 4
     assert chunk <= peaks[0] <= chunk + 16 * 1024, peaks
     assert abs(peaks[0] - peaks[1]) <= 16 * 1024, peaks
 
@@ -249,8 +287,7 @@ def test_a_large_vocabularys_gradient_never_exists_whole(monkeypatch):
     """A vocabulary much larger than the rest of the model: the head adds its weight gradient
     into ``.grad`` chunk by chunk and the embedding adds the rows it read, so the smallest
     budget is below the bytes of the (tied) table itself."""
-    monkeypatch.setattr(lce, "CHUNK_BYTES", 32768 * 4 * 4)  # chunks of 4 rows of logits
-    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(lce, "TILE_BYTES", 4 * 32 * 1024)  # tiles of 32 rows and 1024 columns of logits
     torch.manual_seed(3)
     model = LossOnly(tiny_gpt2(n_layer=1, n_embd=32, vocab_size=32768))
     ids = torch.randint(0, 32768, (2, 64))

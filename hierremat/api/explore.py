@@ -74,7 +74,7 @@ def plan(
     The names of the outputs the caller uses (e.g. ``"loss"`` for a Hugging Face language
     model trained with ``model(...).loss.backward()``): the other named outputs are returned
     as None and never computed for their own sake, so a language model's logits need not
-    exist whole: its head may then run fused with the loss, chunk by chunk (an option the
+    exist whole: its head may then run fused with the loss, tile by tile (an option the
     plan picks by budget; hierremat.planning.output_stage). A model that returns only its loss gets
     that option without ``outputs=``.
     time_limit: seconds planning may take (default 300; None: no bound). No block ILP solve

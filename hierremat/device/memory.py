@@ -9,7 +9,7 @@ existed before tracking started (parameters, inputs, ``.grad``) are never counte
 This is what the budget counts (see DESIGN.md, "What a budget counts").
 
 A dispatch mode is switched off while an operator's own implementation runs, so the
-tensors a ``torch.library`` operator makes inside it (hierremat's fused LM head's chunk
+tensors a ``torch.library`` operator makes inside it (hierremat's fused LM head's tile
 logits) are invisible to it; such an operator hands them to :func:`track_hidden`.
 """
 

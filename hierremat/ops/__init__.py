@@ -9,7 +9,7 @@ rewrites (hierremat.graphs.variants) insert, and their kernels.
   on blocks of rows;
 * ``embedding``: an embedding whose backward adds the rows it read into the table's ``.grad``
   (``grad_in_place``: where autograd's result would be the same);
-* ``linear_cross_entropy``: a language model's head fused with its loss, chunk by chunk.
+* ``linear_cross_entropy``: a language model's head fused with its loss, tile by tile.
 
 Each computes bitwise what the operators it stands for compute, except the fused head (equal
 to fp32 rounding). Operators know nothing of graphs or plans: they import only device state.

@@ -17,7 +17,7 @@ Each rewrite computes bitwise what the graph computed, in less memory:
   so the step allocates no new result.
 
 ``linear_cross_entropy`` is a rewrite of another kind: a language model's head fused with its
-loss, chunk by chunk, which never materializes the logits but computes the head's matmul once
+loss, tile by tile, which never materializes the logits but computes the head's matmul once
 more and sums the weight gradient in another order (equal to fp32 rounding). It trades time
 for memory, so it is an option the plan picks by budget (hierremat.planning.output_stage),
 never a rewrite applied unconditionally.
