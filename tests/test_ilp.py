@@ -571,13 +571,23 @@ def test_a_block_too_large_or_out_of_time_gets_the_coarse_menu(monkeypatch):
             max(o.fwd_peak_bytes, o.bwd_peak_bytes) for o in menu)
 
 
-def test_a_sweep_stopped_by_the_deadline_keeps_what_it_found():
+def test_a_sweep_stopped_by_the_deadline_keeps_what_it_found(monkeypatch):
+    """The planning deadline on a clock that each solve moves 10 s on (so that the machine's load cannot decide
+    how many solves fit): two solves, a third with the 5 s left as its limit, then the deadline; the menu says
+    so and keeps the ILP's options."""
+    clock = [1000.0]
+    monkeypatch.setattr(options_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    texts = []
+
+    def solved(text):
+        texts.append(text)
+        clock[0] += 10.0
+
     graph = transformer_block(seq=32, d=16)
-    ilp = BlockIlp(graph)
-    started = time.perf_counter()
-    menu = solve_menu(graph, backend="highs", ilp=ilp, deadline=started + 4.0, time_limit=1.5)
-    assert time.perf_counter() - started < 4.0 + 2.0  # the last solve runs to its own limit at most
-    assert "deadline" in menu.coarse and any(o.name.startswith("ilp_") for o in menu)
+    menu = solve_menu(graph, backend="highs", ilp=BlockIlp(graph), deadline=clock[0] + 25.0, time_limit=30.0,
+                      sweep_limit=100.0, progress=solved)
+    assert len(texts) == 3, texts
+    assert "deadline" in menu.coarse and menu.cut_by_deadline and any(o.name.startswith("ilp_") for o in menu)
     for opt in menu:
         assert opt.optimal or opt.mip_gap is None or opt.mip_gap >= 0.0
 

@@ -105,8 +105,8 @@ def _valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def _row_kernels(h: torch.Tensor):
-    """hierremat.ops.triton_kernels where h is a CUDA tensor Triton can take, else None
-    (the chunks' row passes then run as torch ops)."""
+    """hierremat.ops.triton_kernels where h is a CUDA tensor Triton can take (the op then works in chunks of
+    whole rows), else None (in tiles, as torch ops)."""
     if not h.is_cuda:
         return None
     kernels = cuda_kernels()
