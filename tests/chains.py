@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 
 from hierremat.plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts, TierBandwidth
-from hierremat.plans.schedule import Backward, FAll, FCk, Fetch, FNone, Loss, Offload
+from hierremat.plans.schedule import Backward, FAll, FCk, Fetch, FetchKept, FNone, Loss, Offload, OffloadKept
 
 
 def random_residents(rng: np.random.Generator, L: int, max_bytes: int) -> tuple[ResidentCosts, ...]:
@@ -34,7 +34,7 @@ def random_chain(
     """A chain with small integer sizes (so a memory unit of 1 byte is exact); ``residents``: with
     values carried beside the activation (random_residents); ``step_grads``: with parameter
     gradients allocated by some stages' backward and kept to the end of the step; ``offload``: with a
-    second tier whose transfers take about as long as a stage."""
+    second tier whose transfers take about as long as a stage, and options whose kept values may go there."""
     low = 0 if zero_sizes else 1
     a = [int(v) for v in rng.integers(low, max_bytes, size=L + 1)]
     stages = []
@@ -53,6 +53,7 @@ def random_chain(
                     bwd_overhead_bytes=grad_in + int(rng.integers(0, max_bytes)),
                     pins_output=bool(rng.integers(0, 2)),
                     pins_input=bool(rng.integers(0, 2)),
+                    offloadable=offload and bool(rng.integers(0, 2)),
                 )
             )
         stages.append(
@@ -84,8 +85,13 @@ def enumerate_schedules(costs: ChainCosts):
                 tail = (Loss(),) if t == L - 1 else ()
                 yield (FAll(s, k),) + tail + (Backward(s),)
             else:
+                kept_away = costs.tier is not None and costs.stages[s].options[k].kept_offloadable
                 for rest in sub(s + 1, t):
                     yield (FAll(s, k),) + rest + (Backward(s),)
+                    if kept_away:  # what the option keeps offloaded while the rest runs (with x_s where it may go)
+                        yield (FAll(s, k), OffloadKept(s)) + rest + (FetchKept(s), Backward(s))
+                        if s > 0 and costs.stages[s].options[k].pins_input:
+                            yield (FAll(s, k), OffloadKept(s, True)) + rest + (FetchKept(s), Backward(s))
         for sp in range(s + 1, t + 1):
             fwd = (FCk(s),) + tuple(FNone(j) for j in range(s + 1, sp))
             for right, left in itertools.product(list(sub(sp, t)), list(sub(s, sp - 1))):

@@ -13,7 +13,7 @@ from hierremat.dp import min_peak_schedule, solve_chain
 from hierremat.dp.discretize import discretize
 from hierremat.dp.kernel import fill_tables
 from hierremat.dp.reference import fill_tables_reference
-from hierremat.plans.schedule import Backward, FAll, FCk, FNone, Loss, Offload
+from hierremat.plans.schedule import Backward, FAll, FCk, FNone, Loss, Offload, OffloadKept
 from hierremat.plans.simulate import simulate
 
 from chains import enumerate_schedules, random_chain
@@ -63,7 +63,7 @@ def _valid_results(costs):
         try:
             results.append(simulate(costs, ops))
         except InvalidScheduleError:
-            assert any(isinstance(op, Offload) for op in ops)
+            assert any(isinstance(op, (Offload, OffloadKept)) for op in ops)
     return results
 
 
@@ -71,11 +71,12 @@ def _valid_results(costs):
 @pytest.mark.parametrize("seed", range(6))
 def test_dp_with_offloading_equals_brute_force(seed, residents):
     """With a second tier (issue 34): the DP's fastest plan and smallest peak equal the simulator's over every
-    schedule of the family and its offloaded splits (a checkpoint copied out beside the forward sweep, away
-    through the right part, fetched back before the left part); offloading never makes a plan slower or the
-    smallest feasible budget higher."""
+    schedule of the family, its offloaded splits (a checkpoint copied out beside the forward sweep, away
+    through the right part, fetched back before the left part) and its options with their kept values offloaded
+    (away while the rest of the chain runs, back before their backward); offloading never makes a plan slower or
+    the smallest feasible budget higher."""
     rng = np.random.default_rng(5000 + seed + 1000 * residents)
-    offloaded_somewhere = 0
+    offloaded_somewhere = kept_offloaded_somewhere = 0
     for _ in range(12):
         costs = random_chain(rng, int(rng.integers(2, 6)), int(rng.integers(1, 3)), zero_sizes=seed % 3 == 0,
                              residents=residents, step_grads=bool(rng.integers(0, 2)), offload=True)
@@ -90,12 +91,13 @@ def test_dp_with_offloading_equals_brute_force(seed, residents):
             _check_against_simulator(costs, schedule, budget)
             assert schedule.predicted_time == pytest.approx(best, rel=1e-9)
             offloaded_somewhere += any(isinstance(op, Offload) for op in schedule.ops)
+            kept_offloaded_somewhere += any(isinstance(op, OffloadKept) for op in schedule.ops)
             try:
                 plain = solve_chain(without, budget, slots=budget).schedule.predicted_time
             except InfeasibleBudgetError:
                 continue
             assert schedule.predicted_time <= plain * (1 + 1e-12)
-    assert offloaded_somewhere
+    assert offloaded_somewhere and kept_offloaded_somewhere
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter, CudaPeakMeter
 from hierremat.dp import min_peak_schedule, solve_chain
 from hierremat.plans.costs import TierBandwidth
-from hierremat.plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, Loss, Offload
+from hierremat.plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FetchKept, Loss, Offload, OffloadKept
 from hierremat.plans.simulate import simulate
 from hierremat.plans.transfers import TransferPlan, transfer_plan
 from hierremat.runtime.executor import ChainRunner
@@ -356,7 +356,7 @@ def test_bad_offload_arguments_are_refused_before_training(tmp_path):
 @pytest.mark.parametrize("seed", range(6))
 def test_transfer_plan_agrees_with_the_simulator(seed):
     rng = np.random.default_rng(seed)
-    offloading_schedules = 0
+    offloading_schedules = kept_offloading_schedules = 0
     for _ in range(20):
         costs = random_chain(rng, int(rng.integers(3, 8)), 3, offload=True)
         floor = min_peak_schedule(costs).predicted_peak_bytes
@@ -366,18 +366,29 @@ def test_transfer_plan_agrees_with_the_simulator(seed):
         free = simulate(replace(costs, tier=FREE), schedule)
         assert result.time - free.time == pytest.approx(transfers.stall_seconds, abs=1e-6)
         offloads = [op.stage for op in schedule.ops if isinstance(op, Offload)]
+        options = {}
+        kept = []
+        for op in schedule.ops:
+            if isinstance(op, FAll):
+                options[op.stage] = op.option
+            elif isinstance(op, OffloadKept):
+                kept.append((op.stage, options[op.stage]))
         offloading_schedules += bool(offloads)
+        kept_offloading_schedules += bool(kept)
         assert list(transfers.offloaded) == offloads
-        assert transfers.moved_bytes == sum(costs.activation_bytes[i] for i in offloads)
+        assert [(i, k) for i, k, _ in transfers.kept_offloaded] == kept
+        kept_bytes = {i: costs.stages[i].options[k].kept_bytes + (costs.activation_bytes[i] if sent else 0)
+                      for i, k, sent in transfers.kept_offloaded}
+        assert transfers.moved_bytes == sum(costs.activation_bytes[i] for i in offloads) + sum(kept_bytes.values())
         peaks = [e.peak_bytes for e in result.timeline]
-        fetch_at = {}
-        for index, op in enumerate(schedule.ops):
-            if isinstance(op, Fetch):
-                fetch_at.setdefault(op.stage, []).append(index)
-        for start, stage in transfers.prefetches:
-            end = min(i for i in fetch_at[stage] if i > start)
-            assert not any(isinstance(op, Offload) and op.stage == stage for op in schedule.ops[start:end])
-            for k in range(start, end):
-                peaks[k] += costs.activation_bytes[stage]
+        for prefetches, fetch, offload, nbytes in (
+            (transfers.prefetches, Fetch, Offload, costs.activation_bytes),
+            (transfers.kept_prefetches, FetchKept, OffloadKept, kept_bytes),
+        ):
+            for start, stage in prefetches:
+                end = min(i for i, op in enumerate(schedule.ops) if isinstance(op, fetch) and op.stage == stage and i > start)
+                assert not any(isinstance(op, offload) and op.stage == stage for op in schedule.ops[start:end])
+                for k in range(start, end):
+                    peaks[k] += nbytes[stage]
         assert max(peaks) <= result.peak_bytes
-    assert offloading_schedules >= 3
+    assert offloading_schedules >= 3 and kept_offloading_schedules >= 3

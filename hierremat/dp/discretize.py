@@ -41,6 +41,9 @@ class ChainArrays:
     FV[s, j]  slots of the residents stages s..j-1 make in the first sweep (j >= s)
     OUT[i], IN[i]  seconds to offload x_i to the second tier and to fetch it back (ChainCosts.tier;
               inf where the chain has none, or for x_0 and x_L, which are never offloaded)
+    KOFF[i,k]  seconds to offload what option k of stage i keeps and to fetch it back, one way then the
+              other (inf where the chain has no tier or the option's kept values cannot be offloaded:
+              OptionCosts.kept_offloadable)
     """
 
     A: np.ndarray
@@ -63,14 +66,14 @@ class ChainArrays:
     unit: int
     OUT: np.ndarray
     IN: np.ndarray
-
+    KOFF: np.ndarray
 
     def kernel_args(self, M: int) -> tuple:
         """The arguments of ``fill_tables`` (kernel and reference) for M slots of budget."""
         return (
             self.A, self.A_floor, self.OFN, self.UFN, self.nk, self.TIME, self.KEPT, self.OF, self.OB,
             self.PIN_OUT, self.PIN_IN, np.int64(self.HL), np.int64(self.GL), self.NV, self.DL, self.FV, self.OUT,
-            self.IN, np.int64(M),
+            self.IN, self.KOFF, np.int64(M),
         )
 
 
@@ -85,7 +88,8 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
     An option is dropped when another is no worse in time, in whether it pins its output
     (which selects the sub-table) and in every memory term the recurrences use (forward
     overhead; kept, kept + pinned output, backward overhead and backward overhead +
-    pinned output, each with and without the input credit), compared in slots: so
+    pinned output, each with and without the input credit), compared in slots, and in the time with its
+    kept values offloaded (KOFF, with x_i's transfers where the option pins it; inf where they cannot be): so
     pruning never changes the DP's optimum.
     """
     if unit < 1:
@@ -96,6 +100,7 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
     OFN = np.array([ceil_div(st.nograd_fwd_overhead_bytes, unit) for st in costs.stages], dtype=np.int64)
     UFN = np.array([st.nograd_fwd_time for st in costs.stages], dtype=np.float64)
 
+    OUT, IN = transfer_seconds(costs)
     rows_per_stage = []
     for i, st in enumerate(costs.stages):
         rows = []
@@ -107,8 +112,12 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
             of = ceil_div(op.fwd_overhead_bytes, unit)
             credit = 0 if pin_in or i == 0 else int(A_floor[i])
             terms = (kept, kept + pin * A[i + 1], ob, ob + pin * A[i + 1])
-            key = (op.fwd_time + op.bwd_time, of, pin) + terms + tuple(x - credit for x in terms)
-            rows.append((k, key, kept, of, ob, pin, pin_in))
+            koff = _kept_transfer_seconds(costs, op)
+            # (an option that pins x_i may send it with its kept values, for the input credit)
+            sent = OUT[i] + IN[i] if pin_in and 0 < i else 0.0
+            time = op.fwd_time + op.bwd_time
+            key = (time, time + koff, time + koff + sent, of, pin) + terms + tuple(x - credit for x in terms)
+            rows.append((k, key, kept, of, ob, pin, pin_in, koff))
         if prune:
             survivors = []
             for r in rows:
@@ -128,20 +137,28 @@ def discretize(costs: ChainCosts, unit: int, prune: bool = True) -> ChainArrays:
     OB = np.zeros(shape, dtype=np.int64)
     PIN_OUT = np.zeros(shape, dtype=np.int64)
     PIN_IN = np.zeros(shape, dtype=np.int64)
+    KOFF = np.full(shape, np.inf)
     ids = np.full(shape, -1, dtype=np.int64)
     nk = np.zeros(L, dtype=np.int64)
     for i, rows in enumerate(rows_per_stage):
         nk[i] = len(rows)
-        for j, (k, key, kept, of, ob, pin, pin_in) in enumerate(rows):
+        for j, (k, key, kept, of, ob, pin, pin_in, koff) in enumerate(rows):
             TIME[i, j] = key[0]
             KEPT[i, j], OF[i, j], OB[i, j], PIN_OUT[i, j], PIN_IN[i, j] = kept, of, ob, pin, pin_in
+            KOFF[i, j] = koff
             ids[i, j] = k
     HL = ceil_div(costs.held_output, unit)
     GL = ceil_div(costs.output_grad, unit)
     NV, DL, FV = _resident_slots(costs, unit)
-    OUT, IN = transfer_seconds(costs)
     return ChainArrays(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, ids, HL, GL, NV, DL, FV, unit,
-                       OUT, IN)
+                       OUT, IN, KOFF)
+
+
+def _kept_transfer_seconds(costs: ChainCosts, option) -> float:
+    """KOFF of ChainArrays for one option: seconds its kept values take out and back (inf: not offloadable)."""
+    if costs.tier is None or not option.kept_offloadable:
+        return float("inf")
+    return costs.tier.offload_seconds(option.kept_bytes) + costs.tier.fetch_seconds(option.kept_bytes)
 
 
 def transfer_seconds(costs: ChainCosts) -> tuple[np.ndarray, np.ndarray]:

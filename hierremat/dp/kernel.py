@@ -46,8 +46,21 @@ split without offloading: its m proves the fetch fits.
   checkpoint at s', x_s offloaded: F_ck(s) F_none(..) Offload(s) C[0, s', t, m - A[s'] + A_floor[s]]
                                    Fetch(s) C[v, s, s'-1, m - A[s'] - resid]
 
+An option whose kept values are explicit (KOFF[s,k] finite) may also send them to the second tier after
+F_all(s,k), the copy waited for, and fetch them back before B(s) (a checkpointed activation of Beaumont et
+al.'s formulation, here the values inside a block: POET's paging, Patil et al., ICML 2022), and x_s with
+them where the option pins it and nothing else holds it (v = 0, s > 0), which is then credited as if freed
+(c' = A_floor[s]) and adds its transfers OUT[s] + IN[s]. The rest runs without them; every peak term of
+option k is unchanged (B(s) sees them all back):
+
+  option k of stage s, s < t, kept values offloaded:
+                                   F_all(s,k) Offload_kept(s) C[PIN_OUT, s+1, t, m - A[s+1] + c]
+                                   Fetch_kept(s) B(s)           (time TIME + KOFF)
+  the same with x_s:               F_all(s,k) Offload_kept(s, x) C[PIN_OUT, s+1, t, m - A[s+1] + c']
+                                   Fetch_kept(s) B(s)           (time TIME + KOFF + OUT[s] + IN[s])
+
 Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint split, K + L + s' the
-split with x_s offloaded.
+split with x_s offloaded, K + 2L + k option k with its kept values offloaded, 2K + 2L + k with x_s too.
 Loops run over m innermost so table reads are contiguous; candidates are still tried
 per m in the reference's order (options, then splits by s'), so ties resolve the same.
 The pure-Python reference in hierremat.dp.reference has the same signature.
@@ -60,7 +73,7 @@ from numba import njit
 
 
 @njit(cache=True)
-def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, OUT, IN, M):  # pragma: no cover - compiled
+def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, OUT, IN, KOFF, M):  # pragma: no cover - compiled
     L = OFN.shape[0]
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -89,22 +102,34 @@ def fill_tables(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, H
                     else:
                         bpeak = KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit + resid + held
                     lo = max(OF[s, k], bpeak, 0)
+                    offload = s < t and KOFF[s, k] < np.inf
+                    send = offload and v == 0 and s > 0 and PIN_IN[s, k] == 1  # x_s may go with them
                     for m in range(lo, M + 1):
                         if s == t:
                             cost = TIME[s, k]
-                        else:
-                            mr = m - KEPT[s, k] - A[s + 1] + credit - made
-                            if mr < 0:
-                                continue
-                            if mr > M:
-                                mr = M
-                            sub = C[PIN_OUT[s, k], s + 1, t, mr]
-                            if sub == np.inf:
-                                continue
-                            cost = TIME[s, k] + sub
-                        if cost < best[m]:
-                            best[m] = cost
-                            choice[m] = k
+                            if cost < best[m]:
+                                best[m] = cost
+                                choice[m] = k
+                            continue
+                        mr = m - KEPT[s, k] - A[s + 1] + credit - made
+                        if mr >= 0:
+                            sub = C[PIN_OUT[s, k], s + 1, t, min(mr, M)]
+                            if sub < np.inf and TIME[s, k] + sub < best[m]:
+                                best[m] = TIME[s, k] + sub
+                                choice[m] = k
+                        mo = m - A[s + 1] + credit - made  # the rest's memory with the kept values away
+                        if offload and mo >= 0:
+                            sub = C[PIN_OUT[s, k], s + 1, t, min(mo, M)]
+                            if sub < np.inf and TIME[s, k] + KOFF[s, k] + sub < best[m]:
+                                best[m] = TIME[s, k] + KOFF[s, k] + sub
+                                choice[m] = K + 2 * L + k
+                        mx = m - A[s + 1] + A_floor[s] - made  # ... and x_s with them
+                        if send and mx >= 0:
+                            sub = C[PIN_OUT[s, k], s + 1, t, min(mx, M)]
+                            cost = TIME[s, k] + (KOFF[s, k] + (OUT[s] + IN[s])) + sub  # (the reference's order)
+                            if sub < np.inf and cost < best[m]:
+                                best[m] = cost
+                                choice[m] = 2 * K + 2 * L + k
                 if s < t:
                     fwd_peak = OFN[s]
                     fwd_time = UFN[s]

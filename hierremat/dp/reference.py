@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 
-def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, OUT, IN, M):
+def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT, PIN_IN, HL, GL, NV, DL, FV, OUT, IN, KOFF, M):
     L = len(OFN)
     K = OF.shape[1]
     C = np.full((2, L, L, M + 1), np.inf)
@@ -32,7 +32,12 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
         """Slots of the residents the first sweep's F_ck(s) F_none(s+1..sp-1) make (held through the split)."""
         return int(FV[s, sp]) if t == L - 1 else 0
 
-    def option_cost(v: int, s: int, t: int, m: int, k: int) -> float:
+    def option_cost(v: int, s: int, t: int, m: int, k: int, kept_offloaded: bool = False, with_input: bool = False
+                    ) -> float:
+        if kept_offloaded and (s == t or KOFF[s, k] == math.inf):
+            return math.inf
+        if with_input and not (v == 0 and s > 0 and PIN_IN[s, k]):
+            return math.inf
         if OF[s, k] > m:
             return math.inf
         credit = input_credit(v, s, k)
@@ -49,10 +54,16 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
             return TIME[s, k] if fits else math.inf
         backward_peak = (KEPT[s, k] + (1 + PIN_OUT[s, k]) * A[s + 1] + OB[s, k] - credit
                          + resident_after_right_part(t) + held)
-        rest = min(M, m - KEPT[s, k] - A[s + 1] + credit - made)
-        if backward_peak > m or rest < 0:
+        if backward_peak > m:
             return math.inf
-        return TIME[s, k] + C[PIN_OUT[s, k], s + 1, t, rest]
+        if not kept_offloaded:
+            rest = min(M, m - KEPT[s, k] - A[s + 1] + credit - made)
+            return TIME[s, k] + C[PIN_OUT[s, k], s + 1, t, rest] if rest >= 0 else math.inf
+        # the kept values offloaded, with_input: and x_s, which the option pins and nobody else holds (v = 0,
+        # s > 0): the rest runs without them; they are back for B(s)
+        transfers = KOFF[s, k] + (OUT[s] + IN[s] if with_input else 0.0)
+        rest = min(M, m - A[s + 1] + (int(A_floor[s]) if with_input else credit) - made)
+        return TIME[s, k] + transfers + C[PIN_OUT[s, k], s + 1, t, rest] if rest >= 0 else math.inf
 
     def split_cost(v: int, s: int, t: int, m: int, sp: int, offload: bool = False) -> float:
         forward_peak = max([OFN[s]] + [A[j] + OFN[j] + swept_residents(s, j, t) for j in range(s + 1, sp)])
@@ -78,7 +89,10 @@ def fill_tables_reference(A, A_floor, OFN, UFN, nk, TIME, KEPT, OF, OB, PIN_OUT,
             t = s + length
             for v in range(2):
                 for m in range(M + 1):
-                    candidates = [(option_cost(v, s, t, m, k), k) for k in range(nk[s])]
+                    candidates = []
+                    for k in range(nk[s]):
+                        candidates += [(option_cost(v, s, t, m, k), k), (option_cost(v, s, t, m, k, True), K + 2 * L + k),
+                                       (option_cost(v, s, t, m, k, True, True), 2 * K + 2 * L + k)]
                     for sp in range(s + 1, t + 1):
                         candidates += [(split_cost(v, s, t, m, sp), K + sp), (split_cost(v, s, t, m, sp, True), K + L + sp)]
                     for cost, c in candidates:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..plans.costs import ChainCosts
 from ..errors import InfeasibleBudgetError
-from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FNone, Loss, Offload
+from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FetchKept, FNone, Loss, Offload, OffloadKept
 from .discretize import ChainArrays, ceil_div, discretize, resident_terms
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,9 @@ class ChainSolution:
     fallback_min_peak: bool  # True if the DP's discretisation found nothing and the min-peak schedule was used
 
 
-# A chooser maps (v, s, t, m) to ("option", k, m_rest) or ("split", s', m_right, m_left) or ("offloaded
-# split", s', m_right, m_left); v = 1 when x_s is held by the caller's tape (see hierremat.dp.kernel).
+# A chooser maps (v, s, t, m) to ("option", k, m_rest), ("offloaded option", k, m_rest) (its kept values offloaded
+# while the rest runs), ("offloaded option and input", k, m_rest) (x_s with them), ("split", s', m_right, m_left)
+# or ("offloaded split", s', m_right, m_left); v = 1 when x_s is held by the caller's tape (see hierremat.dp.kernel).
 Chooser = Callable[[int, int, int, int], tuple]
 
 
@@ -67,8 +68,10 @@ class _Expander:
         pins = self.costs.stages[s].options[k].pins_input
         return self.a[s] if v == 0 and s > 0 and not pins else 0
 
-    def option_terms(self, v: int, s: int, t: int, k: int, sub_peak: int) -> int:
-        """Exact peak (bytes above the start) of F_all(s,k) [sub-chain] B(s)."""
+    def option_terms(self, v: int, s: int, t: int, k: int, sub_peak: int, kept_offloaded: bool = False,
+                     with_input: bool = False) -> int:
+        """Exact peak (bytes above the start) of F_all(s,k) [sub-chain] B(s); with ``kept_offloaded`` the
+        sub-chain runs with the option's kept values in the second tier, and x_s with them if ``with_input``."""
         op = self.costs.stages[s].options[k]
         a, L = self.a, self.L
         credit = self.input_credit(v, s, k)
@@ -86,9 +89,25 @@ class _Expander:
         backward = op.kept_bytes + (1 + int(op.pins_output)) * a[s + 1] + self.costs.bwd_overhead(s, op) - credit
         return max(
             op.fwd_overhead_bytes,
-            op.kept_bytes + a[s + 1] - credit + made + sub_peak,
+            (0 if kept_offloaded else op.kept_bytes) + a[s + 1] - (a[s] if with_input else credit) + made + sub_peak,
             backward + self.resident_after_right(t) + residents_held,
         )
+
+    def kept_transfer_times(self, s: int, k: int, with_input: bool) -> float:
+        """Seconds that sending option k's kept values (and x_s ``with_input``) out and back adds, each waited for."""
+        tier, kept = self.costs.tier, self.costs.stages[s].options[k].kept_bytes
+        seconds = tier.offload_seconds(kept) + tier.fetch_seconds(kept)
+        if with_input:
+            seconds += tier.offload_seconds(self.a[s]) + tier.fetch_seconds(self.a[s])
+        return seconds
+
+    def kept_offloads(self, v: int, s: int, t: int, k: int) -> tuple[bool, ...]:
+        """The ``with_input`` of each way option k may offload its kept values: none where it cannot, False (kept values
+        only), and True where it pins x_s and nothing else holds it (v = 0, s > 0)."""
+        option = self.costs.stages[s].options[k]
+        if self.costs.tier is None or s == t or not option.kept_offloadable:
+            return ()
+        return (False, True) if v == 0 and s > 0 and option.pins_input else (False,)
 
     def forward_peak(self, s: int, sp: int, t: int) -> int:
         stages, a = self.costs.stages, self.a
@@ -119,8 +138,9 @@ class _Expander:
         """Append the ops of subproblem (v, s, t) to ``ops``; return (exact peak, time)."""
         decision = choose(v, s, t, m)
         stages = self.costs.stages
-        if decision[0] == "option":
-            _, k, m_rest = decision
+        if decision[0] in ("option", "offloaded option", "offloaded option and input"):
+            kind, k, m_rest = decision
+            kept_offloaded, with_input = kind != "option", kind == "offloaded option and input"
             op = stages[s].options[k]
             ops.append(FAll(s, k))
             if s == t:
@@ -128,9 +148,15 @@ class _Expander:
                     ops.append(Loss())
                 sub_peak, sub_time = 0, 0.0
             else:
+                if kept_offloaded:
+                    ops.append(OffloadKept(s, with_input))
                 sub_peak, sub_time = self.expand(choose, int(op.pins_output), s + 1, t, m_rest, ops)
+                if kept_offloaded:
+                    ops.append(FetchKept(s))
+                    sub_time += self.kept_transfer_times(s, k, with_input)
             ops.append(Backward(s))
-            return self.option_terms(v, s, t, k, sub_peak), op.fwd_time + sub_time + op.bwd_time
+            peak = self.option_terms(v, s, t, k, sub_peak, kept_offloaded, with_input)
+            return peak, op.fwd_time + sub_time + op.bwd_time
         kind, sp, m_right, m_left = decision
         offloaded = kind == "offloaded split"
         ops.append(FCk(s))
@@ -157,11 +183,16 @@ def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
         c = int(D[v, s, t, m])
         if c < 0:
             raise AssertionError(f"backtracking reached an infeasible state {(v, s, t, m)}")
-        if c < K:
-            credit = int(A_floor[s]) if v == 0 and s > 0 and not arrays.PIN_IN[s, c] else 0
+        if c < K or c >= K + 2 * L:
+            kind = ("option", "offloaded option", "offloaded option and input")[(c >= K + 2 * L) + (c >= 2 * K + 2 * L)]
+            k = c - (2 * K + 2 * L if c >= 2 * K + 2 * L else K + 2 * L if c >= K + 2 * L else 0)
+            # (x_s freed by F_all, or sent with the kept values)
+            freed = v == 0 and s > 0 and (kind == "offloaded option and input" or not arrays.PIN_IN[s, k])
+            credit = int(A_floor[s]) if freed else 0
             made = int(arrays.NV[s]) if t == L - 1 else 0
-            m_rest = min(M, m - int(KEPT[s, c]) - int(A[s + 1]) + credit - made)
-            return ("option", int(arrays.option_ids[s, c]), m_rest)
+            kept = 0 if kind != "option" else int(KEPT[s, k])
+            m_rest = min(M, m - kept - int(A[s + 1]) + credit - made)
+            return (kind, int(arrays.option_ids[s, k]), m_rest)
         offloaded = c >= K + L
         sp = c - K - (L if offloaded else 0)
         m_right = m - int(A[sp]) - (int(arrays.FV[s, sp]) if t == L - 1 else 0)
@@ -209,6 +240,11 @@ def min_peak_schedule(costs: ChainCosts) -> ChainSchedule:
                     sub_peak, sub_time = (0, 0.0) if s == t else best[(int(op.pins_output), s + 1, t)][:2]
                     peak = ex.option_terms(v, s, t, k, sub_peak)
                     cands.append((peak, op.fwd_time + op.bwd_time + sub_time, ("option", k, 0)))
+                    for with_input in ex.kept_offloads(v, s, t, k):
+                        peak = ex.option_terms(v, s, t, k, sub_peak, True, with_input)
+                        time = op.fwd_time + op.bwd_time + sub_time + ex.kept_transfer_times(s, k, with_input)
+                        kind = "offloaded option and input" if with_input else "offloaded option"
+                        cands.append((peak, time, (kind, k, 0)))
                 fwd_time = costs.stages[s].nograd_fwd_time
                 for sp in range(s + 1, t + 1):
                     right, left = best[(0, sp, t)], best[(v, s, sp - 1)]

@@ -361,12 +361,14 @@ class PlannedChain:
             raise ValueError("the plan runs generated forwards, but the chain has no block menus: plan it again")
         transfers = transfer_plan(plan.costs, plan.schedule)
         tier = None
-        if transfers.offloaded:
+        if transfers.moves_anything:
             if self.offloading is None:
                 raise ValueError("the plan offloads checkpoints to a second tier: run it with offload=True (or a "
                                  "directory)")
-            self.offloading.check(transfers)  # (a saved plan, or rank 0's under FSDP2: made with another limit)
-            tier = functools.partial(self.offloading.tier_for, transfers)
+            # (at most one storage per value an offloaded tape keeps, as its generated program says, and its input)
+            kept_values = sum(len(executors[i][k].program.kept_slots) + sent for i, k, sent in transfers.kept_offloaded)
+            self.offloading.check(transfers, kept_values)  # (a saved plan, or rank 0's under FSDP2: another limit)
+            tier = functools.partial(self.offloading.tier_for, transfers, kept_values)
         self.runner = ChainRunner(
             self.stages, plan.schedule, plan.mutated_buffers, executors, self.sharded, forwards, self.residents,
             tier, transfers,

@@ -68,6 +68,7 @@ class BlockOption:
             pins_input=self.pins_input,
             name=self.name,
             mip_gap=self.mip_gap,
+            offloadable=True,
         )
 
     def dominates(self, other: "BlockOption") -> bool:

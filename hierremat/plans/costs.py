@@ -37,6 +37,9 @@ class OptionCosts:
         parameters' ``.grad`` is None at the start of the step, so that the gradients B makes stay
         (measured for a stage run under autograd); None where not measured (ChainCosts.bwd_overhead
         then bounds it by bwd_overhead_bytes plus the gradients the step allocates in B).
+    offloadable: the values the option keeps are explicit (a block option's generated program returns them:
+        hierremat.runtime.block_exec.OptionTape), so that a plan may move them to the second tier after F_all and
+        bring them back before B (issue 34); autograd's saved tensors (option 0) are not.
     name, mip_gap: what the option is, for summaries (not used by the DP): an ILP option
         whose solve stopped at its time limit has the solver's relative MIP gap there
         (None: not reported), every other option 0.0.
@@ -52,6 +55,12 @@ class OptionCosts:
     name: str = "autograd"
     mip_gap: float | None = 0.0  # a block option's MIP gap where its solve stopped at a time limit
     bwd_overhead_new_grads_bytes: int | None = None
+    offloadable: bool = False
+
+    @property
+    def kept_offloadable(self) -> bool:
+        """Whether moving the kept values to the second tier frees anything: offloadable, with kept bytes."""
+        return self.offloadable and self.kept_bytes > 0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ Rotor's notation (Beaumont et al., 2019), with per-stage options:
   Offload(i)   x_i, a checkpoint, leaves the device for the second tier (its copy began with the
                F_ck(i) before it and ran beside the forwards since; issue 34).
   Fetch(i)     x_i comes back from the second tier.
+  Offload_kept(i)  the values the tape of F_all(i) keeps leave the device for the second tier, before the
+               stages after i run (their copy waits; issue 34); Offload_kept(i, x): x_i too (the option pins
+               it and no other tape holds it).
+  Fetch_kept(i)    they come back, before B(i).
 Plain values: no tensors, no callables. JSON round-trip is lossless.
 """
 
@@ -69,9 +73,25 @@ class Fetch(_StageOp):
     pass
 
 
-Op = Union[FNone, FCk, FAll, Backward, Loss, Offload, Fetch]
+@dataclass(frozen=True)
+class OffloadKept:
+    """``Offload_kept(i)``; ``with_input``: x_i, which the option pins and no other tape holds, goes too."""
+
+    stage: int
+    with_input: bool = False
+
+    def __str__(self) -> str:
+        return f"Offload_kept({self.stage}{', x' if self.with_input else ''})"
+
+
+@dataclass(frozen=True)
+class FetchKept(_StageOp):
+    pass
+
+
+Op = Union[FNone, FCk, FAll, Backward, Loss, Offload, Fetch, OffloadKept, FetchKept]
 _OP_TYPES = {"F_none": FNone, "F_ck": FCk, "F_all": FAll, "B": Backward, "Loss": Loss, "Offload": Offload,
-             "Fetch": Fetch}
+             "Fetch": Fetch, "Offload_kept": OffloadKept, "Fetch_kept": FetchKept}
 _OP_NAMES = {v: k for k, v in _OP_TYPES.items()}
 
 
@@ -81,11 +101,15 @@ def op_to_json(op: Op) -> list:
         return [name]
     if isinstance(op, FAll):
         return [name, op.stage, op.option]
+    if isinstance(op, OffloadKept):
+        return [name, op.stage, int(op.with_input)]
     return [name, op.stage]
 
 
 def op_from_json(item: list) -> Op:
     cls = _OP_TYPES[item[0]]
+    if cls is OffloadKept:
+        return OffloadKept(int(item[1]), bool(item[2]))
     return cls(*(int(v) for v in item[1:]))
 
 

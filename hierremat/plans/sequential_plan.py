@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..budget import format_bytes
 from .costs import ChainCosts
-from .schedule import Backward, ChainSchedule, FAll, FCk, FNone, Offload
+from .schedule import Backward, ChainSchedule, FAll, FCk, FNone, Offload, OffloadKept
 from .simulate import SimulationResult, simulate
 from .transfers import transfer_plan
 
@@ -59,8 +59,8 @@ class SequentialPlan:
 
     @property
     def offloads(self) -> bool:
-        """Whether the schedule offloads checkpoints to a second tier (it then runs with one)."""
-        return any(isinstance(op, Offload) for op in self.schedule.ops)
+        """Whether the schedule offloads checkpoints or kept values to a second tier (it then runs with one)."""
+        return any(isinstance(op, (Offload, OffloadKept)) for op in self.schedule.ops)
 
     def simulate(self) -> SimulationResult:
         """The simulator's replay of this plan as the runtime executes it.
@@ -74,7 +74,8 @@ class SequentialPlan:
     ACTIONS_LEGEND = (
         "forwards: none/ck = without grad (ck keeps the input; * as generated code, + compiled; ck(off): the "
         "input then offloaded to the second tier), all = with "
-        "grad, keeping what autograd keeps, all[k] = block option k, all[fused_head] = the LM head fused with the loss"
+        "grad, keeping what autograd keeps, all[k] = block option k, all[fused_head] = the LM head fused with the loss; "
+        "all[k](off): what option k keeps then offloaded to the second tier until its backward"
     )
 
     def stage_peaks(self) -> list[int]:
@@ -102,6 +103,8 @@ class SequentialPlan:
                 name = self.costs.stages[op.stage].options[op.option].name
                 label = "" if op.option == 0 else name if name in NAMED_OPTIONS else str(op.option)
                 kinds[op.stage].append(f"all[{label}]" if label else "all")
+            elif isinstance(op, OffloadKept):
+                kinds[op.stage][-1] += "(off)"
         return [", ".join(k) for k in kinds]
 
     def unproven_lines(self) -> list[str]:

@@ -21,6 +21,10 @@ can compare the two. Rules:
   recomputing forward with grad makes is in its option's kept bytes. A gradient
   sum begins at the Loss (exported) or with the backward of its last reader (its bytes
   are in that backward's overhead) and is freed by the producer's backward.
+* Offload_kept(i) moves the kept bytes of F_all(i)'s tape to the second tier, waiting for the copy (its
+  time is added whole: nothing runs beside it), and with ``with_input`` x_i, which the tape must pin and
+  hold alone; Fetch_kept(i) brings them back (its time added whole too) before B(i), which may not run while
+  they are away.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 from .costs import ChainCosts
 from ..errors import InvalidScheduleError
-from .schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FNone, Loss, Offload
+from .schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FetchKept, FNone, Loss, Offload, OffloadKept
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
     timeline = []
     copy_started: dict[int, float] = {}  # x_i -> when the F_ck(i) its offload copy runs beside began
     offloaded: set[int] = set()
+    kept_away: dict[int, bool] = {}  # stage whose tape's kept values are in the second tier -> whether x_i is too
 
     def hold(j: int, who) -> None:
         if j not in holders:
@@ -153,6 +158,36 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
             clock += costs.tier.fetch_seconds(a[i])
             hold(i, "chain")
             peak_op = state["used"]
+        elif isinstance(op, OffloadKept):
+            i = op.stage
+            if costs.tier is None:
+                fail(idx, op, "the costs have no second tier")
+            if i not in tapes or i in kept_away:
+                fail(idx, op, f"no tape of F_all({i}) with its kept values on the device")
+            opt = costs.stages[i].options[tapes[i]]
+            if not opt.kept_offloadable:
+                fail(idx, op, f"option {tapes[i]} of stage {i} keeps nothing that can be offloaded")
+            clock += costs.tier.offload_seconds(opt.kept_bytes)
+            peak_op = before
+            state["used"] -= opt.kept_bytes
+            kept_away[i] = False
+            if op.with_input:  # x_i goes with them
+                if not (opt.pins_input and i > 0 and holders.get(i) == {("tape", i)}):
+                    fail(idx, op, f"x_{i} is not held by the tape of F_all({i}) alone")
+                clock += costs.tier.offload_seconds(a[i])
+                release(i, ("tape", i))
+                kept_away[i] = True
+        elif isinstance(op, FetchKept):
+            i = op.stage
+            if i not in kept_away:
+                fail(idx, op, f"the kept values of stage {i} were not offloaded")
+            opt = costs.stages[i].options[tapes[i]]
+            clock += costs.tier.fetch_seconds(opt.kept_bytes)
+            state["used"] += opt.kept_bytes
+            if kept_away.pop(i):
+                clock += costs.tier.fetch_seconds(a[i])
+                hold(i, ("tape", i))
+            peak_op = state["used"]
         elif isinstance(op, Loss):
             if loss_done:
                 fail(idx, op, "second Loss")
@@ -174,6 +209,8 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
                 fail(idx, op, f"no F_all({i}) ran before it")
             if (i + 1) not in grad_alive:
                 fail(idx, op, f"gradient of x_{i + 1} not available")
+            if i in kept_away:
+                fail(idx, op, f"the kept values of stage {i} are in the second tier (no Fetch_kept({i}))")
             opt = costs.stages[i].options[tapes.pop(i)]
             peak_op = before + costs.bwd_overhead(i, opt)
             clock += opt.bwd_time

@@ -23,7 +23,8 @@ TransferPlan (hierremat.plans.transfers): x_i's copy out starts before the ``F_c
 forward sweep, ``Offload(i)`` waits for it and drops the chain's reference (the device memory is freed),
 a prefetch starts bringing it back where the plan says it fits, and ``Fetch(i)`` takes it back. The
 values a step offloads are keyed by the step, and dropped from the tier if the step ends without its
-backward.
+backward. ``Offload_kept(i)`` sends what the tape of stage i's block option keeps (hierremat.runtime.kept_offload),
+waiting for the copies, and ``Fetch_kept(i)`` puts it back before ``B(i)``, prefetched as x_i is.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..budget import format_bytes
 from ..errors import UnsupportedModelError
-from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FNone, Offload
+from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FetchKept, FNone, Offload, OffloadKept
 from ..plans.transfers import TransferPlan
 from ..device.autocast import AutocastState
 from .residents import collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read
 from ..device.rng import RngState, cuda_devices_of
+from .kept_offload import bring_back_kept, prefetch_kept, send_kept
 from .tapeless import tapeless
 from .tied import TiedParameters
 from .grad_taps import eager_only, tap_input
@@ -177,9 +179,16 @@ class ChainRunner:
         (hierremat.runtime.offload.Offloading.tier_for); transfers: its TransferPlan (module docstring)."""
         if len(stages) != schedule.length:
             raise ValueError(f"schedule is for {schedule.length} stages, got {len(stages)}")
-        if any(isinstance(op, Offload) for op in schedule.ops) and (tier is None or transfers is None):
+        if any(isinstance(op, (Offload, OffloadKept)) for op in schedule.ops) and (tier is None or transfers is None):
             raise ValueError("the schedule offloads, but no second tier was given: plan and run with offload=True "
                              "(or a directory)")
+        options = {}
+        for op in schedule.ops:
+            if isinstance(op, FAll):
+                options[op.stage] = op.option
+            elif isinstance(op, OffloadKept) and options.get(op.stage, 0) == 0:
+                raise ValueError(f"{op}: only a block option's kept values can be offloaded, and stage {op.stage} "
+                                 "runs option 0 (autograd's saved tensors)")
         self._tier = tier
         self.transfers = transfers or TransferPlan()
         self.prefetches = self.transfers.prefetches_before()
@@ -310,7 +319,8 @@ class _Step:
         self.serial = next(_STEPS)  # (keys this step's values in the second tier)
         self.offloaded: set = set()
         self.versions: dict[int, int] = {}  # x_i -> its version counter when its copy out started
-        self.tier = runner.tier if runner.transfers.offloaded else None
+        self.kept_away: dict[int, tuple] = {}  # stage -> its tape's kept storages in the tier (kept_offload)
+        self.tier = runner.tier if runner.transfers.moves_anything else None
         if self.tier is not None:  # a step freed before its backward leaves nothing in the tier
             weakref.finalize(self, self.tier.abandon, self.offloaded)
         #: seconds of each op timed, by (kind, stage) (hierremat.runtime.step_times), where the step is timed
@@ -363,8 +373,11 @@ class _Step:
 
     def _start_fetches(self, index: int) -> None:
         """Start bringing back the values the plan prefetches before op ``index``."""
-        for stage in self.runner.prefetches.get(index, ()):
-            self.tier.prefetch((self.serial, stage))
+        for stage, kept in self.runner.prefetches.get(index, ()):
+            if kept:
+                prefetch_kept(self.tier, self.kept_away[stage])
+            else:
+                self.tier.prefetch((self.serial, stage))
 
     def _execute(self, op, index: int) -> None:
         self._start_fetches(index)
@@ -449,6 +462,22 @@ class _Step:
             key = (self.serial, op.stage)
             self.x[op.stage] = self.tier.fetch(key)
             self.offloaded.discard(key)
+        elif isinstance(op, OffloadKept):
+            i = op.stage
+            _, executor, tape = self.tape[i]
+            with_input = op.with_input
+            others = [tape.y, self.x.get(i), self.x.get(i + 1),
+                      *executor.binding.args(executor.program.forward_inputs, None, self._shared())]
+            if not with_input:
+                others.append(tape.x)
+            away = send_kept(self.tier, (self.serial, i, "kept"), tape, others, with_input)
+            del others
+            self.kept_away[i] = away
+            self.offloaded.update(stored.key for stored in away)
+        elif isinstance(op, FetchKept):
+            away = self.kept_away.pop(op.stage)
+            bring_back_kept(self.tier, away, self.tape[op.stage][2])
+            self.offloaded.difference_update(stored.key for stored in away)
         else:
             raise TypeError(f"unexpected op {op!r}")
 

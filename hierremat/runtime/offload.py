@@ -92,27 +92,28 @@ class Offloading:
         return (f"{self.kind}{where}, limit {format_bytes(self.limit_bytes)}, "
                 f"{b.offload_bytes_per_second / 1e6:.0f} MB/s out, {b.fetch_bytes_per_second / 1e6:.0f} MB/s back")
 
-    def needed_bytes(self, transfers: TransferPlan) -> int:
-        """What a plan's values take in the tier at once: their bytes, in a host pool each slot aligned."""
+    def needed_bytes(self, transfers: TransferPlan, kept_values: int = 0) -> int:
+        """What a plan's values take in the tier at once: their bytes, in a host pool each slot aligned;
+        ``kept_values``: at most how many storages its kept values' offloads send (one slot each)."""
         if isinstance(self._tier, HostMemoryTier):
-            return transfers.tier_peak_bytes + POOL_ALIGNMENT * len(transfers.offloaded)
+            return transfers.tier_peak_bytes + POOL_ALIGNMENT * (len(transfers.offloaded) + kept_values)
         return transfers.tier_peak_bytes
 
-    def check(self, transfers: TransferPlan) -> None:
+    def check(self, transfers: TransferPlan, kept_values: int = 0) -> None:
         """Raise OffloadError, before a plan runs, where it would hold more than ``offload_limit`` at once."""
-        needed = self.needed_bytes(transfers)
+        needed = self.needed_bytes(transfers, kept_values)
         if needed > self.limit_bytes:
             raise OffloadError(
                 f"the plan holds {format_bytes(needed)} in the {self.kind} tier at once, over offload_limit="
                 f"{format_bytes(self.limit_bytes)}: raise offload_limit, or plan again with this limit"
             )
 
-    def tier_for(self, transfers: TransferPlan) -> SecondTier:
+    def tier_for(self, transfers: TransferPlan, kept_values: int = 0) -> SecondTier:
         """The tier a step of a plan runs with (asked at each step: a runner never keeps a pool that a later,
         larger plan replaced). A host pool too small for the plan, or for it beside what steps still running
         hold, is replaced by a larger one (the old one lives on while a step holds it)."""
         if isinstance(self._tier, HostMemoryTier):
-            needed = self.needed_bytes(transfers)
+            needed = self.needed_bytes(transfers, kept_values)
             if self._tier.held_bytes + needed > self._tier.limit_bytes:
                 pool = min(max(self._tier.held_bytes + needed, 2 * self._tier.limit_bytes), self.limit_bytes)
                 self._tier = HostMemoryTier(max(pool, needed), self.device)
