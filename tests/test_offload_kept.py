@@ -8,6 +8,8 @@ most the predicted peak, and the tier's peak equal to the plan's; option 0 (auto
 offloaded this way.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -93,33 +95,45 @@ def _floor(chain, x, offloading) -> int:
     raise AssertionError("64 KiB fits")
 
 
-def test_planned_chain_offloads_kept_values_exactly_within_the_predicted_peak(tmp_path):
+@pytest.mark.parametrize("setup", ["fp32", "bf16 autocast, .grad None"])
+def test_planned_chain_offloads_kept_values_exactly_within_the_predicted_peak(tmp_path, setup):
+    """A chain of ILP block options planned with a free second tier offloads kept values; one step gives plain
+    autograd's gradients bitwise, at most the predicted peak on the tracker and the allocator. Under bf16 autocast
+    (planned and run under it) with ``.grad`` None at the step's start (PyTorch's default zero_grad) as well."""
+    bf16 = setup != "fp32"
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     chain, x = _chain(), torch.randn(1024, 96).requires_grad_()
     for p in chain.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = None if bf16 else torch.zeros_like(p)
     xr = x.detach().requires_grad_()
     torch.manual_seed(7)
-    chain(xr).sum().backward()
+    with autocast():
+        out = chain(xr)
+    out.float().sum().backward()
     grads, x_grad = [p.grad.clone() for p in chain.parameters()], xr.grad.clone()
 
     offloading = Offloading(str(tmp_path), "64MiB", torch.device("cpu"), cache=None)
     offloading.bandwidth = FREE
-    without = _floor(chain, x, None)
-    budget = int(without * 1.1)
-    planned = _plan(list(chain), budget, x, slots=200, compile=False, offloading=offloading)
+    for p in chain.parameters():
+        p.grad = None if bf16 else p.grad.zero_()
+    with autocast():
+        budget = int(_floor(chain, x, None) * 1.1)
+        planned = _plan(list(chain), budget, x, slots=200, compile=False, offloading=offloading)
+        without = _plan(list(chain), budget, x, slots=200, compile=False).plan
     plan = planned.plan
     transfers = transfer_plan(plan.costs, plan.schedule)
     assert transfers.kept_offloaded, plan.summary()
     assert "(off)" in ", ".join(plan.stage_actions()) and "values kept by the forwards with grad" in plan.summary()
-    assert plan.predicted_step_time < _plan(list(chain), budget, x, slots=200, compile=False).plan.predicted_step_time
-    for p in chain.parameters():
-        p.grad.zero_()
+    assert plan.predicted_step_time < without.predicted_step_time
+    assert bool(sum(plan.costs.step_grad_bytes)) == bf16  # (the plan made for the gradients the step allocates)
     xr = x.detach().requires_grad_()
     tier = planned.runner.tier
     tier.peak_bytes = 0  # (from this step on: measuring the bandwidth held more)
     with CpuAllocatorMeter() as meter, LiveTensorTracker() as tracker:
         torch.manual_seed(7)
-        planned.run(xr).sum().backward()
+        with autocast():
+            out = planned.run(xr)
+        out.float().sum().backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(chain.parameters(), grads))
     assert torch.equal(xr.grad, x_grad)
     assert tracker.peak_bytes <= plan.predicted_peak_bytes
