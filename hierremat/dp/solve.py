@@ -184,8 +184,8 @@ def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
         if c < 0:
             raise AssertionError(f"backtracking reached an infeasible state {(v, s, t, m)}")
         if c < K or c >= K + 2 * L:
-            kind = ("option", "offloaded option", "offloaded option and input")[(c >= K + 2 * L) + (c >= 2 * K + 2 * L)]
-            k = c - (2 * K + 2 * L if c >= 2 * K + 2 * L else K + 2 * L if c >= K + 2 * L else 0)
+            variant, k = divmod(c - 2 * L, K) if c >= K else (0, c)  # (codes K + 2L + k, 2K + 2L + k)
+            kind = ("option", "offloaded option", "offloaded option and input")[variant]
             # (x_s freed by F_all, or sent with the kept values)
             freed = v == 0 and s > 0 and (kind == "offloaded option and input" or not arrays.PIN_IN[s, k])
             credit = int(A_floor[s]) if freed else 0

@@ -102,7 +102,7 @@ def transfer_plan(costs: ChainCosts, schedule: ChainSchedule) -> TransferPlan:
     copy_starts, prefetches, offloaded, kept_prefetches, kept_offloaded = set(), [], [], [], []
     started_at: dict[int, int] = {}  # stage -> index of the F_ck its copy starts at
     offloaded_at: dict[int, int] = {}
-    kept_at: dict[int, tuple[int, int]] = {}  # stage -> (index of its Offload_kept, its kept bytes)
+    kept_at: dict[int, tuple[int, int, int]] = {}  # stage -> (index of its Offload_kept, kept bytes, x_i's bytes sent)
     tapes: dict[int, int] = {}  # stage -> option of its live F_all tape
     held = peak_held = moved = 0
     stall = 0.0
@@ -132,22 +132,19 @@ def transfer_plan(costs: ChainCosts, schedule: ChainSchedule) -> TransferPlan:
                 prefetches.append((first, i))
         elif isinstance(op, OffloadKept):
             i = op.stage
-            option = costs.stages[i].options[tapes[i]]
-            sent = op.with_input
-            nbytes = option.kept_bytes + (a[i] if sent else 0)
-            kept_at[i] = (index, nbytes)
-            kept_offloaded.append((i, tapes[i], sent))
-            moved += nbytes
-            held += nbytes
+            kept, input_bytes = costs.stages[i].options[tapes[i]].kept_bytes, a[i] if op.with_input else 0
+            kept_at[i] = (index, kept, input_bytes)
+            kept_offloaded.append((i, tapes[i], op.with_input))
+            moved += kept + input_bytes
+            held += kept + input_bytes
             peak_held = max(peak_held, held)
-            stall += costs.tier.offload_seconds(option.kept_bytes) + (costs.tier.offload_seconds(a[i]) if sent else 0.0)
+            stall += costs.tier.offload_seconds(kept) + costs.tier.offload_seconds(input_bytes)
         elif isinstance(op, FetchKept):
             i = op.stage
-            start, nbytes = kept_at.pop(i)
-            held -= nbytes
-            kept = costs.stages[i].options[tapes[i]].kept_bytes
-            stall += costs.tier.fetch_seconds(kept) + costs.tier.fetch_seconds(nbytes - kept)
-            first = _place_fetch(peaks, ceiling, start, index, nbytes)
+            start, kept, input_bytes = kept_at.pop(i)
+            held -= kept + input_bytes
+            stall += costs.tier.fetch_seconds(kept) + costs.tier.fetch_seconds(input_bytes)
+            first = _place_fetch(peaks, ceiling, start, index, kept + input_bytes)
             if first < index:
                 kept_prefetches.append((first, i))
         elif hasattr(op, "stage"):

@@ -182,18 +182,17 @@ class ChainRunner:
         if any(isinstance(op, (Offload, OffloadKept)) for op in schedule.ops) and (tier is None or transfers is None):
             raise ValueError("the schedule offloads, but no second tier was given: plan and run with offload=True "
                              "(or a directory)")
-        options = {}
+        self._tier = tier
+        self.transfers = transfers or TransferPlan()
+        self.prefetches = self.transfers.prefetches_before()
+        self.option_executors = option_executors or [()] * len(stages)
+        options = {}  # stage -> option of its latest F_all
         for op in schedule.ops:
             if isinstance(op, FAll):
                 options[op.stage] = op.option
             elif isinstance(op, OffloadKept) and options.get(op.stage, 0) == 0:
                 raise ValueError(f"{op}: only a block option's kept values can be offloaded, and stage {op.stage} "
                                  "runs option 0 (autograd's saved tensors)")
-        self._tier = tier
-        self.transfers = transfers or TransferPlan()
-        self.prefetches = self.transfers.prefetches_before()
-        self.option_executors = option_executors or [()] * len(stages)
-        for op in schedule.ops:
             if isinstance(op, FAll) and op.option != 0:
                 executors = self.option_executors[op.stage]
                 if op.option >= len(executors) or executors[op.option] is None:
@@ -465,12 +464,12 @@ class _Step:
         elif isinstance(op, OffloadKept):
             i = op.stage
             _, executor, tape = self.tape[i]
-            with_input = op.with_input
-            others = [tape.y, self.x.get(i), self.x.get(i + 1),
-                      *executor.binding.args(executor.program.forward_inputs, None, self._shared())]
-            if not with_input:
+            # (x_i itself: F_all(i) took it from the chain; the tape holds it where the option pins it)
+            others = [tape.y, self.x.get(i + 1), *executor.binding.args(executor.program.forward_inputs, None,
+                                                                         self._shared())]
+            if not op.with_input:
                 others.append(tape.x)
-            away = send_kept(self.tier, (self.serial, i, "kept"), tape, others, with_input)
+            away = send_kept(self.tier, (self.serial, i, "kept"), tape, others, op.with_input)
             del others
             self.kept_away[i] = away
             self.offloaded.update(stored.key for stored in away)
