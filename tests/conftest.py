@@ -6,11 +6,20 @@ import pytest
 import torch
 
 
+#: The session's cache directory, made by the process that runs pytest and read by its xdist workers
+SESSION_CACHE_ENV_VAR = "HIERREMAT_TEST_SESSION_CACHE_DIR"
+
+
 def pytest_configure(config):
-    # Solved block options go to a fresh cache directory, never to the user's ~/.cache/hierremat.
-    # Each process (the xdist controller and every worker) makes its own and removes it when it ends.
-    config._hierremat_cache_dir = tempfile.mkdtemp(prefix="hierremat-test-cache-")
-    os.environ["HIERREMAT_CACHE_DIR"] = config._hierremat_cache_dir
+    # Solved block options go to a fresh cache directory, never to the user's ~/.cache/hierremat. The process that
+    # runs pytest makes it (and removes it when it ends); its xdist workers, started after this, share it, so a
+    # block's menu is solved once per run, not once per worker (the cache's writes are atomic: hierremat.store.cache).
+    # Tests that need a cold or a particular cache pass their own (cache=str(tmp_path), cache=False).
+    shared = os.environ.get(SESSION_CACHE_ENV_VAR) if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if shared is None:
+        config._hierremat_cache_dir = shared = tempfile.mkdtemp(prefix="hierremat-test-cache-")
+        os.environ[SESSION_CACHE_ENV_VAR] = shared
+    os.environ["HIERREMAT_CACHE_DIR"] = shared
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # The cores shared among xdist's workers: each with torch's default (a thread per core) oversubscribes
         # them (two workers on two cores: tests/test_shapes.py, test_mixed_precision.py and test_residents.py

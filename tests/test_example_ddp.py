@@ -78,6 +78,7 @@ def _initial_weights() -> dict:
 def test_two_ranks_train_the_same_weights_as_one_process(tmp_path):
     ddp_out, single_out = tmp_path / "ddp", tmp_path / "single"
     ddp_log = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "--log-dir", str(tmp_path / "torchrun-logs"),  # (else a torchelastic_* directory in /tmp)
                     str(EXAMPLE), *COMMON, "--batch", str(PER_RANK_BATCH), "--out", str(ddp_out)])
     _run([sys.executable, str(EXAMPLE), *COMMON, "--batch", str(2 * PER_RANK_BATCH), "--out", str(single_out)])
 

@@ -158,7 +158,7 @@ def _kept_transfer_seconds(costs: ChainCosts, option) -> float:
     """KOFF of ChainArrays for one option: seconds its kept values take out and back (inf: not offloadable)."""
     if costs.tier is None or not option.kept_offloadable:
         return float("inf")
-    return costs.tier.offload_seconds(option.kept_bytes) + costs.tier.fetch_seconds(option.kept_bytes)
+    return costs.tier.round_trip_seconds(option.kept_bytes)
 
 
 def transfer_seconds(costs: ChainCosts) -> tuple[np.ndarray, np.ndarray]:

@@ -96,10 +96,7 @@ class _Expander:
     def kept_transfer_times(self, s: int, k: int, with_input: bool) -> float:
         """Seconds that sending option k's kept values (and x_s ``with_input``) out and back adds, each waited for."""
         tier, kept = self.costs.tier, self.costs.stages[s].options[k].kept_bytes
-        seconds = tier.offload_seconds(kept) + tier.fetch_seconds(kept)
-        if with_input:
-            seconds += tier.offload_seconds(self.a[s]) + tier.fetch_seconds(self.a[s])
-        return seconds
+        return tier.round_trip_seconds(kept) + (tier.round_trip_seconds(self.a[s]) if with_input else 0.0)
 
     def kept_offloads(self, v: int, s: int, t: int, k: int) -> tuple[bool, ...]:
         """The ``with_input`` of each way option k may offload its kept values: none where it cannot, False (kept values

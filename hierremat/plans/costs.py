@@ -422,6 +422,11 @@ class TierBandwidth:
     def fetch_seconds(self, nbytes: int) -> float:
         return nbytes / self.fetch_bytes_per_second
 
+    def round_trip_seconds(self, nbytes: int) -> float:
+        """Seconds to send ``nbytes`` out and fetch them back, both waited for (the offload first: every caller adds
+        in this one order, so the DP kernel, its reference and the expander agree to the last bit)."""
+        return self.offload_seconds(nbytes) + self.fetch_seconds(nbytes)
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "offload_bytes_per_second": self.offload_bytes_per_second,
                 "fetch_bytes_per_second": self.fetch_bytes_per_second}
