@@ -88,19 +88,39 @@ def _train(tmp_path, ranks: int, device: str, model: str, parallel: str, budget:
     """Run the ranks (and, in fp32, one process on the whole batches): (the reports, rank 0's final
     parameters, the single process's or None). Checks that the first step's gradients are bitwise
     those of FSDP2 or DDP alone on the same batches (module docstring)."""
-    spread, single = tmp_path / parallel, tmp_path / "single"
+    spread = tmp_path / parallel
     _run([*_torchrun(tmp_path, ranks), str(SCRIPT),
           "--model", model, "--parallel", parallel, "--budget", budget, "--device", device, "--autocast", autocast,
           "--out", str(spread), *(["--set-to-none"] if set_to_none else []), *extra], device)
     grads, plain_grads = torch.load(spread / "grads.pt"), torch.load(spread / "plain_grads.pt")
     assert grads.keys() == plain_grads.keys()
     assert [k for k in grads if not torch.equal(grads[k], plain_grads[k])] == []
-    single_params = None
-    if autocast == "off":
-        _run([sys.executable, str(SCRIPT), "--model", model, "--device", device, "--out", str(single), *extra], device)
-        single_params = torch.load(single / "params.pt")
+    single_params = _single_params(model, device, extra) if autocast == "off" else None
     reports = [json.loads((spread / f"report{r}.json").read_text()) for r in range(ranks)]
     return reports, torch.load(spread / "params.pt"), single_params
+
+
+#: distributed_train.py's flags that change only what the ranks plan, not one process's plain training
+_PLANNING_ONLY_FLAGS = {"--offload": 0, "--meta": 0, "--upcast-outputs": 0, "--block-options": 1}
+
+
+def _single_params(model: str, device: str, extra: tuple[str, ...]) -> dict:
+    """One process's final parameters, trained plainly on the whole global batches (distributed_train.py without
+    --parallel). They depend on the model, the device and the steps only, so each is trained once per test session,
+    beside the session's block-option cache (tests/conftest.py: xdist's workers share it; a file lock on each)."""
+    from filelock import FileLock  # (a dependency of torch)
+
+    args, i = [], 0
+    while i < len(extra):
+        skip = _PLANNING_ONLY_FLAGS.get(extra[i])
+        args += [] if skip is not None else [extra[i]]
+        i += 1 + (skip or 0)
+    out = Path(os.environ["HIERREMAT_CACHE_DIR"]) / "distributed-single-runs" / "_".join([model, device, *args])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "params.pt").exists():
+            _run([sys.executable, str(SCRIPT), "--model", model, "--device", device, "--out", str(out), *args], device)
+    return torch.load(out / "params.pt")
 
 
 def _schedule_part(plan_json: str) -> dict:
