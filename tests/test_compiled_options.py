@@ -4,10 +4,11 @@
   rounding, with the same dropout masks (Inductor's ``fallback_random``), and its measured
   costs are consistent (its forward peak holds what it keeps and its output).
 - A whole model planned with compile=True and outputs="loss", its compiled forms forced into
-  the plan beside the fused LM head: the smallest feasible budget no higher than without compiling; gradients equal plain
-  autograd's to within that rounding, the CPU allocator's peak within the budget and equal
-  to the prediction; the plan says what compiling took; a saved plan runs compiled
-  again; Inductor's caches are written under hierremat's cache directory.
+  the plan beside the fused LM head: the smallest feasible budget no higher than without
+  compiling; gradients equal plain autograd's to within that rounding, the CPU allocator's
+  peak within the budget and equal to the prediction; the plan says what compiling took; a
+  saved plan runs compiled again; Inductor's caches are written under hierremat's cache
+  directory.
 - checkpoint_sequential(compile=True) trains with exact dropout.
 - An option Inductor fails to compile runs as eager code, with one warning.
 - A bad ``compile=`` value is refused by name.
