@@ -6,20 +6,21 @@ import pytest
 import torch
 
 
-#: The session's cache directory, made by the process that runs pytest and read by its xdist workers
-SESSION_CACHE_ENV_VAR = "HIERREMAT_TEST_SESSION_CACHE_DIR"
+#: A directory for the whole test session, made by the process that runs pytest and shared by its xdist workers
+#: (tests/test_distributed.py keeps its one-process reference runs there)
+SESSION_DIR_ENV_VAR = "HIERREMAT_TEST_SESSION_DIR"
 
 
 def pytest_configure(config):
-    # Solved block options go to a fresh cache directory, never to the user's ~/.cache/hierremat. The process that
-    # runs pytest makes it (and removes it when it ends); its xdist workers, started after this, share it, so a
-    # block's menu is solved once per run, not once per worker (the cache's writes are atomic: hierremat.store.cache).
-    # Tests that need a cold or a particular cache pass their own (cache=str(tmp_path), cache=False).
-    shared = os.environ.get(SESSION_CACHE_ENV_VAR) if os.environ.get("PYTEST_XDIST_WORKER") else None
-    if shared is None:
-        config._hierremat_cache_dir = shared = tempfile.mkdtemp(prefix="hierremat-test-cache-")
-        os.environ[SESSION_CACHE_ENV_VAR] = shared
-    os.environ["HIERREMAT_CACHE_DIR"] = shared
+    # Solved block options go to a fresh cache directory, never to the user's ~/.cache/hierremat.
+    # Each process (the xdist controller and every worker) makes its own and removes it when it ends: shared by the
+    # workers, a test's cache would follow what another worker was solving at that moment (a warm cache builds block
+    # options at once where a cold one defers them, and FSDP2's first plan then reads other times).
+    config._hierremat_dirs = [tempfile.mkdtemp(prefix="hierremat-test-cache-")]
+    os.environ["HIERREMAT_CACHE_DIR"] = config._hierremat_dirs[0]
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(SESSION_DIR_ENV_VAR)):
+        config._hierremat_dirs.append(tempfile.mkdtemp(prefix="hierremat-test-session-"))
+        os.environ[SESSION_DIR_ENV_VAR] = config._hierremat_dirs[-1]
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # The cores shared among xdist's workers: each with torch's default (a thread per core) oversubscribes
         # them (two workers on two cores: tests/test_shapes.py, test_mixed_precision.py and test_residents.py
@@ -29,7 +30,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(getattr(config, "_hierremat_cache_dir", ""), ignore_errors=True)
+    for directory in getattr(config, "_hierremat_dirs", ()):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -107,18 +107,21 @@ _PLANNING_ONLY_FLAGS = {"--offload": 0, "--meta": 0, "--upcast-outputs": 0, "--b
 def _single_params(model: str, device: str, extra: tuple[str, ...]) -> dict:
     """One process's final parameters, trained plainly on the whole global batches (distributed_train.py without
     --parallel). They depend on the model, the device and the steps only, so each is trained once per test session,
-    beside the session's block-option cache (tests/conftest.py: xdist's workers share it; a file lock on each)."""
+    in the session's directory (tests/conftest.py: xdist's workers share it; a file lock on each)."""
     from filelock import FileLock  # (a dependency of torch)
+
+    from conftest import SESSION_DIR_ENV_VAR
 
     args, i = [], 0
     while i < len(extra):
-        skip = _PLANNING_ONLY_FLAGS.get(extra[i])
-        args += [] if skip is not None else [extra[i]]
-        i += 1 + (skip or 0)
-    out = Path(os.environ["HIERREMAT_CACHE_DIR"]) / "distributed-single-runs" / "_".join([model, device, *args])
+        values = _PLANNING_ONLY_FLAGS.get(extra[i])  # (how many values the planning-only flag takes)
+        if values is None:
+            args.append(extra[i])
+        i += 1 + (values or 0)
+    out = Path(os.environ[SESSION_DIR_ENV_VAR]) / "distributed-single-runs" / "_".join([model, device, *args])
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
-        if not (out / "params.pt").exists():
+        if not (out / "report0.json").exists():  # (written last: a run that failed after its parameters is run again)
             _run([sys.executable, str(SCRIPT), "--model", model, "--device", device, "--out", str(out), *args], device)
     return torch.load(out / "params.pt")
 
