@@ -3,7 +3,8 @@
 1. Every compute node gets a *unit*: the outermost module in its ``nn_module_stack``
    that is a child of an ``nn.ModuleList``/``nn.Sequential`` (descending while that child
    is itself such a container), e.g. ``transformer.h.3`` in GPT-2 or ``layer2.0`` in a
-   ResNet. Nodes outside any container (embeddings, final norm, head, loss) get none.
+   ResNet, or a block held beside others of its class outside any container (GoogLeNet's
+   ``inception4a``, whose branches are containers). Nodes outside any container (embeddings, final norm, head, loss) get none.
    Maximal runs of nodes with the same unit, in graph order, are the candidate stages.
 2. Values that depend on no parameter (trainable or frozen) and no input that requires
    grad, are not random and do not mutate (attention masks, position ids, rotary tables,
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..plans.stage_info import ResidentLayout, StageInfo
+from .boundary_writes import functionalize_boundary_writes
 from .capture import CapturedModel
 from .nodes import is_random, module_stack, target_name
 
@@ -136,6 +139,7 @@ def substitute_tensor(gm: nn.Module, target: str, value: torch.Tensor) -> None:
 
 
 def block_unit(model: nn.Module, stack: list[str]) -> str | None:
+    """The unit of a node whose module stack (outermost first) is ``stack`` (module docstring, step 1)."""
     for path in stack:
         if not path:
             continue
@@ -149,7 +153,22 @@ def block_unit(model: nn.Module, stack: list[str]) -> str | None:
             if isinstance(module, CONTAINERS) and len(module) >= 2:
                 continue
             return path
+        if _repeated_block(parent_module, module):
+            return path
     return None
+
+
+def _repeated_block(parent: nn.Module, module: nn.Module) -> bool:
+    """Whether ``module`` is a block held as an attribute beside others of its class (GoogLeNet's
+    ``inception3a``, ``inception3b``, ... and its ``conv1``, ``conv2``, ``conv3``): not a container,
+    with submodules, none of them an ``nn.ModuleList`` (a T5 encoder beside its decoder holds its
+    layers in one: those are its units). Within such a block, the units of its branches would each
+    carry their output beside the chain to the concatenation that ends the block."""
+    if isinstance(module, CONTAINERS) or next(module.children(), None) is None:
+        return False
+    if not any(other is not module and type(other) is type(module) for other in parent.children()):
+        return False
+    return not any(isinstance(m, nn.ModuleList) for m in module.modules())
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -427,6 +446,10 @@ def build_chain_graph(
         inner_carries, residents, stage_of = _carries_and_residents(stages, output, with_residents)
     stages = [piece for piece, _ in named_stages]
     names = [name for _, name in named_stages]
+    stages, moved = _carry_before_several_results(stages, output, with_residents)
+    stages, rewritten = functionalize_boundary_writes(gm.graph, stages)
+    if moved or rewritten:  # other carries; later readers of an overwritten value read the stage's new result
+        inner_carries, residents, stage_of = _carries_and_residents(stages, output, with_residents)
 
     stage_set = [set(s) for s in stages]
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -471,6 +494,46 @@ def build_chain_graph(
         )
     orchestrator = _orchestrator(gm, placeholders, pre, carries[0], shared_nodes, final_outputs + exported, output)
     return ChainGraph(stage_modules, infos, orchestrator, layout)
+
+
+#: Operators of the captured graph that its joint trace makes one node of several results (the output beside the
+#: statistics or indices its backward reads): a stage whose carry is one of them gets no block options
+#: (hierremat.planning.menus), so :func:`_carry_before_several_results` moves it into the next stage.
+#: (``layer_norm`` is one too; a post-norm transformer's layers keep theirs: their encoder output stays their own.)
+SEVERAL_RESULTS = frozenset({
+    torch.ops.aten.batch_norm.default, torch.ops.aten.group_norm.default, torch.ops.aten.instance_norm.default,
+    torch.ops.aten.max_pool2d.default, torch.ops.aten.max_pool3d.default,
+})
+
+
+def _tensor_bytes(node: fx.Node) -> int | float:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(val.numel(), int):
+        return math.inf
+    return val.numel() * val.element_size()
+
+
+def _carry_before_several_results(stages: list[list[fx.Node]], output: fx.Node, residents: bool):
+    """The stages with each carry made by an operator of SEVERAL_RESULTS (a block ending in BatchNorm) moved to the
+    start of the next stage, where it is the last node of its stage, its only input that is not a parameter or
+    buffer comes from its stage, holds no more bytes than it, and nothing else in its stage reads it: the carry is
+    then that input, a value of its own. Returns (stages, how many moved); moves that would leave a cut without a
+    carry are not made."""
+    carries = _cut_carries(stages, output, residents)[0]
+    new, moved = [list(nodes) for nodes in stages], 0
+    for b, carry in enumerate(carries):
+        stage = new[b]
+        if carry is None or carry.target not in SEVERAL_RESULTS or len(stage) < 2 or stage[-1] is not carry:
+            continue
+        inputs = [a for a in carry.all_input_nodes if a.op != "get_attr"]
+        if len(inputs) != 1 or inputs[0] not in stage or any(u in stage for u in carry.users):
+            continue
+        if _tensor_bytes(inputs[0]) > _tensor_bytes(carry):  # (a pool's larger input: a larger checkpoint)
+            continue
+        trial = new[:b] + [stage[:-1], [carry, *new[b + 1]]] + new[b + 2:]
+        if None not in _cut_carries(trial, output, residents)[0]:
+            new, moved = trial, moved + 1
+    return new, moved
 
 
 def _stage_names(stages: list[list[fx.Node]], unit_of: dict) -> list[str]:
