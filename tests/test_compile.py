@@ -128,7 +128,7 @@ def test_compiled_training_step_with_backward_inside_is_exact(autocast):
     ids = torch.randint(0, 256, (2, 48))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         # compiled code keeps the model's outputs alive through the backward: plan for it
-        module = hr.remat(model, (ids,), {"labels": ids}, budget="1.2MiB", output_held=True)
+        module = hr.remat(model, (ids,), {"labels": ids}, budget="1.4MiB", output_held=True)
     assert not module.plans[0].chain.schedule.keeps_everything  # recomputes (stages or within blocks)
     eager_copy = copy.deepcopy(module)
 

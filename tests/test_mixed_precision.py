@@ -117,7 +117,7 @@ def test_gpt2_bf16_block_options_follow_the_recipe_seen_at_the_first_backward(re
     ids = torch.randint(0, 256, (2, 48))
     kwargs = {"labels": ids, "use_cache": False}
     _, grads_ref, plain_peak = _step(reference, ids, recipe, torch.bfloat16)
-    budget = plain_peak // 2
+    budget = plain_peak * 3 // 5  # (the floor, which counts the bf16 kernels' scratch, is 0.54 of plain's tracked peak)
     for p in model.parameters():  # (as _step has them: allocated before the step)
         p.grad = torch.zeros_like(p)
     with torch.autocast("cpu", dtype=torch.bfloat16):

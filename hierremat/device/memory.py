@@ -15,6 +15,7 @@ logits) are invisible to it; such an operator hands them to :func:`track_hidden`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -286,6 +287,61 @@ def cpu_allocator_changes(events) -> list[tuple[int, int]]:
     ``kineto_results.events()``: (start ns, bytes), in time order."""
     return sorted((e.start_ns(), e.nbytes()) for e in events
                   if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+
+
+def allocator_peaks_in_marks(events, prefix: str) -> dict[str, tuple[int, int]]:
+    """For each ``record_function`` range named ``prefix + name`` among a ``torch.profiler`` run's
+    ``kineto_results.events()`` (ranges one after the other, not nested): (bytes the CPU allocator
+    held when it started, the most it held until it ended), both counted from the run's start."""
+    changes = cpu_allocator_changes(events)
+    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(prefix):]) for e in events
+                    if e.name().startswith(prefix))
+    peaks, live, k = {}, 0, 0
+    for start, end, name in ranges:
+        while k < len(changes) and changes[k][0] < start:
+            live += changes[k][1]
+            k += 1
+        base = peak = live
+        while k < len(changes) and changes[k][0] <= end:
+            live += changes[k][1]
+            peak = max(peak, live)
+            k += 1
+        peaks[name] = (base, peak)
+    return peaks
+
+
+class MarkedAllocatorPeaks:
+    """The CPU allocator's peak in each of several runs, each marked by name while a profile session
+    records (``recording()``, around them all; ``mark(name)``, around each): what the live-tensor
+    tracker sees plus the scratch kernels allocate below the dispatcher (oneDNN's convolution
+    backward keeps a weight gradient per thread). Off (``enabled`` False, every peak 0) on other
+    devices and where a torch.profiler session of the caller's records (check_no_profiler)."""
+
+    PREFIX = "hierremat-run:"
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cpu" and not (torch._C._autograd._profiler_enabled()
+                                                     or _profiler_warming_up())
+        self._peaks: dict[str, tuple[int, int]] = {}
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        with cpu_memory_profile() as profile:
+            yield
+        events = list(profile.profiler.kineto_results.events())
+        del profile
+        self._peaks = allocator_peaks_in_marks(events, self.PREFIX)
+
+    def mark(self, name: str):
+        return torch.profiler.record_function(self.PREFIX + name) if self.enabled else contextlib.nullcontext()
+
+    def peak(self, name: str) -> int:
+        """The most bytes the allocator held during run ``name`` above what it held at its start (0 when off)."""
+        base, peak = self._peaks.get(name, (0, 0))
+        return peak - base
 
 
 def memory_meter(device: torch.device | str, record_allocations: bool = False):

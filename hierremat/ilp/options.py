@@ -407,9 +407,7 @@ class _Replay:
     its workspace.
     """
 
-    def __init__(self, graph: BlockGraph, count_scratch: bool = True):
-        """count_scratch: False leaves out the nodes' kernel scratch (GraphNode.scratch_bytes)."""
-        self.count_scratch = count_scratch
+    def __init__(self, graph: BlockGraph):
         x, dy = graph.input_name, graph.output_grad_name
         self.nodes = {n.name: n for n in graph.nodes}
         self.size = {x: graph.input_bytes, dy: graph.output_grad_bytes}
@@ -445,7 +443,7 @@ class _Replay:
                 if nm in live:
                     raise ValueError(f"{phase} op {i}: {nm} is already in memory")
                 new = 0 if names_of.get(root[nm], 0) else size[root[nm]]
-                peak = max(peak, mem + new + n.workspace_bytes - (0 if self.count_scratch else n.scratch_bytes))
+                peak = max(peak, mem + new + n.workspace_bytes)
                 live.add(nm)
                 names_of[root[nm]] = names_of.get(root[nm], 0) + 1
                 mem += new
@@ -524,13 +522,11 @@ def recost_options(graph: BlockGraph, options) -> list[BlockOption]:
     return recosted
 
 
-def forward_only(graph: BlockGraph, also: frozenset = frozenset(), count_scratch: bool = True) -> ForwardOnly:
+def forward_only(graph: BlockGraph, also: frozenset = frozenset()) -> ForwardOnly:
     """The no-grad forward of ``graph``: its forward nodes that the output, a random node or a
     node of ``also`` (buffer updates) depends on, in graph order, each value freed at its last
     use. Random nodes always run, so the forward draws what every other forward of the block
-    draws from the same RNG state. count_scratch: False prices its peak without the kernels'
-    scratch (as the live-tensor tracker measures the stage's own no-grad forward, which runs the
-    same kernels: so that the two compare)."""
+    draws from the same RNG state."""
     forward = graph.forward_nodes
     by_name = {n.name: n for n in forward}
     needed: set[str] = set()
@@ -544,7 +540,7 @@ def forward_only(graph: BlockGraph, also: frozenset = frozenset(), count_scratch
     computes = tuple((COMPUTE, n.name) for n in forward if n.name in needed)
     frees = tuple(("free", n.name) for n in forward if n.name in needed and n.name != graph.output_name)
     ops = free_at_last_use(graph, computes + frees)
-    replay = _Replay(graph, count_scratch)
+    replay = _Replay(graph)
     live = {graph.input_name}
     entry, peak, seconds = replay.run(ops, live, "forward")
     if graph.output_name not in live:  # pragma: no cover - the output is computed and never freed

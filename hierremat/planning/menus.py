@@ -732,9 +732,7 @@ def build_menus(
         bound = rebind(joint, programs.stages[i] if shared else stage)  # (the family's: the same parameters)
         if signature not in generated:
             mutations = frozenset(node for node, _ in joint.mutations)
-            # (priced as the stage's own no-grad forward is measured, without the kernels' scratch: see
-            # forward_only; the two run the same kernels)
-            forwards[signature] = forward_only(menu.graph, also=mutations, count_scratch=False)
+            forwards[signature] = forward_only(menu.graph, also=mutations)
             if shared:
                 key = family_keys[signature]
                 generated[signature] = [programs.option(key, joint, option) for option in menu.options]

@@ -53,7 +53,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from ..plans.costs import ChainCosts, step_time_ratios, timed_in_steps
-from ..plans.memory_trace import with_memory
+from ..plans.memory_trace import is_scratch, with_memory
 from ..runtime.profile import PROFILE_REPEATS, ChainProfile
 from ..runtime.stage_cost_cache import ExecutorSpeeds
 
@@ -603,6 +603,9 @@ class ShapeFit:
             return None
         values, unfitted = template.memory_trace.values(), set()
         for k, key in enumerate(keys):
+            if is_scratch(key):  # (not a sum of storages: the largest measured)
+                values[key] = max(max(t.figures[k][1]) for t in traces)
+                continue
             figure = self._exact_figure([t.figures[k][1] for t in traces])
             if figure is None:
                 if not key.startswith("stage"):

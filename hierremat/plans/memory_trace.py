@@ -22,6 +22,10 @@ from typing import Mapping
 
 from .costs import ChainCosts
 
+#: A trace's key for the CPU kernels' scratch above a figure's peak (``stage{i}.scratch.{figure}``): what the
+#: allocator meter saw above the tracked bytes (hierremat.runtime.profile). The figure is its candidates' largest
+#: plus its scratch; the scratch is not a sum of storages: at another shape, the largest measured.
+SCRATCH = "scratch."
 #: The memory figures of a stage (StageCosts') and of its autograd option (OptionCosts') a trace holds.
 STAGE_FIELDS = ("nograd_fwd_overhead_bytes",)
 OPTION_FIELDS = ("kept_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes", "bwd_overhead_new_grads_bytes")
@@ -37,7 +41,7 @@ class MemoryTrace:
     figures: tuple[tuple[str, tuple[int, ...]], ...]
 
     def values(self) -> dict[str, int]:
-        """Each figure: the largest of its candidates."""
+        """Each figure (and each scratch): the largest of its candidates."""
         return {key: max(points) for key, points in self.figures}
 
     def prefixed(self, prefix: str) -> "MemoryTrace":
@@ -55,12 +59,20 @@ class MemoryTrace:
         return cls(tuple((str(key), tuple(int(p) for p in points)) for key, points in d["figures"]))
 
 
-def stage_trace(**figures: tuple[int, ...] | None) -> MemoryTrace:
-    """A stage's trace from its figures' candidates (None: the figure is None)."""
+def stage_trace(scratch: Mapping[str, int] | None = None, **figures: tuple[int, ...] | None) -> MemoryTrace:
+    """A stage's trace from its figures' candidates (None: the figure is None), and the kernels' scratch
+    on top of each peak (``scratch``: figure -> bytes; SCRATCH)."""
     unknown = set(figures) - set(STAGE_FIELDS) - set(OPTION_FIELDS)
     if unknown:
         raise ValueError(f"not a stage memory figure: {sorted(unknown)}")
-    return MemoryTrace(tuple((k, tuple(int(p) for p in v)) for k, v in figures.items() if v is not None))
+    traced = [(k, tuple(int(p) for p in v)) for k, v in figures.items() if v is not None]
+    traced += [(SCRATCH + k, (int(bytes_),)) for k, bytes_ in (scratch or {}).items() if figures.get(k) is not None]
+    return MemoryTrace(tuple(traced))
+
+
+def is_scratch(key: str) -> bool:
+    """Whether a trace's key names a figure's scratch (SCRATCH)."""
+    return key.partition(".")[2].startswith(SCRATCH)
 
 
 def with_memory(costs: ChainCosts, values: Mapping[str, int]) -> tuple[ChainCosts, int]:
@@ -70,9 +82,11 @@ def with_memory(costs: ChainCosts, values: Mapping[str, int]) -> tuple[ChainCost
     stages = []
     for i, st in enumerate(costs.stages):
         option = st.options[0]
-        figures = {f: values[f"stage{i}.{f}"] for f in OPTION_FIELDS[:-1]}
-        option = replace(option, **figures, bwd_overhead_new_grads_bytes=values.get(f"stage{i}.{OPTION_FIELDS[-1]}"))
-        stages.append(replace(st, options=(option,), **{f: values[f"stage{i}.{f}"] for f in STAGE_FIELDS}))
+        figure = lambda f: values[f"stage{i}.{f}"] + values.get(f"stage{i}.{SCRATCH}{f}", 0)
+        figures = {f: figure(f) for f in OPTION_FIELDS[:-1]}
+        new_grads = figure(OPTION_FIELDS[-1]) if f"stage{i}.{OPTION_FIELDS[-1]}" in values else None
+        option = replace(option, **figures, bwd_overhead_new_grads_bytes=new_grads)
+        stages.append(replace(st, options=(option,), **{f: figure(f) for f in STAGE_FIELDS}))
     residents = tuple(
         replace(r, value_bytes=values[f"resident{k}.value"], grad_bytes=values[f"resident{k}.grad"])
         for k, r in enumerate(costs.residents)

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..device.autocast import AutocastState
-from ..device.memory import allocated_bytes, check_no_profiler, cpu_allocator_changes, cpu_memory_profile
+from ..device.memory import allocated_bytes, allocator_peaks_in_marks, check_no_profiler, cpu_memory_profile
 from ..graphs.joint import JointGraph, evaluate_size, is_view_node, joint_inputs, overwritten_argument
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
@@ -169,22 +169,9 @@ def _cpu_workspaces(gm: fx.GraphModule, args: list) -> dict[str, int]:
     with cpu_memory_profile() as prof:
         interpreter.run(*args, enable_io_processing=False)
     events = list(prof.profiler.kineto_results.events())
-    changes = cpu_allocator_changes(events)
-    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(_MARK):]) for e in events
-                    if e.name().startswith(_MARK))
-    del prof, events
-    workspaces, live, k = {}, 0, 0
-    for start, end, name in ranges:  # (the nodes run one after the other: their ranges are disjoint, in order)
-        while k < len(changes) and changes[k][0] < start:
-            live += changes[k][1]
-            k += 1
-        base = peak = live
-        while k < len(changes) and changes[k][0] <= end:
-            live += changes[k][1]
-            peak = max(peak, live)
-            k += 1
-        workspaces[name] = max(0, peak - base - interpreter.new_bytes.get(name, 0))
-    return workspaces
+    del prof
+    return {name: max(0, peak - base - interpreter.new_bytes.get(name, 0))
+            for name, (base, peak) in allocator_peaks_in_marks(events, _MARK).items()}
 
 
 def _with_copy_of(written: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -34,7 +34,7 @@ from .executor import (
 )
 from .grad_taps import tap_input
 from ..device.autocast import AutocastState
-from ..device.memory import WeightCastCounter, allocated_bytes, memory_meter
+from ..device.memory import MarkedAllocatorPeaks, WeightCastCounter, allocated_bytes, memory_meter
 from .residents import keep_made, split_output, stage_shared, tap_read
 from ..device.rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
@@ -409,21 +409,36 @@ class _PeakRun:
     """A peak on ``meter`` from now on: ``end()`` sets ``peak``, the most bytes live until then above
     those live now, and ``candidates``, the live bytes above them after each storage allocated
     meanwhile (with 0: their largest is the peak), where the meter records allocations (the
-    live-tensor tracker), else None (hierremat.plans.memory_trace)."""
+    live-tensor tracker), else None (hierremat.plans.memory_trace). With ``allocator``, the run is
+    marked ``name`` there, and ``scratch()`` gives what the allocator saw above the peak."""
 
-    def __init__(self, meter):
+    def __init__(self, meter, allocator: MarkedAllocatorPeaks | None = None, name: str = ""):
         meter.reset_peak()
         self.meter, self.base = meter, meter.live_bytes
         allocations = getattr(meter, "allocations", None)
         self._start = None if allocations is None else len(allocations)
         self.candidates: tuple[int, ...] | None = None
         self.peak = 0
+        self._allocator, self._name = allocator, name
+        self._mark = allocator.mark(name) if allocator is not None else None
+        if self._mark is not None:
+            self._mark.__enter__()
 
     def end(self) -> int:
+        if self._mark is not None:
+            self._mark.__exit__(None, None, None)
+            self._mark = None
         if self._start is not None:
             self.candidates = (0, *(a - self.base for a in self.meter.allocations[self._start:]))
         self.peak = self.meter.peak_bytes - self.base
         return self.peak
+
+    def scratch(self) -> int:
+        """The bytes the allocator held above this run's tracked peak (the kernels' scratch), once the
+        allocator's session ended; 0 without one."""
+        if self._allocator is None or not self._allocator.enabled:
+            return 0
+        return max(0, self._allocator.peak(self._name) - self.peak)
 
 
 def _with_floor(run: _PeakRun | None, *floors: int) -> tuple[int, ...] | None:
@@ -449,8 +464,9 @@ def _profile_stage(
     with torch.no_grad(), WeightCastCounter(params) as casts:
         mutated = _mutated_buffer_names(stage, lambda: call(x))  # also the warm-up
     meter = memory_meter(device, record_allocations=True)
-    with meter:
-        run = _PeakRun(meter)
+    allocator = MarkedAllocatorPeaks(device)  # (the tracker does not see the kernels' scratch: CPU allocator)
+    with allocator.recording(), meter:
+        run = _PeakRun(meter, allocator, "nograd")
         started = time.perf_counter()
         with tapeless():  # as the runner runs F_none / F_ck of the stage itself
             y = detach_output(call(x))
@@ -463,7 +479,7 @@ def _profile_stage(
         anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
         x_copy = x.detach().clone()  # a storage of its own, to see whether the tape keeps it
         inp, sink = tap_input(x_copy, anchor)
-        run = _PeakRun(meter)
+        run = _PeakRun(meter, allocator, "forward")
         started = time.perf_counter()
         with torch.enable_grad():
             out = call(inp)
@@ -490,14 +506,19 @@ def _profile_stage(
         pins_input, pins_output = sum(input_freed) < input_watched, sum(outputs_freed) < output_storage_bytes
         bwd_peak, bwd_time, bwd_run = 0, 0.0, None
         if any(e is not None for e in edges):
-            run = _PeakRun(meter)
+            run = _PeakRun(meter, allocator, "backward")
             started = time.perf_counter()
             backward_through(edges, grads)
             _sync(device)
             bwd_time = time.perf_counter() - started
             bwd_peak, bwd_run = run.end(), run
         del edges, grads, sink, made
-        new_grads_run = _bwd_run_with_new_grads(call, x, requires_grad, grad_mask, params, meter, produced)
+        new_grads_run = _bwd_run_with_new_grads(call, x, requires_grad, grad_mask, params, meter, produced, allocator)
+    scratch = {  # (the kernels' scratch, on top of each figure: hierremat.plans.memory_trace.SCRATCH)
+        "nograd_fwd_overhead_bytes": nograd_run.scratch(), "fwd_overhead_bytes": fwd_run.scratch(),
+        "bwd_overhead_bytes": bwd_run.scratch() if bwd_run is not None else 0,
+        "bwd_overhead_new_grads_bytes": new_grads_run.scratch() if new_grads_run is not None else 0,
+    }
     if timed and not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
         nograd_time, fwd_time, bwd_time = _timed_runs(call, x, requires_grad, repeats, device, grad_mask)
 
@@ -507,15 +528,16 @@ def _profile_stage(
         fwd_time=fwd_time,
         bwd_time=bwd_time,
         kept_bytes=kept,
-        fwd_overhead_bytes=max(fwd_peak, kept + out_bytes),
-        bwd_overhead_bytes=max(bwd_peak, grad_bytes),
+        fwd_overhead_bytes=max(fwd_peak, kept + out_bytes) + scratch["fwd_overhead_bytes"],
+        bwd_overhead_bytes=max(bwd_peak, grad_bytes) + scratch["bwd_overhead_bytes"],
         pins_output=pins_output,
         pins_input=pins_input,
-        bwd_overhead_new_grads_bytes=None if bwd_new_grads_peak is None else max(bwd_new_grads_peak, grad_bytes),
+        bwd_overhead_new_grads_bytes=None if bwd_new_grads_peak is None
+        else max(bwd_new_grads_peak, grad_bytes) + scratch["bwd_overhead_new_grads_bytes"],
     )
     cost = StageCosts(
         nograd_fwd_time=nograd_time,
-        nograd_fwd_overhead_bytes=max(nograd_peak, out_bytes),
+        nograd_fwd_overhead_bytes=max(nograd_peak, out_bytes) + scratch["nograd_fwd_overhead_bytes"],
         options=(option,),
         name=_stage_name(i, stage),
         weight_cast_bytes=casts.bytes,
@@ -528,6 +550,7 @@ def _profile_stage(
             fwd_overhead_bytes=_with_floor(fwd_run, out_bytes, held),
             bwd_overhead_bytes=_with_floor(bwd_run, grad_bytes),
             bwd_overhead_new_grads_bytes=None if new_grads_run is None else _with_floor(new_grads_run, grad_bytes),
+            scratch=scratch,
         )
     return cost, mutated, y, grad_mask, trace
 
@@ -540,7 +563,7 @@ def _residents_made(out, produced: int) -> tuple:
 
 
 def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask, params: list,
-                            meter, produced: int = 0) -> _PeakRun | None:
+                            meter, produced: int = 0, allocator: MarkedAllocatorPeaks | None = None) -> _PeakRun | None:
     """The stage's backward run when its parameters' ``.grad`` is None (PyTorch's default
     ``zero_grad(set_to_none=True)``): the gradients it makes stay instead of being added into ``.grad``
     and freed (its peak: OptionCosts.bwd_overhead_new_grads_bytes). None where the stage has no
@@ -557,7 +580,7 @@ def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool
         del out
         if all(e is None for e in edges):
             return None
-        run = _PeakRun(meter)
+        run = _PeakRun(meter, allocator, "backward with new gradients")
         backward_through(edges, grads)
         run.end()
         del made  # (held through the backward, as the runner holds a stage's residents)

@@ -28,7 +28,7 @@ from ..store.cache import CacheKey, OptionsCache
 log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
-STAGE_COST_VERSION = "stage-10"  # 5: the backward with .grad None; 6: memory traces (plans.memory_trace); 7, 8: residents neither kept nor pinned; 9: the row-blocked loss's buffer uncapped; 10: the fused head in tiles
+STAGE_COST_VERSION = "stage-11"
 
 
 @dataclass(frozen=True)
