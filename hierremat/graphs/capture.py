@@ -24,6 +24,7 @@ from ..errors import UnsupportedModelError
 from .nodes import NodeInfo, describe
 from .variants.cross_entropy import use_row_blocked_cross_entropy
 from .variants.embedding import use_grad_in_place_embeddings
+from .variants.linear import use_grad_in_place_linears
 from .causal_attention import restore_causal_attention
 from .eager_masks import restore_unpadded_bias_masks
 from .symbolic import SymbolicCapture, export_call
@@ -113,8 +114,8 @@ def capture(
     """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem.
 
     variants: also route operators to hierremat's exact, memory-lean variants where one
-    applies (hierremat.graphs.variants: the row-blocked cross-entropy, embeddings whose backward adds
-    into ``.grad``).
+    applies (hierremat.graphs.variants: the row-blocked cross-entropy, embeddings and large linear
+    weights whose backward adds into ``.grad``).
     outputs: the names of the outputs to return (hierremat.plan's ``outputs=``); None: all.
     symbolic: the model's symbolic capture: its program specialized at these inputs' sizes
     stands for the export where it holds for them (hierremat.graphs.symbolic); where it does not, the
@@ -137,6 +138,7 @@ def capture(
     if variants:
         use_row_blocked_cross_entropy(module)
         use_grad_in_place_embeddings(module)
+        use_grad_in_place_linears(module)
     nodes = {n.name: describe(n) for n in module.graph.nodes}
     log.debug("captured %s: %d nodes%s", type(model).__name__, len(nodes), " (specialized)" if specialized else "")
     return CapturedModel(module, nodes, specialized)
