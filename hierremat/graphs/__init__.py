@@ -1,5 +1,6 @@
 """Graphs: a model captured as one ATen-level fx graph (torch.export; hierremat.graphs.capture),
-its nodes described (nodes), cut into a chain of stages (segment), each stage's joint
+its nodes described (nodes), cut into a chain of stages (segment; in-place writes across a cut
+made out of place: boundary_writes), each stage's joint
 forward+backward graph traced (joint), and the operator variants' rewrites of those graphs
 (hierremat.graphs.variants). It runs the model only to trace it: measuring is the runtime's,
 the operators the rewrites insert are hierremat.ops'."""

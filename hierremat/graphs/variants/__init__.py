@@ -6,6 +6,9 @@ Each rewrite computes bitwise what the graph computed, in less memory:
   whose backward never makes the whole dense gradient of the log-probabilities;
 * ``embedding`` (at capture): ``aten.embedding`` by the embedding whose backward adds the rows
   the batch read into the table's ``.grad``, never a dense ``[num_embeddings, dim]`` gradient;
+* ``linear`` (at capture): ``aten.linear`` of a weight far larger than its activations by the
+  linear layer whose backward adds the weight's gradient into ``.grad`` (bitwise with ``.grad``
+  zeroed; see hierremat.ops.linear under gradient accumulation);
 * ``dropout`` (joint graphs): dropout masks packed to one bit per element, and the dropout's
   output as a deterministic op of its input and the packed mask, so a block option may
   recompute it instead of keeping it (the random draw itself is never repeated);
