@@ -27,15 +27,15 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 import common as C
-from hierremat.graphs.capture import capture
-from hierremat.graphs.joint import to_block_graph, trace_joint
+from hierremat.blocks.capture import capture
+from hierremat.blocks.joint import to_block_graph, trace_joint
 from hierremat.runtime.node_profile import profile_nodes
-from hierremat.graphs.segment import build_chain_graph
+from hierremat.blocks.segment import build_chain_graph
 from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu
 from hierremat.ilp.solve import BlockIlp
 from hierremat.runtime.block_exec import OptionExecutor, OptionTape
 from hierremat.planning.menus import stage_inputs
-from hierremat.api.compiled_shape import chain_inputs
+from hierremat.api.planned_shape import chain_inputs
 
 RESULTS = C.RESULTS_DIR / "bench_block_exec.md"
 

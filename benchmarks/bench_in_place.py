@@ -1,4 +1,4 @@
-"""In-place pointwise operators (hierremat.graphs.variants.in_place): what running them in place buys.
+"""In-place pointwise operators (hierremat.blocks.variants.in_place): what running them in place buys.
 
 Models (random weights, fp32, train mode, CPU), planned with ``hierremat.plan_sequential``:
   gpt2-blocks  4 Hugging Face GPT-2 decoder blocks (n_embd 128, 4 heads, dropout 0.1) as an nn.Sequential; input

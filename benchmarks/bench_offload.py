@@ -86,7 +86,7 @@ class _TierWatch:
 
 def _watch_tier(module, watch: _TierWatch, watched_tiers: set) -> None:
     """Read the tier's file sizes just before each fetch (when it holds the most); once per tier."""
-    runner = next(c for c in module._compiled.values()).chain_module.planned.runner
+    runner = next(c for c in module._planned.values()).chain_module.planned.runner
     tier = runner.tier
     if tier is None or id(tier) in watched_tiers:
         return

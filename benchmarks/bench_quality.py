@@ -49,11 +49,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from hierremat.plans.block_graph import BlockGraph, concatenate  # noqa: E402
-from hierremat.graphs.capture import capture  # noqa: E402
-from hierremat.graphs.hf import call_kwargs  # noqa: E402
-from hierremat.graphs.joint import to_block_graph, trace_joint  # noqa: E402
+from hierremat.blocks.capture import capture  # noqa: E402
+from hierremat.blocks.hf import call_kwargs  # noqa: E402
+from hierremat.blocks.joint import to_block_graph, trace_joint  # noqa: E402
 from hierremat.runtime.node_profile import profile_nodes  # noqa: E402
-from hierremat.graphs.segment import build_chain_graph  # noqa: E402
+from hierremat.blocks.segment import build_chain_graph  # noqa: E402
 from hierremat.plans.costs import ChainCosts, ResidentCosts, StageCosts  # noqa: E402
 from hierremat.dp.baselines import uniform_segments_schedule  # noqa: E402
 from hierremat.dp.solve import min_peak_schedule, solve_chain  # noqa: E402
@@ -62,7 +62,7 @@ from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu  #
 from hierremat.ilp.solve import BlockIlp  # noqa: E402
 from hierremat.plans.simulate import simulate  # noqa: E402
 from hierremat.planning.menus import resident_positions, stage_arguments, stage_inputs  # noqa: E402
-from hierremat.api.compiled_shape import chain_inputs  # noqa: E402
+from hierremat.api.planned_shape import chain_inputs  # noqa: E402
 
 SLOTS = 2000
 

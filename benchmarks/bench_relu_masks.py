@@ -1,4 +1,4 @@
-"""ReLU's backward from a 1-bit mask (hierremat.graphs.variants.relu_masks): what the block ILP's choice buys.
+"""ReLU's backward from a 1-bit mask (hierremat.blocks.variants.relu_masks): what the block ILP's choice buys.
 
 Models (random weights, fp32, train mode, CPU), planned with ``hierremat.plan_sequential``:
   relu-mlp  nn.Sequential: 6 x (LayerNorm | Linear 256->1024, ReLU, Dropout 0.1, Linear 1024->256) + in/out

@@ -235,7 +235,7 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
 
         for _ in range(20):  # (until the length runs the plan it keeps: block options re-costed, where they will be)
             step()
-            if not next(reversed(remat.module._compiled.values())).block_gain:
+            if not next(reversed(remat.module._planned.values())).block_gain:
                 break
         row["alloc"] = C.allocator_peak_bytes(step)
         with LiveTensorTracker() as tracker:
@@ -315,7 +315,7 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = AC
         before = {family: list(samples) for family, samples in module._samples.items()}  # (as this plan had them)
         _, kwargs = module._orchestrator((), dict(batch))  # (the plan this length's first call gets)
         plan = module.plans[-1]
-        compiled = next(reversed(module._compiled.values()))
+        compiled = next(reversed(module._planned.values()))
         profiled = before.get(compiled.family, [])
 
         def step(compiled=compiled, kwargs=kwargs):
@@ -407,7 +407,7 @@ def _quiet_fit(profiled: list, before: list, compiled, costs):
     """The stage costs a length's fit would give (hierremat.planning.shape_fit.ShapeFit, as its first plan was
     fitted: from the family's ``profiled`` samples as they were when it was planned and the lengths timed before it,
     at most STEP_SAMPLES of them as there), its lengths' stage times those of the interleaved rounds (``before``:
-    (CompiledShape, their stage times) of each length run before it); None where no fit takes the length (a length
+    (PlannedShape, their stage times) of each length run before it); None where no fit takes the length (a length
     measured has no fit either: the caller skips those)."""
     from hierremat.api.whole_model import STEP_SAMPLES
     from hierremat.planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern

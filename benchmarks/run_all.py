@@ -39,7 +39,7 @@ Methods (one row each; a row that does not apply or fails is kept, with the reas
                         (``InfeasibleBudgetError.min_budget_bytes`` after asking for 1 KiB) and
                         ``--between`` budgets spaced geometrically up to the plain peak. One warm-up step
                         first (hierremat re-plans after the first backward if the caller releases the output).
-                        Defaults: per-block ILP options and operator variants (hierremat.graphs.variants);
+                        Defaults: per-block ILP options and operator variants (hierremat.blocks.variants);
   hierremat configurations  (HIERREMAT_CONFIGS) the same budgets without operator variants (variants=False),
                         Rotor on blocks (block_options="autograd", variants=False: autograd's options and the
                         model's own operators), the whole-graph ILP (segmentation="none"),

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from hierremat.graphs.capture import capture
-from hierremat.graphs.segment import build_chain_graph
+from hierremat.blocks.capture import capture
+from hierremat.blocks.segment import build_chain_graph
 from hierremat.planning.menus import stage_inputs
-from hierremat.api.compiled_shape import chain_inputs
+from hierremat.api.planned_shape import chain_inputs
 
 
 def stage_of(model: nn.Module, args: tuple, kwargs: dict, name: str):

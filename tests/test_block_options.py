@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.graphs.joint import to_block_graph, trace_joint
+from hierremat.blocks.joint import to_block_graph, trace_joint
 from hierremat.runtime.node_profile import profile_nodes
 from hierremat.planning.menus import cost_model_version
 from hierremat.store.cache import default_cache
@@ -30,9 +30,9 @@ from hierremat.runtime.block_exec import ForwardExecutor, GeneratedForward, Opti
 from hierremat.runtime.option_codegen import StageBinding
 from hierremat.runtime.stage_cost_cache import ExecutorSpeeds
 
-from hierremat.graphs.capture import capture
-from hierremat.graphs.segment import build_chain_graph
-from hierremat.api.compiled_shape import chain_inputs
+from hierremat.blocks.capture import capture
+from hierremat.blocks.segment import build_chain_graph
+from hierremat.api.planned_shape import chain_inputs
 
 from models import TinyResNet, tiny_gpt2
 from stages import stage_of
@@ -77,7 +77,7 @@ def _check_forward_only(stage, joint, graph, x, shared, buffers):
 
 
 def _check_menu(stage, x, shared, rewrite=None, **menu_settings):
-    """rewrite: a variant's rewrite of the joint graph (hierremat.graphs.variants), or None."""
+    """rewrite: a variant's rewrite of the joint graph (hierremat.blocks.variants), or None."""
     buffers = [b.clone() for b in stage.buffers()]
     joint = trace_joint(stage, x, shared, input_requires_grad=x.is_floating_point())
     if rewrite is not None:
@@ -159,8 +159,8 @@ def test_the_ilp_chooses_between_relu_outputs_and_their_packed_masks():
     """A feed-forward block with ReLU then dropout (T5's, classic MLPs): with the ReLU's mask
     packed, every option is still autograd's bitwise, and the menu keeps the 1-bit masks
     instead of the ReLU's output where that pays: a smaller least peak than without."""
-    from hierremat.graphs.variants.dropout import pack_dropout_masks
-    from hierremat.graphs.variants.relu_masks import pack_relu_masks
+    from hierremat.blocks.variants.dropout import pack_dropout_masks
+    from hierremat.blocks.variants.relu_masks import pack_relu_masks
 
     torch.manual_seed(2)
     stage = torch.nn.Sequential(

@@ -1,5 +1,5 @@
 """Stages whose first operator writes over their input (torchvision's ``inplace=True`` activations
-at a block boundary): planned and run bitwise like plain autograd (hierremat.graphs.boundary_writes)."""
+at a block boundary): planned and run bitwise like plain autograd (hierremat.blocks.boundary_writes)."""
 
 import copy
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.graphs.boundary_writes import functional_overload
+from hierremat.blocks.boundary_writes import functional_overload
 
 from harness import assert_same_bits, train_step
 

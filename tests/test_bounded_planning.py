@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.graphs import segment
+from hierremat.blocks import segment
 from hierremat.device import LiveTensorTracker
 
 WIDTH, DEPTH = 8, 300  # ~2,000 ATen nodes per block (forward and backward)

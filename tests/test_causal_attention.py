@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hierremat.graphs.capture import capture
+from hierremat.blocks.capture import capture
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 

@@ -40,9 +40,9 @@ def test_paused_then_restored_as_the_caller_had_it(collector_on):
 
 def test_a_new_length_is_planned_with_the_collector_paused_and_no_collection_inside(collector_on, monkeypatch):
     planning: list[dict] = []
-    real_compile = whole_model.compile_shape
+    real_compile = whole_model.plan_shape
 
-    def compile_shape(*args, **kwargs):
+    def plan_shape(*args, **kwargs):
         record = {"enabled": gc.isenabled(), "collections": []}
         planning.append(record)
         try:
@@ -54,7 +54,7 @@ def test_a_new_length_is_planned_with_the_collector_paused_and_no_collection_ins
         if phase == "start" and planning and "done" not in planning[-1]:
             planning[-1]["collections"].append(info["generation"])
 
-    monkeypatch.setattr(whole_model, "compile_shape", compile_shape)
+    monkeypatch.setattr(whole_model, "plan_shape", plan_shape)
     gc.callbacks.append(on_collection)
     try:
         torch.manual_seed(0)
@@ -65,11 +65,11 @@ def test_a_new_length_is_planned_with_the_collector_paused_and_no_collection_ins
             batch = padded_batch(length, pad=2, vocab_size=256)
             module(**batch).loss.backward()
             assert gc.isenabled()
-        key = next(reversed(module._compiled))  # (planned again to build its block options: seconds, not paused)
+        key = next(reversed(module._planned))  # (planned again to build its block options: seconds, not paused)
         module._plan_again(key, (), batch, defer_blocks=False)
     finally:
         gc.callbacks.remove(on_collection)
-    assert [c.plan.capture_kind for c in module._compiled.values()] == ["specialized"] * 3  # (one symbolic capture)
+    assert [c.plan.capture_kind for c in module._planned.values()] == ["specialized"] * 3  # (one symbolic capture)
     assert planning[0]["enabled"]  # (the first shape: profiled, its block options solved, with the collector on)
     assert [p["enabled"] for p in planning[1:]] == [False, False, True]
     assert all(p["collections"] == [] for p in planning[1:3]), planning

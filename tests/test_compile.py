@@ -175,7 +175,7 @@ def test_remat_of_a_compiled_model_captures_the_original(caplog):
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
     reference = copy.deepcopy(model)
-    with caplog.at_level("INFO", logger="hierremat.graphs.capture"):
+    with caplog.at_level("INFO", logger="hierremat.blocks.capture"):
         module = hr.remat(torch.compile(model), (ids,), {"labels": ids, "use_cache": False}, budget="1GiB")
     assert "captures the original module" in caplog.text
     _, grads, _ = _step(module, ids)
@@ -234,7 +234,7 @@ def test_compiled_remat_model_trains_at_every_length_within_budget():
     """``torch.compile(hierremat.remat(...))`` over dynamically changing lengths: Dynamo recompiles the
     orchestrator's code (then with dynamic sizes), hierremat plans each new length in its graph break
     (the fifth from fitted costs); gradients equal eager hierremat's, the allocator's peak within budget.
-    Every length from the second on runs one size-generic orchestrator (hierremat.graphs.generic), so Dynamo
+    Every length from the second on runs one size-generic orchestrator (hierremat.blocks.generic), so Dynamo
     compiles nothing after the third length (the first's, the second's and a dynamic one), not again at each
     length until its recompile limit (8) stops compiling."""
     torch.manual_seed(0)

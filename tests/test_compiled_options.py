@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.graphs.joint import to_block_graph, trace_joint
+from hierremat.blocks.joint import to_block_graph, trace_joint
 from hierremat.runtime.node_profile import profile_nodes
 from hierremat.ilp.options import solve_menu
 from hierremat.runtime.block_exec import OptionExecutor

@@ -83,7 +83,7 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
     assert first.times.startswith("measured (times of one run each, until its training steps time it); block options "
                                   "not built yet (they could save at most")
     assert "block options not built yet" in first.summary()
-    deferred = next(iter(module._compiled.values()))
+    deferred = next(iter(module._planned.values()))
     assert deferred.build_estimate > 0 and module._recost_seconds == deferred.build_estimate
     assert deferred.block_gain > 0
     assert all(peak <= budget for peak in _peaks(module, _batch(64)))

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.graphs.capture import capture
-from hierremat.graphs.segment import build_chain_graph
+from hierremat.blocks.capture import capture
+from hierremat.blocks.segment import build_chain_graph
 from hierremat.planning.output_stage import FUSED_HEAD, fused_head_stage
 from hierremat.device import LiveTensorTracker
 from hierremat.ops import linear_cross_entropy as lce

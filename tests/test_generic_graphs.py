@@ -1,4 +1,4 @@
-"""One set of graphs for every input shape (hierremat.graphs.generic): a shape specialized from the symbolic capture
+"""One set of graphs for every input shape (hierremat.blocks.generic): a shape specialized from the symbolic capture
 runs its family's size-generic stages and orchestrator, checked to be its own program, and keeps no graph of its own
 (issue 35: "no graph per shape")."""
 
@@ -12,11 +12,11 @@ import torch
 from torch import fx
 
 import hierremat as hr
-from hierremat.api.compiled_shape import ChainDispatch, chain_inputs
-from hierremat.graphs.capture import capture
-from hierremat.graphs.generic import GenericChain, _same, same_but_sizes, size_generic
-from hierremat.graphs.segment import build_chain_graph
-from hierremat.graphs.symbolic import SYMBOLIC_SHAPE, SizeLiteral, capture_symbolic
+from hierremat.api.planned_shape import ChainDispatch, chain_inputs
+from hierremat.blocks.capture import capture
+from hierremat.blocks.generic import GenericChain, _same, same_but_sizes, size_generic
+from hierremat.blocks.segment import build_chain_graph
+from hierremat.blocks.symbolic import SYMBOLIC_SHAPE, SizeLiteral, capture_symbolic
 
 from models import padded_batch, tiny_gpt2
 
@@ -157,7 +157,7 @@ def test_shapes_specialized_from_the_capture_share_one_set_of_graphs_and_train_b
         reference.zero_grad()
         if step == 3:
             graphs_after_four = _graph_modules()
-    compiled = list(module._compiled.values())
+    compiled = list(module._planned.values())
     assert len(compiled) == len(set(lengths))
     assert all(c.dispatch is not None and c.sources == [] for c in compiled)
     assert len({id(c.chain.orchestrator) for c in compiled}) == 1
@@ -179,8 +179,8 @@ def test_plans_that_hold_graphs_of_their_own_are_bounded_apart(monkeypatch):
     for length in lengths:
         for module in (shared, own):
             module(**_batch(length, pad=1)).loss.backward()
-    assert len(shared.plans) == len(lengths) and not any(c.holds_graphs for c in shared._compiled.values())
-    (kept,) = own._compiled.values()  # (each exported on its own: the one used last)
+    assert len(shared.plans) == len(lengths) and not any(c.holds_graphs for c in shared._planned.values())
+    (kept,) = own._planned.values()  # (each exported on its own: the one used last)
     assert kept.holds_graphs and kept.skeleton[1]["input_ids"].shape[1] == lengths[-1]
 
 
@@ -201,11 +201,11 @@ def test_shapes_sharing_graphs_accumulate_gradients_across_shapes_and_survive_a_
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
     copied = copy.deepcopy(module)
     assert torch.equal(copied(**_batch(31, pad=2, seed=6)).loss, reference(**_batch(31, pad=2, seed=6)).loss)
-    assert all(c.dispatch is not None for c in copied._compiled.values() if c.bindings)
+    assert all(c.dispatch is not None for c in copied._planned.values() if c.bindings)
 
 
 def test_a_family_whose_last_plan_is_dropped_is_forgotten_with_its_generic_graphs_and_their_sources():
-    from hierremat.graphs.sources import _eval_cache
+    from hierremat.blocks.sources import _eval_cache
 
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
@@ -219,7 +219,7 @@ def test_a_family_whose_last_plan_is_dropped_is_forgotten_with_its_generic_graph
     for length in (33, 21):  # calls of another family (no labels): the first family's two plans dropped
         unlabelled = {k: v for k, v in _batch(length, pad=1).items() if k != "labels"}
         module(**unlabelled).logits.sum().backward()
-    assert all(c.family != family for c in module._compiled.values())
+    assert all(c.family != family for c in module._planned.values())
     assert family not in module._families_kept() and not any(key in _eval_cache() for key in sources)
     model.zero_grad()
     batch = _batch(29, pad=2, seed=3)  # (the first family again: captured again, as at its first shape)

@@ -94,13 +94,13 @@ def test_hugging_face_model_trains_bitwise_within_budget(name, device):
 
 
 def test_decoder_in_training_gets_use_cache_false_with_one_log_line(caplog, monkeypatch):
-    from hierremat.graphs import hf
+    from hierremat.blocks import hf
 
     monkeypatch.setattr(hf, "_LOGGED", set())  # logged once per process and model class, as HF's warning_once
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
-    with caplog.at_level("INFO", logger="hierremat.graphs.hf"):
+    with caplog.at_level("INFO", logger="hierremat.blocks.hf"):
         module = hr.remat(model, (ids,), {"labels": ids}, budget="1GiB")  # HF's natural call: use_cache unset
         for _ in range(3):
             out = module(ids, labels=ids)

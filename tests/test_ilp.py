@@ -305,7 +305,7 @@ def brute_force_schedule(st, kept_budget, peak_budget):
 
 
 def with_in_place(graph: BlockGraph, rng) -> BlockGraph:
-    """``graph`` with some nodes made in-place results (hierremat.graphs.variants.in_place's
+    """``graph`` with some nodes made in-place results (hierremat.blocks.variants.in_place's
     conditions on the graph): a node overwrites one of its inputs where that is a value of
     its own phase owning its storage, of the node's size, neither the output nor dx, with no
     views, and read by no other node (backward: by none after it); in the forward, the node's

@@ -1,16 +1,16 @@
-"""In-place operators (hierremat.graphs.variants.in_place): bitwise results, less memory."""
+"""In-place operators (hierremat.blocks.variants.in_place): bitwise results, less memory."""
 
 import pytest
 import torch
 from torch import nn
 
-from hierremat.graphs.joint import overwritten_argument, run_joint, to_block_graph, trace_joint
+from hierremat.blocks.joint import overwritten_argument, run_joint, to_block_graph, trace_joint
 from hierremat.runtime.node_profile import profile_nodes
 from hierremat.ilp import BlockIlp
 from hierremat.ilp.options import forward_only
-from hierremat.graphs.variants.dropout import pack_dropout_masks
-from hierremat.graphs.variants.relu_masks import pack_relu_masks
-from hierremat.graphs.variants.in_place import functional_joint, in_place_overload, out_overload, run_in_place
+from hierremat.blocks.variants.dropout import pack_dropout_masks
+from hierremat.blocks.variants.relu_masks import pack_relu_masks
+from hierremat.blocks.variants.in_place import functional_joint, in_place_overload, out_overload, run_in_place
 
 from models import same_bits, tiny_gpt2
 

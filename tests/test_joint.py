@@ -1,4 +1,4 @@
-"""Joint forward+backward ATen graphs of single stages (hierremat.graphs.joint, node_profile).
+"""Joint forward+backward ATen graphs of single stages (hierremat.blocks.joint, node_profile).
 
 Stages come from hierremat's own capture + segmentation of: a 2-layer GPT-2 (dropout
 active: attention-probability and residual dropout), a ResNet-style CNN (BatchNorm in
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hierremat.plans.block_graph import BACKWARD, FORWARD, BlockGraph
-from hierremat.graphs.joint import (
+from hierremat.blocks.joint import (
     is_view_node, run_joint, saved_for_backward, storage_layout, to_block_graph, trace_joint,
 )
 from hierremat.runtime.node_profile import profile_nodes

@@ -1,5 +1,5 @@
 """The linear layer whose backward adds its weight gradient into ``.grad`` (hierremat.ops.linear,
-hierremat.graphs.variants.linear): autograd's gradients bitwise, no weight-sized tensor made."""
+hierremat.blocks.variants.linear): autograd's gradients bitwise, no weight-sized tensor made."""
 
 import copy
 import itertools
@@ -10,7 +10,7 @@ from torch import nn
 
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
-from hierremat.graphs.capture import capture
+from hierremat.blocks.capture import capture
 from hierremat.ops.linear import linear
 
 from harness import assert_same_bits, train_step, with_grads

@@ -77,7 +77,7 @@ def test_a_model_planned_on_meta_trains_bitwise_within_budget_once_materialized(
                           device="cpu")
     plan = module.plans[0]
     assert plan.lent_weight_bytes > 0 and not plan.chain.schedule.keeps_everything
-    compiled = next(iter(module._compiled.values()))
+    compiled = next(iter(module._planned.values()))
     for graph in compiled.graphs():  # the lent copies were given back: every graph reads the model's meta tensors
         gm = getattr(graph, "graph_module", graph)
         for node in gm.graph.find_nodes(op="get_attr"):

@@ -295,7 +295,7 @@ def test_whole_model_with_offload_is_exact_and_summarized(tmp_path):
     without = explorer.plan(int(explorer.smallest_feasible_bytes * 1.15), offload=False)
     assert plan.predicted_step_time <= without.predicted_step_time
     module = hr.remat(model, (x,), plan=plan, offload=str(tmp_path))
-    runner = next(iter(module._compiled.values())).chain_module.planned.runner
+    runner = next(iter(module._planned.values())).chain_module.planned.runner
     assert runner.tier is offloading.tier_for(transfer_plan(plan.chain.costs, plan.chain.schedule))
     runner.tier.peak_bytes = 0
     for p in model.parameters():

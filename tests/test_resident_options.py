@@ -1,4 +1,4 @@
-"""Block options of stages that read residents (hierremat.graphs.joint's ``resident_grads``).
+"""Block options of stages that read residents (hierremat.blocks.joint's ``resident_grads``).
 
 A reader's joint graph takes each floating resident it reads as an input with a gradient and
 the sum of the later readers' gradients as a seed; its backward adds the stage's terms to the
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.graphs.joint import run_joint, to_block_graph, trace_joint
+from hierremat.blocks.joint import run_joint, to_block_graph, trace_joint
 from hierremat.runtime.node_profile import profile_nodes
 from hierremat.ilp.options import solve_menu
 from hierremat.device import memory_meter

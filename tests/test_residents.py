@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.graphs.capture import capture
-from hierremat.graphs.eager_masks import has_value_branch
-from hierremat.graphs.hf import call_kwargs
-from hierremat.graphs.segment import build_chain_graph
+from hierremat.blocks.capture import capture
+from hierremat.blocks.eager_masks import has_value_branch
+from hierremat.blocks.hf import call_kwargs
+from hierremat.blocks.segment import build_chain_graph
 from hierremat.plans.model_plan import ModelPlan
 from hierremat.device import memory_meter
 from hierremat.plans.schedule import FCk, FNone, Loss
@@ -109,7 +109,7 @@ def test_menus_of_stages_with_residents_name_ops_the_same_in_every_process():
     model, args, kwargs = _t5()
     plan = hr.plan(model, args, kwargs, budget="1GiB")
     ops = {node["op"] for menu in plan.menus.values() for node in menu["graph"]["nodes"]}
-    assert "hierremat.graphs.joint.seeded_add" in ops
+    assert "hierremat.blocks.joint.seeded_add" in ops
     assert not any(" at 0x" in op for op in ops)
 
 
@@ -168,7 +168,7 @@ def test_model_with_residents_trains_bitwise_within_budget_at_four_budgets(name)
 
 def test_t5_under_bf16_autocast_trains_bitwise_within_budget():
     """The fresh-context recipe (autocast around the forward only). The decoder's position bias is
-    masked as in eager mode (hierremat.graphs.hf.eager_mask_decisions): with a mask materialised over
+    masked as in eager mode (hierremat.blocks.hf.eager_mask_decisions): with a mask materialised over
     the batch, as torch.export's path of Hugging Face's mask code makes it, the bias gradient would be
     summed over the batch after SDPA's bf16 rounding instead of before it."""
     pytest.importorskip("transformers")
@@ -230,7 +230,7 @@ def test_t5_without_dropout_checkpoints_with_the_kernels_of_its_forward_with_gra
 @pytest.mark.parametrize("masks_by", ["keyword", "position"])
 def test_t5_batches_without_padding_take_eager_modes_mask_shortcut_bitwise_under_bf16(masks_by):
     """With no padding at all eager mode skips the padding masks, a branch on their values: the
-    captured graph takes it too (hierremat.graphs.eager_masks), plans are kept per all-ones state
+    captured graph takes it too (hierremat.blocks.eager_masks), plans are kept per all-ones state
     (the encoder's mask passed by keyword or by position), and padded and unpadded batches
     alternate, each bitwise equal to plain autocast."""
     pytest.importorskip("transformers")
@@ -346,7 +346,7 @@ def test_gradients_held_past_a_backward_own_their_storage():
     stage input's gradient outlive the backward that made them, and the models count them at their
     own bytes: held as slices, they kept the whole concatenated gradient alive (a U-Net's skip
     gradient held three times its bytes until its producer's backward, over budget)."""
-    from hierremat.graphs.joint import seeded_add
+    from hierremat.blocks.joint import seeded_add
     from hierremat.runtime.grad_taps import tap_input
 
     whole = torch.randn(2, 6, 4)

@@ -307,7 +307,7 @@ def _relu_dropout_chain():
 
 def test_relu_masks_lower_the_floor_of_a_relu_dropout_chain_and_train_exactly(monkeypatch):
     """Feed-forward blocks with ReLU then dropout: with ReLU's backward from a packed mask
-    (a choice of the block ILP, hierremat.graphs.variants.relu_masks) the smallest feasible budget
+    (a choice of the block ILP, hierremat.blocks.variants.relu_masks) the smallest feasible budget
     drops, and the plans from it up still give plain autograd's gradients within budget.
     (In-place operators are off for the comparison: they let the ReLU backward write over its
     gradient, which saves memory in another step of the same block.)"""
@@ -361,7 +361,7 @@ def test_smallest_budget_does_not_move_with_which_no_grad_forward_is_measured_fa
 
 
 class _Residual(nn.Module):
-    """``x + mlp(x)``: the sum is written over the MLP's output (hierremat.graphs.variants.in_place), so
+    """``x + mlp(x)``: the sum is written over the MLP's output (hierremat.blocks.variants.in_place), so
     the block's output is an in-place result, its storage the MLP output's."""
 
     def __init__(self, width: int):

@@ -1,7 +1,7 @@
 """Every input shape from one capture (issue 35, item 1): a symbolic capture specialized per shape,
 block menus re-costed at new sizes instead of solved, times and memory fitted, bounded plans and cache.
 
-A model called at a second shape is exported once with symbolic sizes (hierremat.graphs.symbolic);
+A model called at a second shape is exported once with symbolic sizes (hierremat.blocks.symbolic);
 every later shape's graph is that program specialized (no trace) and its block menus are the ones
 solved at another shape, re-costed (hierremat.ilp.options.recost_options; no ILP solve). Each length
 trains with gradients bitwise equal to plain autograd's and a measured peak (live-tensor tracker and
@@ -23,9 +23,9 @@ import torch
 import hierremat as hr
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter, CudaPeakMeter
-from hierremat.graphs.capture import capture
-from hierremat.graphs.symbolic import capture_symbolic, every_dim, export_call, marked_dims, padded_dims
-from hierremat.graphs.joint import to_block_graph, trace_joint
+from hierremat.blocks.capture import capture
+from hierremat.blocks.symbolic import capture_symbolic, every_dim, export_call, marked_dims, padded_dims
+from hierremat.blocks.joint import to_block_graph, trace_joint
 from hierremat.ilp.options import recost_options, simulate_option, solve_menu
 from hierremat.plans.block_graph import BlockGraph
 from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
@@ -83,7 +83,7 @@ def test_specialized_metas_are_fake_tensor_propagation_s(monkeypatch):
     metadata FakeTensorProp records, node for node, and the same code."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from hierremat.graphs import symbolic as symbolic_module
+    from hierremat.blocks import symbolic as symbolic_module
 
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
@@ -716,7 +716,7 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
         if length == 56 and step == 5:  # re-costing as dear as a million steps' gain: not at the first call
             module._recost_seconds = 1e6
         if length == 56 and step == 6:  # then as dear as 1.5 steps' gain: at the third call, after two without
-            module._recost_seconds = 1.5 * next(reversed(module._compiled.values())).block_gain
+            module._recost_seconds = 1.5 * next(reversed(module._planned.values())).block_gain
         before = len(traced)
         for m in (model, reference):
             for p in m.parameters():
@@ -751,7 +751,7 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     # and run their family's size-generic stages, their block options bound to them; those re-costed after the first
     # run the programs generated once for every shape from the family's joint graphs, and hold no graph of their own
     # (the gradients above were bitwise at every step)
-    shared = [c for c in module._compiled.values() if c.dispatch is not None and c.plan.menus]
+    shared = [c for c in module._planned.values() if c.dispatch is not None and c.plan.menus]
     family = [c for c in shared if c.chain_module.planned.menus.shared_code]
     assert family and all(not c.holds_graphs for c in family)
     assert all(c.holds_graphs for c in shared if c not in family)
@@ -894,7 +894,7 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
                 loss = net(**batch).loss
             loss.backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), step
-        plan = next(c for c in module._compiled.values() if c.skeleton[1]["input_ids"].shape[1] == length).plan
+        plan = next(c for c in module._planned.values() if c.skeleton[1]["input_ids"].shape[1] == length).plan
         times.setdefault(length, []).append(plan.times)
 
     def step_at(length: int) -> None:
@@ -946,7 +946,7 @@ def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_t
             torch.manual_seed(step)
             m(**_batch(length)).loss.backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), length
-    compiled = next(c for c in module._compiled.values() if c.skeleton[1]["input_ids"].shape[1] == 48)
+    compiled = next(c for c in module._planned.values() if c.skeleton[1]["input_ids"].shape[1] == 48)
     assert "in the training steps" in compiled.plan.times and compiled.plan.menus, compiled.plan.times
     signatures = [info.signature for info in compiled.chain.infos]
     fit = ShapeFit.of([*module._samples[compiled.family], *module._step_samples[compiled.family]],
@@ -993,9 +993,9 @@ def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them
     batch = _batch(64, pad=1)  # (padded: captured symbolically at once, so its steps make samples)
     module = hr.remat(model, (), batch, budget=budget, cache=False)
     module._recost_seconds = 1e6  # (no block options built in these steps: the plans made again here are the test's)
-    key = next(iter(module._compiled))
-    recorder = module._compiled[key].chain_module.planned.step_times
-    family = module._compiled[key].family
+    key = next(iter(module._planned))
+    recorder = module._planned[key].chain_module.planned.step_times
+    family = module._planned[key].family
     again = TIMED_STEPS + 2  # (after this many steps, the length planned again)
     times = []
     for step in range(SAMPLED_STEPS + 2):
@@ -1006,7 +1006,7 @@ def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them
             torch.manual_seed(step)
             net(**batch).loss.backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), step
-        compiled = module._compiled[key]
+        compiled = module._planned[key]
         assert compiled.chain_module.planned.step_times is recorder  # (one recorder across the plans made again)
         times.append(compiled.plan.times)
         (sample,) = module._step_samples_of(family)  # the length's sample: the medians of its steps so far
@@ -1018,7 +1018,7 @@ def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them
                    for t in times]
     assert solved_from == [None, "1", "1", *["3"] * (again - TIMED_STEPS), *[str(again)] * (SAMPLED_STEPS - again),
                            str(SAMPLED_STEPS), str(SAMPLED_STEPS)], solved_from
-    assert module._compiled[key].plan.predicted_peak_bytes <= budget
+    assert module._planned[key].plan.predicted_peak_bytes <= budget
 
     def step_at() -> None:
         module(**batch).loss.backward()
@@ -1039,7 +1039,7 @@ def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept
     module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False)
     # the first shape planned again (as for another padding state, where plans are kept per padding state, or the
     # caller's autocast recipe): no size varies yet, so no capture is made (the next length makes it)
-    module._plan_again(next(iter(module._compiled)), (), _batch(64))
+    module._plan_again(next(iter(module._planned)), (), _batch(64))
     assert module._symbolic == {} and len(module.plans) == 1
     captures = []
     for batch in (_batch(40), _batch(40, batch=1), _batch(40, batch=3)):
@@ -1278,10 +1278,10 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     # its plans all dropped (max_shapes=1: a call of another structure planned since), the shape is planned again
     # without the failed capture tried again
     module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB", cache=False, max_shapes=1)
-    family = next(iter(module._compiled.values())).family
+    family = next(iter(module._planned.values())).family
     tried = len(captured)
     module(input_ids=first["input_ids"], labels=first["labels"])  # (another family: its own first-shape capture)
-    assert len(module._first_capture_failed) == 2 and all(c.family != family for c in module._compiled.values())
+    assert len(module._first_capture_failed) == 2 and all(c.family != family for c in module._planned.values())
     module(**first)
     assert len(captured) == tried + 1 and len(module.plans) == 1
     # a padded first batch whose capture fails: the second length, varying the same sizes, does not try again

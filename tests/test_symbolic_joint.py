@@ -1,4 +1,4 @@
-"""One joint graph for every shape of a stage (hierremat.graphs.symbolic_joint, hierremat.planning.family_programs):
+"""One joint graph for every shape of a stage (hierremat.blocks.symbolic_joint, hierremat.planning.family_programs):
 a size-generic stage traced once with symbolic sizes gives, at each shape, the BlockGraph a trace at that shape gives
 (node for node, byte for byte), and block options' code generated from it once runs every shape with the gradients
 of plain autograd, bitwise (issue 35: "no graph per shape")."""
@@ -13,14 +13,14 @@ import torch
 
 import hierremat as hr
 
-from hierremat.api.compiled_shape import ChainDispatch, chain_inputs
-from hierremat.graphs.capture import capture
-from hierremat.graphs.generic import GenericChain, NotGeneric
-from hierremat.graphs.joint import is_size_node, to_block_graph, trace_joint
-from hierremat.graphs.segment import build_chain_graph
-from hierremat.graphs.sources import _eval_cache, source_keys
-from hierremat.graphs.symbolic import capture_symbolic
-from hierremat.graphs.symbolic_joint import trace_symbolic_joint
+from hierremat.api.planned_shape import ChainDispatch, chain_inputs
+from hierremat.blocks.capture import capture
+from hierremat.blocks.generic import GenericChain, NotGeneric
+from hierremat.blocks.joint import is_size_node, to_block_graph, trace_joint
+from hierremat.blocks.segment import build_chain_graph
+from hierremat.blocks.sources import _eval_cache, source_keys
+from hierremat.blocks.symbolic import capture_symbolic
+from hierremat.blocks.symbolic_joint import trace_symbolic_joint
 from hierremat.ilp.options import recost_options, solve_menu
 from hierremat.planning.family_programs import FamilyPrograms, _check_size_sources
 from hierremat.planning import menus as menus_module
@@ -152,7 +152,7 @@ def test_plans_re_costed_at_each_length_run_one_program_per_option_and_train_bit
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), length
         model.zero_grad()
         reference.zero_grad()
-    family = [c for c in module._compiled.values()
+    family = [c for c in module._planned.values()
               if c.chain_module.planned.menus is not None and c.chain_module.planned.menus.shared_code]
     assert len(family) >= 2 and not any(c.holds_graphs for c in family)
     programs = [{(i, e.option.name): e.generated for i, row in enumerate(c.chain_module.planned.menus.executors)
@@ -196,11 +196,11 @@ def test_the_fused_head_is_made_once_for_every_shape_of_a_family(monkeypatch):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=f"{length}: {name}")
         model.zero_grad()
         reference.zero_grad()
-        compiled = module._compiled[next(reversed(module._compiled))]
+        compiled = module._planned[next(reversed(module._planned))]
         menus = compiled.chain_module.planned.menus
         if compiled.dispatch is not None and menus is not None and menus.output_shared:
             fused.append((menus.executors[-1][1].stage, compiled.holds_graphs))
     assert len(fused) >= 3 and all(stage is fused[0][0] for stage, _ in fused)
     assert not all(holds for _, holds in fused)  # (where no block option is its own: no graph of its own)
-    picks_fused = [c.plan.chain.stage_actions()[-1].endswith("[fused_head]") for c in module._compiled.values()]
+    picks_fused = [c.plan.chain.stage_actions()[-1].endswith("[fused_head]") for c in module._planned.values()]
     assert all(picks_fused), picks_fused

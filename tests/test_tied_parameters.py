@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.graphs.capture import capture
-from hierremat.graphs.hf import call_kwargs
-from hierremat.graphs.segment import build_chain_graph
+from hierremat.blocks.capture import capture
+from hierremat.blocks.hf import call_kwargs
+from hierremat.blocks.segment import build_chain_graph
 from hierremat.device import LiveTensorTracker
 from hierremat.runtime.tied import TiedParameters
 

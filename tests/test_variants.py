@@ -1,4 +1,4 @@
-"""Operator variants (hierremat.graphs.variants): bitwise equal to the operators they replace, and leaner."""
+"""Operator variants (hierremat.blocks.variants): bitwise equal to the operators they replace, and leaner."""
 
 import copy
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hierremat as hr
-from hierremat.graphs.capture import capture
+from hierremat.blocks.capture import capture
 from hierremat.device import LiveTensorTracker
 from hierremat.ops import cross_entropy
 from hierremat.ops.cross_entropy import row_blocked_cross_entropy
@@ -118,7 +118,7 @@ def test_variants_lower_gpt2s_smallest_budget_and_the_plan_records_them():
 # ---------------------------------------------------------------- embeddings adding into .grad
 
 from hierremat.ops.embedding import embedding  # noqa: E402
-from hierremat.graphs.variants.embedding import use_grad_in_place_embeddings  # noqa: E402
+from hierremat.blocks.variants.embedding import use_grad_in_place_embeddings  # noqa: E402
 
 
 def _embedding_grads(table, ids, grad_out, run, padding_idx, scale, grad_state, hook=None):
@@ -236,9 +236,9 @@ def test_sparse_embeddings_are_left_alone():
 
 # ---------------------------------------------------------------- packed dropout masks
 
-from hierremat.graphs.joint import run_joint, saved_for_backward, trace_joint  # noqa: E402
+from hierremat.blocks.joint import run_joint, saved_for_backward, trace_joint  # noqa: E402
 from hierremat.ops import packed_bits  # noqa: E402
-from hierremat.graphs.variants.dropout import pack_dropout_masks  # noqa: E402
+from hierremat.blocks.variants.dropout import pack_dropout_masks  # noqa: E402
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -338,7 +338,7 @@ def test_packed_dropout_joint_graph_gives_the_same_results_and_saves_bits():
 
 # ---------------------------------------------------------------- ReLU backward from packed masks
 
-from hierremat.graphs.variants.relu_masks import pack_relu_masks  # noqa: E402
+from hierremat.blocks.variants.relu_masks import pack_relu_masks  # noqa: E402
 
 
 def _relu_cases(device):
@@ -434,7 +434,7 @@ def test_relu_mask_ops_pass_opcheck():
     bits = torch.ops.hierremat.above_bits(x, 0.0)
     torch.library.opcheck(torch.ops.hierremat.where_bits.default, (grad, bits))
     # the out= forms only run in hierremat's own graphs: AOTAutograd never traces them (compiled
-    # forms get the functional graph back, hierremat.graphs.variants.in_place.functional_joint)
+    # forms get the functional graph back, hierremat.blocks.variants.in_place.functional_joint)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     for op, args in ((torch.ops.hierremat.where_bits.out, (grad, bits)), (torch.ops.hierremat.masked_scale.out, (grad, bits, 2.0))):
         torch.library.opcheck(op, args, {"out": torch.empty_like(grad)}, test_utils=checks)

@@ -52,7 +52,7 @@ def test_concatenated_readers_pass_each_residents_gradient_sum_on_and_cost_what_
     concatenation each block's seed reader also reads the later block's sum, which is thereby no
     longer held; the whole graph holds the first block's. Keeping everything, the whole graph's
     peak is the chain's (the DP counting the sum as a resident made before the chain)."""
-    from hierremat.graphs.joint import to_block_graph, trace_joint
+    from hierremat.blocks.joint import to_block_graph, trace_joint
     from hierremat.runtime.node_profile import profile_nodes
     from hierremat.dp.solve import solve_chain
     from hierremat.ilp.options import keep_all_decisions, make_option

@@ -8,8 +8,8 @@ import time
 import torch
 from torch import nn
 
-from ..graphs.capture import uncompiled
-from ..graphs.hf import call_kwargs
+from ..blocks.capture import uncompiled
+from ..blocks.hf import call_kwargs
 from ..budget import parse_budget
 from ..dp.solve import DEFAULT_SLOTS
 from ..errors import InfeasibleBudgetError
@@ -17,7 +17,7 @@ from ..plans.model_plan import ModelPlan
 from ..device.autocast import AutocastState
 from ..planning.chain_plan import PLAN_TIME_LIMIT
 from .sequential import check_devices
-from .shape_planning import PlanSettings, ProfiledChain, captured_chain, compile_shape, device_types
+from .shape_planning import PlanSettings, ProfiledChain, captured_chain, plan_shape, device_types
 
 
 def plan(
@@ -55,7 +55,7 @@ def plan(
     solved as ONE block by one ILP (Checkmate on the full graph): the optimality reference
     for small models, and a baseline. Its ILP grows with the model: small models only.
     variants: whether operators may run as hierremat's memory-lean variants
-    (hierremat.graphs.variants): a cross-entropy whose backward works on blocks of rows, dropout
+    (hierremat.blocks.variants): a cross-entropy whose backward works on blocks of rows, dropout
     masks packed to bits (so a dropout's output can be recomputed from its input).
     Each computes bitwise what the operator computes; False runs the model's own operators.
     output_held: whether the caller keeps the model's outputs alive through the backward
@@ -108,7 +108,7 @@ def plan(
         None if device is None else str(device), offload, offload_limit, backward_autocast,
     )
     kwargs = call_kwargs(uncompiled(model), example_kwargs or {})
-    return compile_shape(model, args, kwargs, parse_budget(budget), None, settings).plan
+    return plan_shape(model, args, kwargs, parse_budget(budget), None, settings).plan
 
 
 class BudgetExplorer:

@@ -47,7 +47,7 @@ UNBOUNDED_BYTES = 1 << 62
 def ranks_plan(shape_key, plans: bool, refuses: bool = False, retime: bool | None = None) -> tuple[bool, bool, bool]:
     """Under FSDP2 every rank runs one schedule (its all-gathers happen in the schedule's order): whether any rank
     of the default process group plans in this call (``plans``: this one does), where every rank then re-plans for
-    the shards together with it (CompiledShape.shard: rank 0's plan on every rank). One small all-gather of the ranks'
+    the shards together with it (PlannedShape.shard: rank 0's plan on every rank). One small all-gather of the ranks'
     input keys per call where the group has several ranks. Ranks called with inputs of other shapes, dtypes or
     autocast (``shape_key``: the call's input key without its padding state) raise UnsupportedModelError, every
     one of them, before any plans or runs a step; a padding state differing between ranks is one schedule's

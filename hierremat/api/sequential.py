@@ -57,7 +57,7 @@ def plan_sequential(
     per-block ILP (solved once per distinct stage, cached on disk; see hierremat.plan);
     'autograd': only what autograd keeps.
     variants: whether the block options may use hierremat's operator variants (packed
-    dropout masks, recomputable dropout outputs; hierremat.graphs.variants). They compute
+    dropout masks, recomputable dropout outputs; hierremat.blocks.variants). They compute
     bitwise what the operators compute.
     compile: whether block options run compiled by Inductor: True, False or "auto" (True
     on CUDA in fp32); see hierremat.plan.

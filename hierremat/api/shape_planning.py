@@ -3,7 +3,7 @@ profile each distinct stage, build block-option menus where they pay, solve the 
 
 ``PlanSettings`` is how a model is planned (hierremat.plan's arguments); ``ProfiledChain`` a captured chain with
 its profile and menus; ``profile_and_solve`` decides whether block options are built at this shape;
-``compile_shape`` makes a shape's CompiledShape (hierremat.api.compiled_shape); ``sample_at`` measures a shape
+``plan_shape`` makes a shape's PlannedShape (hierremat.api.planned_shape); ``sample_at`` measures a shape
 only to fit others from (hierremat.planning.shape_fit). hierremat.api.whole_model's RematModule calls these per
 shape; hierremat.api.explore for hr.plan and hr.explore.
 """
@@ -23,10 +23,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
-from ..graphs.capture import capture, check_outputs, uncompiled
-from ..graphs.fake_weights import weights_faked_on
-from ..graphs.symbolic import SymbolicCapture
-from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
+from ..blocks.capture import capture, check_outputs, uncompiled
+from ..blocks.fake_weights import weights_faked_on
+from ..blocks.symbolic import SymbolicCapture
+from ..blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, check_segmentation
 from ..budget import format_bytes
 from ..dp.solve import DEFAULT_SLOTS
 from ..errors import InfeasibleBudgetError, UnsupportedModelError
@@ -50,7 +50,7 @@ from ..planning.compiled import compile_forwards, compile_options, offer_compile
 from ..planning.family_programs import FamilyPrograms
 from ..planning.menus import NOISE_MARGIN, PlanMenu, StageMenu, build_menus, cost_model_version, stage_arguments
 from ..planning.shape_fit import ShapeFit, ShapeSample, chain_pattern
-from .compiled_shape import ONE_RUN_NOTE, ChainModule, CompiledShape, chain_inputs, copies_note
+from .planned_shape import ONE_RUN_NOTE, ChainModule, PlannedShape, chain_inputs, copies_note
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ def captured_chain(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSe
                    export: bool = True):
     """(the model captured and cut into a chain, its first stage's input, the shared values, capture seconds,
     whether the capture was specialized from ``symbolic``). lent_to: a model without weights is captured as on
-    this device (hierremat.graphs.fake_weights), its chain inputs computed there with lent weights. export:
-    where ``symbolic`` does not hold at these inputs, export them (else ValueError: hierremat.graphs.capture)."""
+    this device (hierremat.blocks.fake_weights), its chain inputs computed there with lent weights. export:
+    where ``symbolic`` does not hold at these inputs, export them (else ValueError: hierremat.blocks.capture)."""
     inputs = (args, kwargs)
     if lent_to is None:
         captured = capture(model, args, kwargs, variants=settings.variants, outputs=settings.outputs, symbolic=symbolic,
@@ -386,7 +386,7 @@ class ProfiledChain:
         ``profile`` (default: the measured one, with the block menus' options; in ``self.profile``'s times either
         way, scaled to the training steps' here: :meth:`in_steps`), offloading where the settings say so
         (``offload`` False: never). output_released: the outputs that got a gradient where the caller
-        released the output at another shape (CompiledShape.released_output): with the same outputs here and no
+        released the output at another shape (PlannedShape.released_output): with the same outputs here and no
         ``output_held`` setting, planned with it released from the start (else the first backward would find
         it released, and the next call re-plan). Raises InfeasibleBudgetError with the model's smallest feasible
         budget."""
@@ -501,13 +501,13 @@ def profile_and_solve(
     return profiled, chain_plan, compiled
 
 
-def compile_shape(
+def plan_shape(
     model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
     symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
     output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, upcasts: bool = False,
     defer: bool = False, steps_time: bool = False, profiling: bool = False,
     programs_for: Callable[[ChainGraph], FamilyPrograms | None] | None = None,
-) -> CompiledShape:
+) -> PlannedShape:
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
     span this shape, its times are fitted from them and only its memory is measured. steps_time: the training steps
@@ -517,7 +517,7 @@ def compile_shape(
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (ProfiledChain.solve).
     recost_seconds: what re-costing block options at a fitted shape takes (profile_and_solve). upcasts: the caller
-    copies the fp16/bf16 outputs to fp32 (hierremat.graphs.hf.upcasts_outputs): the copies are planned for.
+    copies the fp16/bf16 outputs to fp32 (hierremat.blocks.hf.upcasts_outputs): the copies are planned for.
     defer: a measured shape may be planned without block options, none built yet (profile_and_solve). profiling:
     the caller's torch.profiler session runs: block options are put off where the budget allows (profile_and_solve).
     programs_for: the joint graphs and programs of the size-generic chain a chain specialized from ``symbolic`` runs
@@ -621,24 +621,24 @@ def compile_shape(
     )
     chain_module = ChainModule(chain.stages, planned)
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
-    compiled = CompiledShape(chain, plan, chain_module)
+    shape = PlannedShape(chain, plan, chain_module)
     if lent_to is not None:  # other forms (the fused head) were made while weights were lent: give them back
-        bind_to_model(compiled.graphs(), model)
-        compiled.lent = True
-    compiled.sample = sample
-    compiled.saved = profiled is None
-    compiled.bindings = bindings
-    compiled.reduced_fit = fitted is not None and fitted.reduced
-    compiled.one_run = profiled is not None and profiled.one_run
+        bind_to_model(shape.graphs(), model)
+        shape.lent = True
+    shape.sample = sample
+    shape.saved = profiled is None
+    shape.bindings = bindings
+    shape.reduced_fit = fitted is not None and fitted.reduced
+    shape.one_run = profiled is not None and profiled.one_run
     if profiled is not None:
-        compiled.least_held = least_held_bytes(profiled.profile)
-        compiled.block_gain = profiled.block_gain
-        compiled.build_estimate = profiled.build_estimate
-        compiled.menus_from_cache = profiled.menus_from_cache
-    compiled.skeleton = pytree.tree_map(
+        shape.least_held = least_held_bytes(profiled.profile)
+        shape.block_gain = profiled.block_gain
+        shape.build_estimate = profiled.build_estimate
+        shape.menus_from_cache = profiled.menus_from_cache
+    shape.skeleton = pytree.tree_map(
         lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
-    return compiled
+    return shape
 
 
 def sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, symbolic: SymbolicCapture,

@@ -1,10 +1,10 @@
 """``hierremat.remat``: a whole model under a memory budget, at every input shape it is called with.
 
-``RematModule`` wraps the model: at each new input shape it plans (hierremat.api.shape_planning.compile_shape:
+``RematModule`` wraps the model: at each new input shape it plans (hierremat.api.shape_planning.plan_shape:
 capture, or specialize the symbolic capture, cut into a chain, profile, menus, the chain DP) and keeps the plan
-(hierremat.api.compiled_shape), least recently used dropped beyond ``max_shapes``. Shapes of one family (the same
-inputs, other sizes) share one symbolic capture (hierremat.graphs.symbolic), one set of size-generic graphs that
-runs each of them where it is their program (hierremat.graphs.generic: such a shape's plan holds no graph of its own) and the samples their costs are
+(hierremat.api.planned_shape), least recently used dropped beyond ``max_shapes``. Shapes of one family (the same
+inputs, other sizes) share one symbolic capture (hierremat.blocks.symbolic), one set of size-generic graphs that
+runs each of them where it is their program (hierremat.blocks.generic: such a shape's plan holds no graph of its own) and the samples their costs are
 fitted from (hierremat.planning.shape_fit: shapes profiled, shapes measured only to fit from, and the times the
 training steps record); it presents the model's forward signature, state_dict keys and attributes to training loops
 (Trainer, accelerate).
@@ -25,13 +25,13 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..graphs.capture import uncompiled
-from ..graphs.eager_masks import has_value_branch, padding_key
-from ..graphs.hf import call_kwargs, upcasts_outputs
-from ..graphs.generic import MAX_GENERIC_CHAINS, GenericChain
-from ..graphs.segment import CHAIN_ATTRIBUTE
-from ..graphs.sources import clear_fake_tensor_cache, forget_sources, recorded_sources, source_keys
-from ..graphs.symbolic import SymbolicCapture, capture_symbolic, every_dim, marked_dims, padded_dims, varying_dims
+from ..blocks.capture import uncompiled
+from ..blocks.eager_masks import has_value_branch, padding_key
+from ..blocks.hf import call_kwargs, upcasts_outputs
+from ..blocks.generic import MAX_GENERIC_CHAINS, GenericChain
+from ..blocks.segment import CHAIN_ATTRIBUTE
+from ..blocks.sources import clear_fake_tensor_cache, forget_sources, recorded_sources, source_keys
+from ..blocks.symbolic import SymbolicCapture, capture_symbolic, every_dim, marked_dims, padded_dims, varying_dims
 from ..budget import parse_budget
 from ..dp.solve import DEFAULT_SLOTS
 from ..errors import UnsupportedModelError
@@ -48,21 +48,21 @@ from ..planning.shape_fit import (
     ShapeSample, add_sample, chain_pattern, memory_sizes_ahead, memory_sizes_to_sample, sizes_to_sample,
 )
 from .collector import collector_paused
-from .compiled_shape import ChainDispatch, CompiledShape
+from .planned_shape import ChainDispatch, PlannedShape
 from .ranks import UNBOUNDED_BYTES, ranks_plan
-from .shape_planning import PlanSettings, compile_shape, device_types, lending_device, sample_at
+from .shape_planning import PlanSettings, plan_shape, device_types, lending_device, sample_at
 
 log = logging.getLogger(__name__)
 
 
 #: How many input shapes' plans a RematModule keeps (least recently used dropped first; a dropped shape plans again
-#: when it comes back). A shape that runs its family's size-generic graphs (hierremat.graphs.generic) and no generated
+#: when it comes back). A shape that runs its family's size-generic graphs (hierremat.blocks.generic) and no generated
 #: code holds its schedule, costs and runner state alone: 36 KiB of Python allocations for a 2-layer GPT-2, 61 KiB for
 #: a 12-layer one (benchmarks/bench_shapes.py --rss; 0.6 and 2.3 MiB with graphs of its own).
 DEFAULT_MAX_SHAPES = 1024
-#: Of those, with the default, how many may hold graphs of their own (CompiledShape.holds_graphs: exported on their
+#: Of those, with the default, how many may hold graphs of their own (PlannedShape.holds_graphs: exported on their
 #: own, of a program not shared, or running block options' generated code traced at their shape) or block options
-#: costed at their shape (CompiledShape.holds_menus: 0.2-0.35 MiB for a 4-12-layer GPT-2), least recently used dropped
+#: costed at their shape (PlannedShape.holds_menus: 0.2-0.35 MiB for a 4-12-layer GPT-2), least recently used dropped
 #: first (a max_shapes given bounds them all, as before).
 MAX_SHAPES_WITH_GRAPHS = 64
 
@@ -89,7 +89,7 @@ def _shapes(inputs: tuple) -> tuple:
 
 
 def _family_key(args: tuple, kwargs: dict) -> tuple:
-    """What one symbolic capture serves (hierremat.graphs.symbolic): the inputs' structure, dtypes,
+    """What one symbolic capture serves (hierremat.blocks.symbolic): the inputs' structure, dtypes,
     devices, ranks and non-tensor values, and the autocast setting; not their sizes."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     autocast = AutocastState.capture(device_types(args, kwargs)).key()
@@ -101,7 +101,7 @@ def _family_key(args: tuple, kwargs: dict) -> tuple:
 def _input_key(model: nn.Module, args: tuple, kwargs: dict, padding: bool) -> tuple:
     """What a plan for ``model(*args, **kwargs)`` is specific to: the inputs' structure, shapes, dtypes,
     devices, the autocast setting, and with ``padding``, which padding masks are all ones
-    (hierremat.graphs.eager_masks)."""
+    (hierremat.blocks.eager_masks)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     autocast = AutocastState.capture(device_types(args, kwargs)).key()
     return (str(spec), autocast, padding_key(model, args, kwargs) if padding else ()) + tuple(
@@ -116,7 +116,7 @@ class RematModule(nn.Module):
     (``on_new_shape="replan"``) or raises (``"error"``). A call under an autocast setting
     not planned for yet plans for it (logged once per setting): call ``remat`` inside the
     autocast context you train with to plan once. For a model whose attention bias eager mode
-    masks otherwise in batches without padding (hierremat.graphs.eager_masks), so does a first
+    masks otherwise in batches without padding (hierremat.blocks.eager_masks), so does a first
     batch whose padding masks (``*attention_mask``) are all ones where the planned one's were
     not, or the reverse.
 
@@ -145,7 +145,7 @@ class RematModule(nn.Module):
         self.max_shapes = max_shapes
         #: of those, how many may hold graphs of their own: MAX_SHAPES_WITH_GRAPHS, or all where max_shapes was set
         self._max_with_graphs = MAX_SHAPES_WITH_GRAPHS if max_shapes == DEFAULT_MAX_SHAPES else max_shapes
-        self._compiled: OrderedDict[tuple, CompiledShape] = OrderedDict()  # least recently used first
+        self._planned: OrderedDict[tuple, PlannedShape] = OrderedDict()  # least recently used first
         self._symbolic: dict[tuple, SymbolicCapture | None] = {}  # per _family_key; None: export each shape
         self._symbolic_dims: dict[tuple, frozenset] = {}  # per _family_key: the dimensions its capture made symbolic
         #: per _family_key: the size-generic graphs its shapes specialized from its symbolic capture run (_share_graphs;
@@ -188,13 +188,13 @@ class RematModule(nn.Module):
 
     @property
     def plans(self) -> list[ModelPlan]:
-        return [c.plan for c in self._compiled.values()]
+        return [c.plan for c in self._planned.values()]
 
     def _add(self, args: tuple, kwargs: dict, plan: ModelPlan | None = None, settings: PlanSettings | None = None,
              budget_bytes: int | None = None, shards: bool = False, defer_blocks: bool = True,
-             carry_steps: bool = True) -> CompiledShape:
+             carry_steps: bool = True) -> PlannedShape:
         """Plan the model for these inputs (``settings`` and ``budget_bytes``: this module's, unless given; ``shards``:
-        as compile_shape takes it; ``defer_blocks`` False: block options re-costed at a fitted shape wherever they could
+        as plan_shape takes it; ``defer_blocks`` False: block options re-costed at a fitted shape wherever they could
         pay, and built at a measured shape, none built yet, whatever ``settings.defer_block_options`` says; a shape
         planned again goes on with the steps its plan before timed unless ``carry_steps`` is False) and keep the
         plan."""
@@ -205,10 +205,10 @@ class RematModule(nn.Module):
         lent_to = lending_device(self.model, args, kwargs, settings.device) if lending else None
         if lent_to is not None:  # planned for inputs on the device it trains on
             args, kwargs = lent_inputs((args, kwargs), lent_to)
-        check_devices(device_types(args, kwargs), "the inputs" if self._compiled else "the example inputs")
+        check_devices(device_types(args, kwargs), "the inputs" if self._planned else "the example inputs")
         symbolic = self._symbolic_capture(args, kwargs) if plan is None and lent_to is None else None
         family = _family_key(args, kwargs)
-        first = not any(c.family == family for c in self._compiled.values())
+        first = not any(c.family == family for c in self._planned.values())
         samples = self._samples.setdefault(family, [])
         from_steps = self._times_from_steps(family, args, kwargs, settings, shards or plan is not None
                                             or lent_to is not None)
@@ -223,7 +223,7 @@ class RematModule(nn.Module):
                            and symbolic.bindings(args, kwargs) is not None)
         try:
             with recorded_sources() as sources, collector_paused() if pause_collector else contextlib.nullcontext():
-                compiled = compile_shape(self.model, args, kwargs, budget_bytes, plan, settings, symbolic,
+                planned = plan_shape(self.model, args, kwargs, budget_bytes, plan, settings, symbolic,
                                          [*samples, *self._step_samples_of(family)], shards,
                                          self._released_output(family), self._recost_seconds if defer_blocks else None,
                                          upcasts_outputs(self), defer_blocks and self._deferring(settings),
@@ -233,47 +233,47 @@ class RematModule(nn.Module):
             forget_sources(sources)
             raise
         family_sources = {key for programs in self._programs.values() for key in source_keys(programs.graph_modules())}
-        compiled.sources = [key for key in sources if key not in family_sources]  # (the family's: forgotten with it)
-        compiled.family_timed = self._timed_count(family)
+        planned.sources = [key for key in sources if key not in family_sources]  # (the family's: forgotten with it)
+        planned.family_timed = self._timed_count(family)
         if from_steps:  # (a shape planned again goes on with the steps timed before)
-            before = self._compiled.get(key)
+            before = self._planned.get(key)
             earlier = before.chain_module.planned.step_times if before is not None and carry_steps else None
-            compiled.chain_module.planned.time_steps(SAMPLED_STEPS, earlier)  # (the plan before's go on, same chain)
-            self._retime(compiled)
-        recosted = any(m.get("recosted") for m in compiled.plan.menus.values())
-        if recosted and not compiled.plan.times.startswith("measured"):
-            self._recost_seconds = compiled.plan.options_seconds  # (block options re-costed at a fitted shape)
-        elif compiled.build_estimate is not None and self._recost_seconds is None:
-            self._recost_seconds = compiled.build_estimate  # (none built yet: what building them is taken to cost)
-        elif compiled.plan.menus and not self._blocks_built:  # built (solved): the next fitted shape re-costs at once,
+            planned.chain_module.planned.time_steps(SAMPLED_STEPS, earlier)  # (the plan before's go on, same chain)
+            self._retime(planned)
+        recosted = any(m.get("recosted") for m in planned.plan.menus.values())
+        if recosted and not planned.plan.times.startswith("measured"):
+            self._recost_seconds = planned.plan.options_seconds  # (block options re-costed at a fitted shape)
+        elif planned.build_estimate is not None and self._recost_seconds is None:
+            self._recost_seconds = planned.build_estimate  # (none built yet: what building them is taken to cost)
+        elif planned.plan.menus and not self._blocks_built:  # built (solved): the next fitted shape re-costs at once,
             self._recost_seconds = None  # as after a first shape planned with them, and learns what re-costing takes
-        self._blocks_built |= bool(compiled.plan.menus)
-        self._blocks_pay |= bool(compiled.plan.menus) and not compiled.menus_from_cache
-        if self._compiled:  # a new shape: what torch cached for this one's traces is not needed again
+        self._blocks_built |= bool(planned.plan.menus)
+        self._blocks_pay |= bool(planned.plan.menus) and not planned.menus_from_cache
+        if self._planned:  # a new shape: what torch cached for this one's traces is not needed again
             clear_fake_tensor_cache()
-        if compiled.sample is not None and compiled.bindings:
-            add_sample(samples, compiled.sample.bound(compiled.bindings))
+        if planned.sample is not None and planned.bindings:
+            add_sample(samples, planned.sample.bound(planned.bindings))
             if first and from_steps:  # (captured at its first shape: sizes said to vary; memory_sizes_ahead: that alone)
                 self._sample_memory_ahead(symbolic, args, kwargs, samples)
-        if not self._per_padding and any(has_value_branch(s.graph_module) for s in compiled.chain.stages):
+        if not self._per_padding and any(has_value_branch(s.graph_module) for s in planned.chain.stages):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)
-        compiled.family = family
-        if compiled.bindings is not None and compiled.plan.capture_kind == "specialized" and not shards:
-            self._share_graphs(family, compiled, matched[-1] if matched else None)
+        planned.family = family
+        if planned.bindings is not None and planned.plan.capture_kind == "specialized" and not shards:
+            self._share_graphs(family, planned, matched[-1] if matched else None)
         key = _input_key(self.model, args, kwargs, self._per_padding)
-        self._compiled[key] = compiled
-        self._compiled.move_to_end(key)  # (a shape planned again: the one used last, never the one dropped)
-        while len(self._compiled) > self.max_shapes:
-            _, dropped = self._compiled.popitem(last=False)
+        self._planned[key] = planned
+        self._planned.move_to_end(key)  # (a shape planned again: the one used last, never the one dropped)
+        while len(self._planned) > self.max_shapes:
+            _, dropped = self._planned.popitem(last=False)
             forget_sources(dropped.sources)
-        with_graphs = [k for k, c in self._compiled.items() if c.holds_graphs or c.holds_menus]
+        with_graphs = [k for k, c in self._planned.items() if c.holds_graphs or c.holds_menus]
         for k in with_graphs[:max(0, len(with_graphs) - self._max_with_graphs)]:
-            forget_sources(self._compiled.pop(k).sources)
-        families = {c.family for c in self._compiled.values()}
+            forget_sources(self._planned.pop(k).sources)
+        families = {c.family for c in self._planned.values()}
         for family_left in self._families_kept() - families:  # (its last plan dropped)
             self._forget_family(family_left)
-        return compiled
+        return planned
 
     def _per_family(self) -> tuple[dict, ...]:
         """What is kept per family of input shapes (_family_key) beside its plans, and forgotten with its last plan
@@ -310,7 +310,7 @@ class RematModule(nn.Module):
         return self._programs[generic]
 
     def _drop_generic(self, family: tuple) -> None:
-        """Drop the family's size-generic graphs (hierremat.graphs.generic) and their block options' programs
+        """Drop the family's size-generic graphs (hierremat.blocks.generic) and their block options' programs
         (hierremat.planning.family_programs), forgetting their sources."""
         for generic in self._generic.pop(family, None) or ():
             forget_sources(list(generic.sources))
@@ -318,9 +318,9 @@ class RematModule(nn.Module):
             if programs is not None:  # (plans that still run them run on: only tracebacks read the sources)
                 forget_sources(source_keys(programs.graph_modules()))
 
-    def _share_graphs(self, family: tuple, compiled: CompiledShape, matched: tuple | None = None) -> None:
+    def _share_graphs(self, family: tuple, planned: PlannedShape, matched: tuple | None = None) -> None:
         """Run ``compiled``, a shape specialized from its family's symbolic capture, from the family's size-generic
-        graphs where they are its program (hierremat.graphs.generic.GenericChain.holds_for), made from its own where
+        graphs where they are its program (hierremat.blocks.generic.GenericChain.holds_for), made from its own where
         none is (up to MAX_GENERIC_CHAINS): its own graphs are then dropped, and their sources with them (a shape's
         plan then holds its schedule, costs and runner state alone, and where its block options run code traced at its
         shape, not its family's (hierremat.planning.family_programs), that code, bound to the generic stages:
@@ -331,13 +331,13 @@ class RematModule(nn.Module):
             return
         made = False  # (whether this shape's graphs are made the generic ones of a program of its own)
         try:
-            if matched is not None and matched[0] is compiled.chain and (matched[1] is None or matched[1] in generics):
+            if matched is not None and matched[0] is planned.chain and (matched[1] is None or matched[1] in generics):
                 generic = matched[1]  # (found while it was planned: nothing joined generics since)
             else:
-                generic = next((g for g in generics if g.holds_for(compiled.chain)), None)
+                generic = next((g for g in generics if g.holds_for(planned.chain)), None)
             made = generic is None and len(generics) < MAX_GENERIC_CHAINS
             if made:
-                generic = GenericChain.of(compiled.chain, ChainDispatch())
+                generic = GenericChain.of(planned.chain, ChainDispatch())
         except Exception as err:  # (a graph the check or the copy cannot read: the shape keeps its own graphs)
             log.info("%s's graphs not shared at this shape: %s", type(self.model).__name__, err)
             return
@@ -349,18 +349,18 @@ class RematModule(nn.Module):
                     self._generic[family] = None
             return
         if made:
-            setattr(compiled.chain.orchestrator, CHAIN_ATTRIBUTE, nn.Identity())  # (the reference keeps no plan)
+            setattr(planned.chain.orchestrator, CHAIN_ATTRIBUTE, nn.Identity())  # (the reference keeps no plan)
             generics.append(generic)
             log.info("%s's graphs made size-generic: every shape specialized from its symbolic capture to this program "
                      "runs them (%d programs)", type(self.model).__name__, len(generics))
-        own = source_keys([compiled.chain.orchestrator,
-                           *(getattr(stage, "graph_module", stage) for stage in compiled.chain.stages)])
-        compiled.run_generic(generic)
-        menus = compiled.chain_module.planned.menus
+        own = source_keys([planned.chain.orchestrator,
+                           *(getattr(stage, "graph_module", stage) for stage in planned.chain.stages)])
+        planned.run_generic(generic)
+        menus = planned.chain_module.planned.menus
         generated = menus is not None and menus.runs_code_of_its_own  # (the code generated for block options stays)
-        dropped = set(own if generated else compiled.sources)
+        dropped = set(own if generated else planned.sources)
         forget_sources(list(dropped))
-        compiled.sources = [key for key in compiled.sources if key not in dropped]
+        planned.sources = [key for key in planned.sources if key not in dropped]
 
     def _times_from_steps(self, family: tuple, args: tuple, kwargs: dict, settings: PlanSettings,
                           elsewhere: bool) -> bool:
@@ -378,7 +378,7 @@ class RematModule(nn.Module):
         however few (ShapeFit.of's ``reduced``: a length's times scaled by the tokens from one) and planned again
         whenever more are timed (``_refreshed``); every shape is solved again from its own steps' times once they are
         recorded (_retime); no shape is profiled for times alone (sizes_to_sample)."""
-        shapes = {_shapes(c.skeleton) for c in self._compiled.values() if c.family == family}
+        shapes = {_shapes(c.skeleton) for c in self._planned.values() if c.family == family}
         steps = self._step_samples.get(family)
         if steps is None:
             if shapes or elsewhere or device_types(args, kwargs) != ("cpu",) or not self._deferring(settings):
@@ -411,41 +411,41 @@ class RematModule(nn.Module):
             return []
         profiled = frozenset(s.bindings for s in self._samples.get(family, ()) if s.times_measured)  # (kept beside
         # their profiles: ShapeFit.step_ratios)
-        for compiled in self._compiled.values():
-            step_times = compiled.chain_module.planned.step_times
-            if compiled.family != family or step_times is None or step_times.steps <= compiled.steps_sampled:
+        for planned in self._planned.values():
+            step_times = planned.chain_module.planned.step_times
+            if planned.family != family or step_times is None or step_times.steps <= planned.steps_sampled:
                 continue
-            compiled.steps_sampled = step_times.steps
-            bindings = symbolic.bindings(*compiled.skeleton)
-            times = self._observed_times(compiled)
+            planned.steps_sampled = step_times.steps
+            bindings = symbolic.bindings(*planned.skeleton)
+            times = self._observed_times(planned)
             if bindings and times is not None:
-                pattern = chain_pattern([info.signature for info in compiled.chain.infos])
+                pattern = chain_pattern([info.signature for info in planned.chain.infos])
                 add_sample(samples, ShapeSample.from_step_times(bindings, pattern, times), STEP_SAMPLES, profiled)
         return samples
 
     @staticmethod
-    def _observed_times(compiled: CompiledShape) -> tuple | None:
+    def _observed_times(planned: PlannedShape) -> tuple | None:
         """The stage times observed in ``compiled``'s training steps (StepTimes.stage_times: what a stage's steps did
         not time taken from its plan's times), or None where none were."""
-        step_times = compiled.chain_module.planned.step_times
+        step_times = planned.chain_module.planned.step_times
         if step_times is None:
             return None
-        return step_times.stage_times([st.option_0_times for st in compiled.plan.chain.costs.stages])
+        return step_times.stage_times([st.option_0_times for st in planned.plan.chain.costs.stages])
 
-    def _times_due(self, compiled: CompiledShape) -> tuple | None:
+    def _times_due(self, planned: PlannedShape) -> tuple | None:
         """The stage times ``compiled``'s plan is to be solved again from now (its training steps': _retime), or None
         where it is not due."""
-        step_times = compiled.chain_module.planned.step_times
+        step_times = planned.chain_module.planned.step_times
         if step_times is None:
             return None
-        early = compiled.one_run and not compiled.retimed_steps  # (after its first step)
-        first = step_times.steps >= TIMED_STEPS > compiled.retimed_steps  # (its first TIMED_STEPS, or a plan made
+        early = planned.one_run and not planned.retimed_steps  # (after its first step)
+        first = step_times.steps >= TIMED_STEPS > planned.retimed_steps  # (its first TIMED_STEPS, or a plan made
         # again since)
-        if step_times.steps == compiled.retimed_steps or (step_times.recording and not early and not first):
+        if step_times.steps == planned.retimed_steps or (step_times.recording and not early and not first):
             return None
-        return self._observed_times(compiled)
+        return self._observed_times(planned)
 
-    def _retime(self, compiled: CompiledShape, times: Sequence[tuple[float, float, float]] | None = None) -> None:
+    def _retime(self, planned: PlannedShape, times: Sequence[tuple[float, float, float]] | None = None) -> None:
         """Solve a shape's plan again (the chain DP alone) from its training steps' times once its TIMED_STEPS steps
         are recorded (their medians: _times_from_steps) and again once all its SAMPLED_STEPS are, and, where it was
         measured from one timed run each, after its first step too: the times it runs with are then what its own
@@ -454,19 +454,19 @@ class RematModule(nn.Module):
 
         ``times``: under FSDP2, where rank 0's shape is due (every rank solves again then, a collective: rank 0's
         plan on every rank), this rank's own shape's times to solve from (its steps' where due, else its plan's)."""
-        times = times or self._times_due(compiled)
+        times = times or self._times_due(planned)
         if times is None:
             return
-        step_times = compiled.chain_module.planned.step_times
+        step_times = planned.chain_module.planned.step_times
         steps = step_times.steps if step_times is not None else 0
-        before, note = compiled.plan.predicted_step_time, compiled.times_note
-        compiled.retime(times)
-        compiled.retimed_steps = steps
-        compiled.relabel_times(note, compiled.times_note)
+        before, note = planned.plan.predicted_step_time, planned.times_note
+        planned.retime(times)
+        planned.retimed_steps = steps
+        planned.relabel_times(note, planned.times_note)
         if before > 0:  # (a heuristic: what block options could save, a share of the step, kept as that share)
-            compiled.block_gain *= compiled.plan.predicted_step_time / before
+            planned.block_gain *= planned.plan.predicted_step_time / before
         log.info("%s solved again at this shape from the times of its first %d training steps: predicted step %.1f ms "
-                 "(%.1f ms before)", type(self.model).__name__, steps, compiled.plan.predicted_step_time * 1e3,
+                 "(%.1f ms before)", type(self.model).__name__, steps, planned.plan.predicted_step_time * 1e3,
                  before * 1e3)
 
     def _deferring(self, settings: PlanSettings) -> bool:
@@ -474,64 +474,64 @@ class RematModule(nn.Module):
         return settings.defer_block_options and not self._blocks_built
 
     def _plan_again(self, key: tuple, args: tuple, kwargs: dict, defer_blocks: bool = True,
-                    carry_steps: bool = True) -> CompiledShape:
+                    carry_steps: bool = True) -> PlannedShape:
         """The plan of ``key`` (these inputs') made again (the same shape: whatever on_new_shape says), in its place;
         the old one kept until then (what the caller did with the output is read from it; on error it stays)."""
-        old = self._compiled[key]
-        compiled = self._add(args, kwargs, defer_blocks=defer_blocks, carry_steps=carry_steps)
-        if self._compiled.get(key) is not old:  # (replaced, or dropped with the others: a padding state now keyed)
+        old = self._planned[key]
+        planned = self._add(args, kwargs, defer_blocks=defer_blocks, carry_steps=carry_steps)
+        if self._planned.get(key) is not old:  # (replaced, or dropped with the others: a padding state now keyed)
             forget_sources(old.sources)
-        return compiled
+        return planned
 
-    def _refreshed(self, key: tuple, compiled: CompiledShape, args: tuple, kwargs: dict) -> CompiledShape:
+    def _refreshed(self, key: tuple, planned: PlannedShape, args: tuple, kwargs: dict) -> PlannedShape:
         """``compiled``, the plan of ``key``, or the plan made again in its place: for the caller's autocast recipe,
         now known (_planned_for_another_recipe), or with its block options re-costed once a grad step without them
         has lost what re-costing takes (rent or buy: profile_and_solve; none built yet: built once the grad steps of
         every shape have lost what building them is taken to cost), or for fp32 copies of the outputs the
         caller now makes or no longer makes (accelerate's mixed precision wraps the forward after remat planned it)."""
-        if self._planned_for_another_recipe(compiled):  # (the steps timed before ran the other recipe)
+        if self._planned_for_another_recipe(planned):  # (the steps timed before ran the other recipe)
             return self._plan_again(key, args, kwargs, carry_steps=False)
-        if compiled.reduced_fit and torch.is_grad_enabled() and compiled.family_timed < self._timed_count(
-                compiled.family):
+        if planned.reduced_fit and torch.is_grad_enabled() and planned.family_timed < self._timed_count(
+                planned.family):
             log.info("%s planned again at this shape: its times were fitted from fewer shapes than a fit needs, and "
                      "the training steps have timed more since", type(self.model).__name__)
             return self._plan_again(key, args, kwargs)
         if torch.is_grad_enabled():
-            self._retime(compiled)
-        if self._copies_to_count(compiled) is not None:
+            self._retime(planned)
+        if self._copies_to_count(planned) is not None:
             return self._plan_again(key, args, kwargs)
-        if not compiled.block_gain or not torch.is_grad_enabled():
-            return compiled
+        if not planned.block_gain or not torch.is_grad_enabled():
+            return planned
         if profiler_active():  # (building or re-costing them measures the CPU allocator with one: after it)
             if not self._profiler_logged:
                 self._profiler_logged = True
                 log.info("a torch.profiler session runs: block options are not built or re-costed until it ends")
-            return compiled
+            return planned
         if not self._blocks_built:  # building them serves every shape: the steps of all count
-            self._lost_without_blocks += compiled.block_gain
+            self._lost_without_blocks += planned.block_gain
             if self._lost_without_blocks < self._recost_seconds:
-                compiled.steps_without += 1
-                return compiled
+                planned.steps_without += 1
+                return planned
             log.info("block options built at this shape after steps without them lost up to %.2f s (building them "
                      "was taken to cost %.2f s)", self._lost_without_blocks, self._recost_seconds)
             return self._plan_again(key, args, kwargs, defer_blocks=False)
-        if self._recost_seconds is not None and compiled.steps_without * compiled.block_gain < self._recost_seconds:
-            compiled.steps_without += 1  # (None: built since this shape was planned, what re-costing takes not known)
-            return compiled
+        if self._recost_seconds is not None and planned.steps_without * planned.block_gain < self._recost_seconds:
+            planned.steps_without += 1  # (None: built since this shape was planned, what re-costing takes not known)
+            return planned
         log.info("block options re-costed at this shape after %d steps without them (each up to %.1f ms slower)",
-                 compiled.steps_without, compiled.block_gain * 1e3)
+                 planned.steps_without, planned.block_gain * 1e3)
         return self._plan_again(key, args, kwargs, defer_blocks=False)
 
-    def _copies_to_count(self, compiled: CompiledShape) -> int | None:
+    def _copies_to_count(self, planned: PlannedShape) -> int | None:
         """The bytes of the fp32 copies the caller makes of the outputs (accelerate's mixed precision wraps the
         forward, also after remat planned it or fully_shard sharded the model) where ``compiled`` was planned with
         others, to plan it again with; None where they are the same, or ``compiled`` is a saved plan (warned once)."""
-        copies = compiled.chain.half_outputs_in_fp32_bytes if upcasts_outputs(self) else 0
-        if copies == compiled.plan.output_copies_bytes:
+        copies = planned.chain.half_outputs_in_fp32_bytes if upcasts_outputs(self) else 0
+        if copies == planned.plan.output_copies_bytes:
             return None
-        if compiled.saved:
-            if copies and not compiled.copies_warned:
-                compiled.copies_warned = True
+        if planned.saved:
+            if copies and not planned.copies_warned:
+                planned.copies_warned = True
                 log.warning("the caller copies the model's fp16/bf16 outputs to fp32 (accelerate's mixed precision), "
                             "and the saved plan does not count the copies (%d B): its peak may exceed its budget by "
                             "that much; plan with hierremat.remat under the same wrapper instead", copies)
@@ -561,18 +561,18 @@ class RematModule(nn.Module):
             "" if given is None else f", not as backward_autocast={given} said", type(self.model).__name__,
         )
 
-    def _planned_for_another_recipe(self, compiled: CompiledShape) -> bool:
+    def _planned_for_another_recipe(self, planned: PlannedShape) -> bool:
         """Whether ``compiled`` is to be planned again for the caller's autocast recipe, now known
         (_learn_backward_recipe): planned before, with stages left without block options for it, or for the other
         recipe. A saved plan for the other recipe is warned about once, not planned again."""
-        menus = compiled.chain_module.planned.menus
+        menus = planned.chain_module.planned.menus
         recipe = self.settings.backward_autocast
         if menus is None or recipe is None:
             return False
         other = menus.backward_autocast is not None and menus.backward_autocast != recipe
-        if compiled.saved:
-            if other and not compiled.recipe_warned:
-                compiled.recipe_warned = True
+        if planned.saved:
+            if other and not planned.recipe_warned:
+                planned.recipe_warned = True
                 log.warning("the saved plan's block options were traced for the backward %s autocast, and it runs %s "
                             "it: their gradients may differ from plain autocast's in the last bits; plan again with "
                             "backward_autocast=%s", "under" if menus.backward_autocast else "outside",
@@ -582,21 +582,21 @@ class RematModule(nn.Module):
 
     def _observed_backward_autocast(self) -> bool | None:
         """Whether the last backward under autocast of this module's plans (most recently used first) ran under it."""
-        for compiled in reversed(self._compiled.values()):
-            seen = compiled.chain_module.planned.runner.observed_backward_autocast
-            if seen is not None and compiled.plan.chain.autocast != "off":
+        for planned in reversed(self._planned.values()):
+            seen = planned.chain_module.planned.runner.observed_backward_autocast
+            if seen is not None and planned.plan.chain.autocast != "off":
                 return seen
         return None
 
     def _released_output(self, family: tuple) -> tuple[bool, ...] | None:
-        """CompiledShape.released_output of the last shape of these inputs (``family``: _family_key) run with a
+        """PlannedShape.released_output of the last shape of these inputs (``family``: _family_key) run with a
         backward since it was planned: a new shape is planned for the output's use seen there."""
-        for compiled in reversed(self._compiled.values()):
-            if compiled.family == family and compiled.chain_module.planned.runner.observed_output_use is not None:
-                return compiled.released_output()
+        for planned in reversed(self._planned.values()):
+            if planned.family == family and planned.chain_module.planned.runner.observed_output_use is not None:
+                return planned.released_output()
         return None
 
-    def _add_sharded(self, args: tuple, kwargs: dict) -> CompiledShape:
+    def _add_sharded(self, args: tuple, kwargs: dict) -> PlannedShape:
         """A new input shape after ``fully_shard`` (every rank called with it: ranks_plan): planned
         as a model built on meta is (its parameters' whole shapes, weights lent on the device its shards are on:
         hierremat.runtime.fsdp.without_weights), without block options (FSDP2 runs option 0) and without a budget
@@ -605,11 +605,11 @@ class RematModule(nn.Module):
         device = str(next(iter(self.model.parameters())).device)  # (a DTensor's: where its local shard is)
         settings = replace(self.settings, device=device, block_options="autograd", compile=False)
         with without_weights(self.model):
-            compiled = self._add(args, kwargs, settings=settings, budget_bytes=UNBOUNDED_BYTES, shards=True)
+            planned = self._add(args, kwargs, settings=settings, budget_bytes=UNBOUNDED_BYTES, shards=True)
         log.info("%s is sharded: a new input shape planned without its weights, then for the shards",
                  type(self.model).__name__)
-        compiled.shard(self.model, self.budget_bytes)
-        return compiled
+        planned.shard(self.model, self.budget_bytes)
+        return planned
 
     def _sample_shorter_length(self, symbolic: SymbolicCapture, args: tuple, kwargs: dict,
                                samples: list[ShapeSample], from_steps: bool = False) -> None:
@@ -701,15 +701,15 @@ class RematModule(nn.Module):
 
     def _drop_plans(self, keep_lent: bool = False) -> None:
         """Forget every plan (``keep_lent``: but those made on meta, not yet bound to the model's tensors)."""
-        for key, compiled in list(self._compiled.items()):
-            if not (keep_lent and compiled.lent):
-                forget_sources(compiled.sources)
-                del self._compiled[key]
+        for key, planned in list(self._planned.items()):
+            if not (keep_lent and planned.lent):
+                forget_sources(planned.sources)
+                del self._planned[key]
 
     def _symbolic_capture(self, args: tuple, kwargs: dict) -> SymbolicCapture | None:
-        """The symbolic capture for calls like this one (hierremat.graphs.symbolic), made when a second
+        """The symbolic capture for calls like this one (hierremat.blocks.symbolic), made when a second
         shape of them comes (a model called at one shape never pays for it), with the sizes that differ between
-        the shapes seen symbolic (graphs.symbolic.varying_dims); at the first shape already where its inputs say
+        the shapes seen symbolic (blocks.symbolic.varying_dims); at the first shape already where its inputs say
         sizes vary (_dims_said_to_vary: marked dynamic, a padded attention mask, ``dynamic=True``), those symbolic;
         None before that (or while no size differs: a shape planned again), with ``dynamic=False``, or where the
         model has none. A later call that varies another size has the model exported again with that one symbolic
@@ -722,7 +722,7 @@ class RematModule(nn.Module):
         earlier = self._symbolic.get(family)
         if family in self._symbolic and (earlier is None or earlier.bindings(args, kwargs) is not None):
             return earlier
-        shapes = [c.skeleton for c in self._compiled.values() if c.family == family]
+        shapes = [c.skeleton for c in self._planned.values() if c.family == family]
         if not shapes and family not in self._symbolic:  # the family's first shape: symbolic at once where sizes
             # are said to vary (a family whose plans were all dropped is forgotten with them: _forget_family)
             return self._first_shape_capture(family, args, kwargs) if self.on_new_shape == "replan" else None
@@ -750,7 +750,7 @@ class RematModule(nn.Module):
             steps[:] = [s.bound(b) for s in steps for b in [symbolic.rebound(dict(s.bindings), earlier)] if b]
         self._symbolic[family] = symbolic
         self._drop_generic(family)  # (its sizes are the new capture's symbols)
-        for c in self._compiled.values():  # the shapes measured before: samples to fit later shapes' times from
+        for c in self._planned.values():  # the shapes measured before: samples to fit later shapes' times from
             bindings = symbolic.bindings(*c.skeleton) if symbolic is not None and c.family == family else None
             if c.sample is not None and bindings:
                 add_sample(samples, c.sample.bound(bindings))
@@ -785,7 +785,7 @@ class RematModule(nn.Module):
 
     def _dims_said_to_vary(self, args: tuple, kwargs: dict) -> tuple[frozenset, str]:
         """The input dimensions a first shape is captured with symbolic, and why: every one with ``dynamic=True``
-        (graphs.symbolic.every_dim); else those its inputs mark dynamic (marked_dims: ``torch._dynamo.mark_dynamic``)
+        (blocks.symbolic.every_dim); else those its inputs mark dynamic (marked_dims: ``torch._dynamo.mark_dynamic``)
         and the length of a padded ``attention_mask`` (padded_dims: a batch padded to its longest row says the
         lengths will vary)."""
         if self.dynamic:
@@ -802,36 +802,36 @@ class RematModule(nn.Module):
     @torch.compiler.disable(reason="hierremat plans (captures, profiles, solves) eagerly")
     def _orchestrator(self, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, dict]:
         """The captured model planned for these inputs and autocast setting (planned now if new),
-        and the keyword arguments to call it with (hierremat.graphs.hf.call_kwargs).
+        and the keyword arguments to call it with (hierremat.blocks.hf.call_kwargs).
 
         Outside what ``torch.compile`` traces: planning runs eagerly, and the returned
         orchestrator is traced (and guarded on) by Dynamo like any module it is handed."""
         kwargs = call_kwargs(self.model, kwargs)
         key = _input_key(self.model, args, kwargs, self._per_padding)
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
+        planned = self._planned.get(key)
+        if planned is not None:
+            self._planned.move_to_end(key)
         sharded = is_sharded(self.model)
         if not sharded:  # (FSDP2 runs option 0 of every stage: nothing to re-cost)
             self._learn_backward_recipe()
-            if compiled is not None:
-                compiled = self._refreshed(key, compiled, args, kwargs)
-        variant = compiled is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._compiled)
-        refuses = compiled is None and not variant and self.on_new_shape == "error"
+            if planned is not None:
+                planned = self._refreshed(key, planned, args, kwargs)
+        variant = planned is None and any(k[:1] + k[3:] == key[:1] + key[3:] for k in self._planned)
+        refuses = planned is None and not variant and self.on_new_shape == "error"
         # under FSDP2, whether any rank plans in this call (every rank then agrees on one schedule) and whether any
         # refuses to (every rank then raises: ranks whose plans differ, as their padding states may, would otherwise
         # leave one raising while the others wait in a collective); the key compared across ranks is this one without
         # its padding state (_input_key's third part)
         # (and, where every rank runs a sharded plan, whether rank 0's is due to be solved again from its steps' times)
-        retimes = compiled is not None and compiled.sharded and torch.is_grad_enabled()
-        due = self._times_due(compiled) if retimes else None
+        retimes = planned is not None and planned.sharded and torch.is_grad_enabled()
+        due = self._times_due(planned) if retimes else None
         # (sharded, a wrapper that copies the outputs to fp32 since the plan: re-sharded with them counted, as a plan
         # made here re-shards every rank's)
-        copies = self._copies_to_count(compiled) if sharded and compiled is not None else None
+        copies = self._copies_to_count(planned) if sharded and planned is not None else None
         if copies is not None:
-            compiled.count_copies(copies)
+            planned.count_copies(copies)
         others_plan, others_refuse, rank0_retimes = ranks_plan(
-            key[:2] + key[3:], compiled is None or copies is not None, refuses, due is not None if retimes else None,
+            key[:2] + key[3:], planned is None or copies is not None, refuses, due is not None if retimes else None,
         ) if sharded else (False, refuses, False)
         if others_refuse:
             raise ValueError(
@@ -839,28 +839,28 @@ class RematModule(nn.Module):
                 + ("" if refuses else " on another rank")
                 + "; call hierremat.remat(..., on_new_shape='replan') to plan per shape"
             )
-        if compiled is None or not compiled.sharded or others_plan:  # has fully_shard been applied since the plan?
+        if planned is None or not planned.sharded or others_plan:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
                 raise UnsupportedModelError(
                     "fully_shard was applied to the module hierremat.remat returned: apply it to the model passed to "
                     "remat (each block, then the model itself)"
                 )
-            if compiled is not None and sharded:
-                compiled.shard(self.model, self.budget_bytes)
+            if planned is not None and sharded:
+                planned.shard(self.model, self.budget_bytes)
         elif rank0_retimes:  # (a shape planned before fully_shard from one run each: solved again from its sharded
             # steps' times, every rank together, rank 0's plan on every rank)
-            self._retime(compiled, due or [st.option_0_times for st in compiled.plan.chain.costs.stages])
-        if compiled is None:
+            self._retime(planned, due or [st.option_0_times for st in planned.plan.chain.costs.stages])
+        if planned is None:
             if variant:  # all but autocast and padding
                 log.info(
                     "%s called under autocast %r%s for the first time: planning for it",
                     type(self.model).__name__, AutocastState.capture(device_types(args, kwargs)).describe(),
                     f" with padding masks all ones {dict(key[2])}" if self._per_padding else "",
                 )
-            compiled = self._add_sharded(args, kwargs) if sharded else self._add(args, kwargs)
-        if compiled.lent:  # planned on meta: the model's own weights from now on
-            compiled.bind_to(self.model)
-        return compiled.orchestrator(), kwargs
+            planned = self._add_sharded(args, kwargs) if sharded else self._add(args, kwargs)
+        if planned.lent:  # planned on meta: the model's own weights from now on
+            planned.bind_to(self.model)
+        return planned.orchestrator(), kwargs
 
     def _apply(self, fn, recurse=True):
         # captured graphs hold the old tensors: re-plan after .to()/.cuda(), but for plans made on meta
@@ -944,11 +944,11 @@ def remat(
     else 'blocks', True, "auto" and None).
     on_new_shape: "replan" (default): a call whose inputs have a new shape is planned for it. From
     the second shape on, the model is captured once with symbolic sizes and each new shape's graph
-    is specialized from that capture (no trace; hierremat.graphs.symbolic), and the block menus
+    is specialized from that capture (no trace; hierremat.blocks.symbolic), and the block menus
     solved for another shape are re-costed at the new sizes (no ILP solve); "error": raise.
     max_shapes: how many shapes' plans are kept (least recently used dropped first; a dropped
     shape is planned again when it comes back). A shape specialized from the symbolic capture runs
-    the graphs its family shares where they are its program (hierremat.graphs.generic) and holds
+    the graphs its family shares where they are its program (hierremat.blocks.generic) and holds
     36-61 KiB; with the default, at most MAX_SHAPES_WITH_GRAPHS (64) of the plans kept hold graphs of
     their own (a shape exported on its own or of a program not shared, block options' code generated at
     its shape) or block options costed at their shape (whose code their family shares:

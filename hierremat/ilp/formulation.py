@@ -19,7 +19,7 @@ Compaction (before the ILP)
 * Views are free and belong to their base (Checkmate and Rockmate treat aliases as
   the base tensor): a forward view joins its root's *group*; the group is computed as
   base, then its views, and freed as a whole. An in-place result (``GraphNode.in_place``,
-  hierremat.graphs.variants.in_place) is such a member too, though it reads other values: they
+  hierremat.blocks.variants.in_place) is such a member too, though it reads other values: they
   become the group's inputs. A view of the block input x joins x's
   group (x is never recomputed). A view that reads values outside its alias chain is
   treated as a copy the size of its root (conservative) and logged.
@@ -41,7 +41,7 @@ reader (or right after itself if it has none) unless it is kept (S_g = 1). x is 
 the caller; the output y is held by the chain from its computation to the end.
 *Deferred* groups are the exception: a group that no forward group reads, that some
 backward stage may need, and that is neither y nor random (a ReLU's packed mask,
-hierremat.graphs.variants.relu_masks) is computed in the forward only if it is kept. Unkept,
+hierremat.blocks.variants.relu_masks) is computed in the forward only if it is kept. Unkept,
 computing it there would be wasted (it would be freed at once and recomputed where it is
 needed), so its forward time and its forward peak row are paid only with S_g = 1. The
 values it reads are still freed at its place in the order, computed or not.

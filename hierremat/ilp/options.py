@@ -414,7 +414,7 @@ class _Replay:
         self.root = {x: x, dy: dy}
         for n in graph.nodes:
             # a result that owns bytes is a storage of its own even when attached to another node
-            # (the elements of a multi-output op, see hierremat.graphs.joint); a view owns none
+            # (the elements of a multi-output op, see hierremat.blocks.joint); a view owns none
             owns = n.out_bytes > 0 or not n.alias_of
             self.root[n.name] = n.name if owns else self.root.get(n.alias_of, n.alias_of)
             self.size.setdefault(n.name, n.out_bytes)

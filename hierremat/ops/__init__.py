@@ -1,5 +1,5 @@
 """Operators: the ``hierremat::`` operators (``torch.library``) that the operator variants'
-rewrites (hierremat.graphs.variants) insert, and their kernels.
+rewrites (hierremat.blocks.variants) insert, and their kernels.
 
 * ``packed_bits``: bit-packed boolean masks (``pack_mask``, ``dropout_bits``, ``above_bits``,
   ``masked_scale``, ``where_bits`` and their ``out=`` forms): C++ CPU kernels built from

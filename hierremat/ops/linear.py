@@ -11,7 +11,7 @@ budget's convention: ``zero_grad(set_to_none=False)``) the kernel's sums are tho
 alone, bitwise; into a nonzero ``.grad`` (gradient accumulation) the kernel adds its partial sums
 over the batch's rows as it goes, which rounds as ``.grad + product`` does where those rows are
 few (one block of the kernel's), and otherwise within fp32 rounding of it. The capture uses the
-variant only for such weights (hierremat.graphs.variants.linear), on the CPU.
+variant only for such weights (hierremat.blocks.variants.linear), on the CPU.
 
 The other gradients are autograd's own formulas for the call ``aten.linear`` makes on an input
 of two dimensions or more that is contiguous (``addmm`` on the input folded to two dimensions, or

@@ -33,7 +33,7 @@ differs from plain autograd (the log-sum-exp over column tiles, dh over column t
 over row blocks, added into ``.grad`` tile by tile or summed first; the mean over rows): equal
 to fp32 rounding, tested at rtol 1e-4, atol 1e-5 (fp32).
 
-hierremat.graphs.variants.linear_cross_entropy puts it into a stage graph where a ``linear``
+hierremat.blocks.variants.linear_cross_entropy puts it into a stage graph where a ``linear``
 feeds such a cross-entropy and nothing else reads the logits.
 """
 

@@ -15,11 +15,11 @@ Operators (schemas defined here with ``torch.library``):
   (the elements ``threshold_backward(grad, x, threshold)`` lets through; NaN passes);
 * ``where_bits(Tensor x, Tensor bits) -> Tensor``: ``x`` where the mask is set, +0 elsewhere, in
   ``x``'s layout: bitwise ``threshold_backward(x, self, threshold)`` given ``above_bits(self,
-  threshold)`` (the ReLU variant, hierremat.graphs.variants.relu_masks), except a 16-bit NaN's
+  threshold)`` (the ReLU variant, hierremat.blocks.variants.relu_masks), except a 16-bit NaN's
   payload, which ATen's kernel changes on its way through fp32 and this one keeps.
 * ``masked_scale.out`` and ``where_bits.out`` (``*, Tensor(a!) out``): the same, written into
   ``out``, which may be ``x`` itself (each element is read before it is written): the in-place
-  forms hierremat.graphs.variants.in_place uses where nothing reads ``x`` after.
+  forms hierremat.blocks.variants.in_place uses where nothing reads ``x`` after.
 
 Kernels: the CPU ones are C++ (``csrc/packed_bits.cpp``), compiled on first use with
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; the build is cached by

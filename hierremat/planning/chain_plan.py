@@ -389,7 +389,7 @@ class PlannedChain:
         self._bind(plan)
 
     def use_stages(self, stages: Sequence[Callable]) -> None:
-        """Run ``stages`` from now on, the same programs as the stages planned (hierremat.graphs.generic: one copy
+        """Run ``stages`` from now on, the same programs as the stages planned (hierremat.blocks.generic: one copy
         that runs at every shape of the symbolic capture)."""
         self.stages = list(stages)
         if self.menus is not None:

@@ -1,10 +1,10 @@
 """Block options' graphs and code shared by every shape of a family: one joint graph per stage, traced once.
 
-At a shape of a family whose stages run size-generic graphs (hierremat.graphs.generic.GenericChain), a stage's
+At a shape of a family whose stages run size-generic graphs (hierremat.blocks.generic.GenericChain), a stage's
 block options need its joint graph at that shape, for the BlockGraph their costs are read from and for the code
 that runs them. Traced at each shape, each shape's plan held graphs and generated code of its own (1.7 MiB for a
 4-layer GPT-2). :class:`FamilyPrograms` holds, for one generic chain, each stage's joint graph traced once with
-symbolic sizes (hierremat.graphs.symbolic_joint), and the programs generated from it: every later shape costs its
+symbolic sizes (hierremat.blocks.symbolic_joint), and the programs generated from it: every later shape costs its
 block options on that graph at its sizes (JointGraph.sizes) and runs the same programs.
 
 The symbolic graph is made at a shape whose joint graph was traced there: its nodes are renamed as that graph's
@@ -20,9 +20,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..graphs.generic import NotGeneric, fold_size
-from ..graphs.joint import JointGraph, is_size_node, size_expr, to_block_graph
-from ..graphs.symbolic_joint import SymbolicJoint, as_traced, size_sources, trace_symbolic_joint
+from ..blocks.generic import NotGeneric, fold_size
+from ..blocks.joint import JointGraph, is_size_node, size_expr, to_block_graph
+from ..blocks.symbolic_joint import SymbolicJoint, as_traced, size_sources, trace_symbolic_joint
 from ..plans.block_options import BlockOption, ForwardOnly
 from ..runtime.block_exec import GeneratedForward, GeneratedOption
 from .output_stage import fused_head_stage
@@ -111,7 +111,7 @@ class FamilyPrograms:
 
     def graph_modules(self) -> list:
         """Every GraphModule it holds: the joint graphs, and the programs generated so far (whose fx sources are
-        forgotten with it: hierremat.graphs.sources)."""
+        forgotten with it: hierremat.blocks.sources)."""
         modules = [symbolic.joint.module for symbolic in self.joints.values() if symbolic is not None]
         if self._fused_head is not _NOT_MADE and self._fused_head is not None:
             modules.append(self._fused_head.graph_module)
@@ -123,7 +123,7 @@ class FamilyPrograms:
 def _check_size_sources(joint: JointGraph) -> None:
     """Raise NotGeneric where a size of ``joint`` could not be computed in a phase of an option's generated code
     (hierremat.runtime.option_codegen computes each from an input the phase has, with the operations
-    hierremat.graphs.generic.fold_size knows; a SymFloat or SymBool is none): every symbol must be a dimension of
+    hierremat.blocks.generic.fold_size knows; a SymFloat or SymBool is none): every symbol must be a dimension of
     x or a shared value (the forward has them), and of the output gradient or a shared value (the backward has them,
     not x where the option does not keep it)."""
     forward = {joint.input_name, *joint.shared_names}

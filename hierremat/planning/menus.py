@@ -1,7 +1,7 @@
 """ILP option menus for the stages of a chain: the "Checkmate half" of the hybrid plan.
 
 For every distinct stage signature (identical blocks share one), the stage's joint
-forward+backward ATen graph is traced (hierremat.graphs.joint), its nodes are profiled
+forward+backward ATen graph is traced (hierremat.blocks.joint), its nodes are profiled
 (hierremat.runtime.node_profile), and the per-block ILP's budget sweep
 (hierremat.ilp.options.solve_menu) yields a Pareto menu of options. The menus are cached
 on disk by signature, device and versions (hierremat.store.cache), so a second run solves
@@ -55,8 +55,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..plans.block_graph import FORWARD, BlockGraph
-from ..graphs.eager_masks import has_value_branch
-from ..graphs.joint import JointGraph, to_block_graph, trace_joint
+from ..blocks.eager_masks import has_value_branch
+from ..blocks.joint import JointGraph, to_block_graph, trace_joint
 from ..runtime.node_profile import profile_nodes
 from ..plans.costs import OptionCosts
 from ..store.cache import CacheKey, OptionsCache, canonical_json, default_cache
@@ -72,9 +72,9 @@ from ..runtime.option_codegen import StageBinding
 from ..runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
 from ..runtime.residents import keep_made, split_output, stage_shared
 from ..runtime.stage_cost_cache import STAGE_COST_VERSION, ExecutorSpeeds, StageCostCache, device_name
-from ..graphs.variants.dropout import pack_dropout_masks
-from ..graphs.variants.in_place import run_in_place
-from ..graphs.variants.relu_masks import pack_relu_masks
+from ..blocks.variants.dropout import pack_dropout_masks
+from ..blocks.variants.in_place import run_in_place
+from ..blocks.variants.relu_masks import pack_relu_masks
 
 log = logging.getLogger(__name__)
 
@@ -229,11 +229,11 @@ class ChainMenus:
                 or bool(self.compiled or self.compiled_forwards))
 
     def use_stages(self, stages: Sequence) -> None:
-        """Bind every stage's block options to ``stages``, the same programs as the stages traced (hierremat.graphs.
+        """Bind every stage's block options to ``stages``, the same programs as the stages traced (hierremat.blocks.
         generic's copies), so that the traced stages, graphs of one shape, are no longer held: an executor's joint
         graph keeps its stage for the parameters and buffers it reads, which ``stages`` hold under the same names. The
         joint graphs and the code generated from them stay (traced at the shape: a plan that runs them still holds
-        graphs of its own, CompiledShape.holds_graphs)."""
+        graphs of its own, PlannedShape.holds_graphs)."""
         for stage, executors in zip(stages, self.executors):
             for executor in executors:
                 joint = getattr(executor, "joint", None)
@@ -253,7 +253,7 @@ class ChainMenus:
 
     def compilable(self, stage: int) -> bool:
         """Whether stage ``stage``'s menu options may be offered compiled: not where they add to
-        residents' gradient sums (hierremat.graphs.joint.seeded_add branches on a missing sum)."""
+        residents' gradient sums (hierremat.blocks.joint.seeded_add branches on a missing sum)."""
         executors = self.executors[stage]
         return self.menu_size(stage) > 0 and not executors[1].joint.resident_seeds
 
@@ -609,10 +609,10 @@ def build_menus(
     time_limit: seconds per ILP solve; deadline: a ``time.perf_counter()`` value no solve
     runs past (menus then hold what was found in time: hierremat.ilp.options.solve_menu).
     variants: rewrite the traced graphs with hierremat's operator variants
-    (hierremat.graphs.variants: packed dropout and ReLU masks, recomputable dropout outputs, in-place
+    (hierremat.blocks.variants: packed dropout and ReLU masks, recomputable dropout outputs, in-place
     pointwise operators).
     residents: the chain's ResidentLayout (hierremat.plans.stage_info), or None. A stage that reads
-    residents traces them as inputs with a gradient (hierremat.graphs.joint: its options add
+    residents traces them as inputs with a gradient (hierremat.blocks.joint: its options add
     their terms to the gradient sums); a stage that makes residents gets no menu (option 0
     only), nor does the output stage its fused head when it touches residents.
     recompute_across_dropouts: False where a stage is a whole model (``segmentation="none"``):
@@ -767,7 +767,7 @@ def build_menus(
 
 
 def _with_variants(joint: JointGraph) -> JointGraph:
-    """``joint`` rewritten with hierremat's operator variants (hierremat.graphs.variants)."""
+    """``joint`` rewritten with hierremat's operator variants (hierremat.blocks.variants)."""
     return run_in_place(pack_relu_masks(pack_dropout_masks(joint)))
 
 

@@ -19,14 +19,14 @@ from typing import Callable
 import torch
 from torch import fx
 
-from ..graphs.segment import GraphStage
+from ..blocks.segment import GraphStage
 from ..plans.costs import OptionCosts
 from ..runtime.executor import as_tuple, backward_through, check_stage_output, detach_output, gradient_edges
 from ..runtime.grad_taps import tap_input
 from ..runtime.profile import profile_stage
 from ..runtime.stage_cost_cache import StageCostCache
 from ..plans.sequential_plan import NAMED_OPTIONS
-from ..graphs.variants.linear_cross_entropy import fuse_linear_cross_entropy
+from ..blocks.variants.linear_cross_entropy import fuse_linear_cross_entropy
 
 log = logging.getLogger(__name__)
 

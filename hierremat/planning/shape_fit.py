@@ -4,7 +4,7 @@ A model called at many shapes (dynamic padding) is measured in full at its first
 distinct stage's times (hierremat.runtime.profile), each block graph's node times
 (hierremat.runtime.node_profile) and the speed of each block's generated code. At a later shape
 those times are fitted, each one on its own, by non-negative least squares over the monomials of the model's
-symbolic sizes (hierremat.graphs.symbolic) that varied among the measured shapes (sizes equal at
+symbolic sizes (hierremat.blocks.symbolic) that varied among the measured shapes (sizes equal at
 every measured shape counted once):
 
     t(sizes) = c0 + c1 * n + sum_v c_v * n * v,    n = the product of the varying sizes,
@@ -93,7 +93,7 @@ DATA_TOLERANCE = 0.01
 class ShapeSample:
     """The costs measured at one input shape, by stage index.
 
-    bindings: (size symbol, value) pairs of the shape (hierremat.graphs.symbolic). pattern: per
+    bindings: (size symbol, value) pairs of the shape (hierremat.blocks.symbolic). pattern: per
     stage, the index of the first stage with its signature (the chain's structure).
     profile: the chain profile measured there (its memory trace, where recorded, to fit memory from).
     stage_times: per stage, (no-grad forward, forward, backward) seconds of autograd's option.
@@ -188,7 +188,7 @@ def add_sample(samples: list[ShapeSample], new: ShapeSample, limit: int = MAX_SA
 def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     """Where a new shape of a family comes (``bindings``: its sizes; the second, typically) and the shapes
     measured cannot fit its times yet, the sizes to measure at now, cut from this call's inputs
-    (hierremat.graphs.symbolic SymbolicCapture.narrowed): (the sizes that differ from the samples', all
+    (hierremat.blocks.symbolic SymbolicCapture.narrowed): (the sizes that differ from the samples', all
     equal: export may give one length several symbols; the sequence length, typically, or a batch size that
     differs alone; the values), so that with the shapes measured they make the SAMPLED_SHAPES timed shapes a fit
     needs, spread over the sizes seen and below (issue 35: "profile each distinct block at a few sizes"):

@@ -1,6 +1,6 @@
 """One block's forward/backward operator graph as a plain value (no torch).
 
-This is the interface between ``hierremat.graphs`` (which captures a stage's joint
+This is the interface between ``hierremat.blocks`` (which captures a stage's joint
 forward+backward ATen graph and profiles it) and ``hierremat.ilp`` (which solves it).
 It carries no tensors and no callables, only names, sizes (bytes) and times (seconds),
 and round-trips through JSON.
@@ -38,7 +38,7 @@ class GraphNode:
     random: it draws random numbers (dropout), so it may only be recomputed with its
         RNG state replayed.
     alias_of: name of the node (or block input) whose storage the result shares, "" if none.
-    in_place: the result is one of its inputs overwritten in place (hierremat.graphs.variants.in_place):
+    in_place: the result is one of its inputs overwritten in place (hierremat.blocks.variants.in_place):
         it shares ``alias_of``'s storage although it reads other values too.
     """
 
@@ -74,9 +74,9 @@ class BlockGraph:
     input_grad_name: the backward node whose result is the gradient of x ("" when x
         needs no gradient).
     held_grad_names: other backward nodes whose results outlive the backward, as dx does
-        (the gradient sums of residents the block reads: hierremat.graphs.joint).
+        (the gradient sums of residents the block reads: hierremat.blocks.joint).
     seed_readers: for each held gradient, in order, the backward node that adds the block's
-        terms to the sum the resident's later readers made (hierremat.graphs.joint.seeded_add).
+        terms to the sum the resident's later readers made (hierremat.blocks.joint.seeded_add).
         That sum, the seed, is held outside the block (the chain DP counts it), so it is no
         input of the node here; :func:`concatenate` makes it one where the later reader is a
         block of the concatenation. Empty where unknown (graphs stored by older versions).

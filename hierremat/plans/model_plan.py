@@ -37,7 +37,7 @@ class ModelPlan:
         ``outputs=``; None: every output the model returns.
     capture_kind: how the model's graph at this shape was made: "exported" (traced at this
         shape) or "specialized" (the model's symbolic capture, made once for every shape, at this
-        shape's sizes: hierremat.graphs.symbolic).
+        shape's sizes: hierremat.blocks.symbolic).
     times: "measured" (with how, where the times are of one run each until the training steps time the shape, or
         from its training steps: hierremat.remat on CPU), or what was fitted from shapes measured before: the
         times, and the memory where it fits them to the byte (else measured at this shape):
@@ -51,7 +51,7 @@ class ModelPlan:
         inside the autocast context, False: after it closed; hierremat.planning.menus.exact_under_autocast), None
         where not known or without autocast.
     output_copies_bytes: bytes of the fp32 copies the caller makes of the model's fp16 and bf16 outputs
-        (accelerate's mixed precision, as the Trainer's ``bf16=True`` runs it: hierremat.graphs.hf.upcasts_outputs),
+        (accelerate's mixed precision, as the Trainer's ``bf16=True`` runs it: hierremat.blocks.hf.upcasts_outputs),
         held beside the chain for the whole step (made at the forward's end, they may be held through the
         backward); predicted_peak_bytes includes them. 0 where the caller makes none.
     cost_model: the versions of the measurements and formulations the plan's costs come from (block nodes' times,

@@ -1,4 +1,4 @@
-"""Plain description of a chain stage, shared by the planner (no torch) and hierremat.graphs."""
+"""Plain description of a chain stage, shared by the planner (no torch) and hierremat.blocks."""
 
 from __future__ import annotations
 

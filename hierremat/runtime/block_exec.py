@@ -1,7 +1,7 @@
 """Execute one block option: a stage's joint ATen graph run as the ILP scheduled it.
 
 A :class:`hierremat.plans.block_options.BlockOption` lists, for the forward and for the
-backward, which nodes of the stage's joint graph (hierremat.graphs.joint) to compute and
+backward, which nodes of the stage's joint graph (hierremat.blocks.joint) to compute and
 when to free each value. :class:`OptionExecutor` runs the straight-line functions
 generated from those lists (hierremat.runtime.option_codegen) on real tensors, without
 autograd: the forward returns the stage output and the values the option keeps; the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..graphs.joint import JointGraph
+from ..blocks.joint import JointGraph
 from ..plans.block_options import BlockOption, ForwardOnly
 from ..device.autocast import AutocastState
 from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option

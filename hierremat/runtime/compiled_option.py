@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from ..graphs.joint import JointGraph
+from ..blocks.joint import JointGraph
 from ..plans.costs import OptionCosts
 from ..plans.block_options import BlockOption, ForwardOnly
-from ..graphs.variants.in_place import functional_joint
+from ..blocks.variants.in_place import functional_joint
 from ..device.autocast import AutocastState
 from .block_exec import OptionTape
 from ..device.memory import CpuAllocatorMeter, CudaPeakMeter

@@ -168,7 +168,7 @@ def without_weights(model: nn.Module) -> Iterator[None]:
     tensor of its whole (unsharded) shape and dtype, and FSDP2's forward hooks off (they would all-gather, and
     export traces the modules' own forwards). The parameters, buffers and hooks are put back on exit. Nothing
     runs on the shards: no collective, so each rank may plan on its own before they agree in
-    ``CompiledShape.shard``."""
+    ``PlannedShape.shard``."""
     saved, meta = [], {}  # (one meta tensor per tensor: tied weights stay tied)
 
     def meta_of(t: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from ..device import is_abstract
 from ..errors import UnsupportedModelError
-from ..graphs.segment import substitute_tensor
+from ..blocks.segment import substitute_tensor
 
 #: Seed of the lent values (the same on every rank).
 LENT_SEED = 20261125

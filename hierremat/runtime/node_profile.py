@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..device.autocast import AutocastState
 from ..device.memory import allocated_bytes, allocator_peaks_in_marks, check_no_profiler, cpu_memory_profile
-from ..graphs.joint import JointGraph, evaluate_size, is_view_node, joint_inputs, overwritten_argument
+from ..blocks.joint import JointGraph, evaluate_size, is_view_node, joint_inputs, overwritten_argument
 
 #: Defaults of the FLOP cost model (seconds = overhead + flops/rate + bytes/bandwidth).
 FLOPS_PER_S = 1e12

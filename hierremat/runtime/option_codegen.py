@@ -1,7 +1,7 @@
 """Generated code for block options: an option's op lists as straight-line Python functions.
 
 A :class:`hierremat.plans.block_options.BlockOption` says, for a stage's joint ATen graph
-(hierremat.graphs.joint), which nodes the forward and the backward compute, in which
+(hierremat.blocks.joint), which nodes the forward and the backward compute, in which
 order, and when each value is freed. :func:`generate_option` turns each phase into a new
 fx graph whose nodes are those computations in that order (a node the backward
 recomputes is a node of the backward graph), and lets fx generate its Python source:
@@ -25,7 +25,7 @@ What the generated code does besides the graph's ATen calls, as the ILP models i
 * the backward hands each parameter gradient to ``accumulate`` as soon as it is computed
   (so it is freed then, and gradient hooks fire as in plain training), and returns the
   input gradient, then the new gradient sum of each resident the stage reads (its seed, the
-  sum so far, is an input: hierremat.graphs.joint.seeded_add).
+  sum so far, is an input: hierremat.blocks.joint.seeded_add).
 
 Without ``accumulate`` the graphs are pure, for a compiler (hierremat.runtime.compiled_option):
 positional inputs, buffer updates returned after the kept values, parameter gradients
@@ -42,9 +42,9 @@ import torch
 from torch import fx
 from torch.fx.graph import _BoxedCodeGen
 
-from ..graphs.generic import fold_size
-from ..graphs.joint import JointGraph, is_size_node, size_expr
-from ..graphs.symbolic_joint import size_sources
+from ..blocks.generic import fold_size
+from ..blocks.joint import JointGraph, is_size_node, size_expr
+from ..blocks.symbolic_joint import size_sources
 from ..plans.block_options import COMPUTE
 from ..plans.block_options import BlockOption
 
@@ -194,7 +194,7 @@ class _PhaseBuilder:
         return self.env[name]
 
     def _size(self, node: fx.Node):
-        """The size ``node`` computes (hierremat.graphs.symbolic_joint), from the sizes of this phase's inputs."""
+        """The size ``node`` computes (hierremat.blocks.symbolic_joint), from the sizes of this phase's inputs."""
         return self._size_of(size_expr(node.meta["val"]))
 
     def _size_of(self, expr):

@@ -18,7 +18,7 @@ import torch
 
 def stage_parameters(stage: Callable, model: torch.nn.Module | None = None) -> list[torch.nn.Parameter]:
     """The parameters a stage reads: those its graph reads where it says
-    (hierremat.graphs.segment.GraphStage.parameter_targets), taken from ``model`` where given (the
+    (hierremat.blocks.segment.GraphStage.parameter_targets), taken from ``model`` where given (the
     sharded parameters, under FSDP2), else a module's own; none for a plain callable (its
     parameters cannot be seen)."""
     if hasattr(stage, "parameter_targets") and hasattr(stage, "parameter"):

@@ -40,7 +40,7 @@ class TiedParameters:
     forms: per stage, the modules that run it (the stage, then other forms of it: a fused head),
     all looked at when the stage computes; those with ``parameter_targets()`` (parameters by
     their names in the user's model) and ``substitute(target, param)`` take part
-    (hierremat.graphs.segment.GraphStage).
+    (hierremat.blocks.segment.GraphStage).
     """
 
     def __init__(self, forms: Sequence[Sequence]):

@@ -37,7 +37,7 @@ def replace_calls(gm: fx.GraphModule, targets, replacement: Callable, arguments:
 
 
 def joint_after_rewrite(joint, phase: dict, renamed: dict):
-    """``joint`` (a hierremat.graphs.joint.JointGraph) after a rewrite of its module's graph in
+    """``joint`` (a hierremat.blocks.joint.JointGraph) after a rewrite of its module's graph in
     place: the module recompiled, the phases of the graph's nodes (``phase``: name -> phase, new
     nodes included) in graph order, and every name the JointGraph gives renamed by ``renamed``
     (old -> new)."""

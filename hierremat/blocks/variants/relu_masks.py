@@ -49,7 +49,7 @@ def _forward_value(node: fx.Node, phase: dict) -> tuple[fx.Node, list[fx.Node]] 
 
 
 def pack_relu_masks(joint):
-    """``joint`` (a hierremat.graphs.joint.JointGraph) with every backward
+    """``joint`` (a hierremat.blocks.joint.JointGraph) with every backward
     ``threshold_backward(grad, self, threshold)`` whose ``self`` is a floating forward value
     of grad's shape rewritten as described above (in place in ``joint.module``); returns the
     updated JointGraph."""

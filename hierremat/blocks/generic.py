@@ -1,6 +1,6 @@
 """One graph for every input shape: a specialized graph made size-generic again, and the check that it is.
 
-A graph specialized from the symbolic capture (hierremat.graphs.symbolic) has each size folded to an int
+A graph specialized from the symbolic capture (hierremat.blocks.symbolic) has each size folded to an int
 that remembers the size it stands for (SizeLiteral). :func:`size_generic` copies such a graph (a stage, the
 orchestrator) with every SizeLiteral computed from the sizes of its own inputs at each call (``sym_size``
 and integer arithmetic on them, as the symbolic program computes it), so that one copy runs at every shape
@@ -189,9 +189,9 @@ class GenericChain:
     """A chain whose stages and orchestrator run at every shape of one symbolic capture, made from one shape's
     specialized chain (``reference``, what another shape's is checked against: :meth:`holds_for`).
 
-    The orchestrator calls the chain through ``dispatch`` (hierremat.api.compiled_shape.ChainDispatch), set to
+    The orchestrator calls the chain through ``dispatch`` (hierremat.api.planned_shape.ChainDispatch), set to
     the called shape's chain runner before each call. ``sources``: the keys of fx's sources of its graphs
-    (hierremat.graphs.sources), to forget when it is dropped."""
+    (hierremat.blocks.sources), to forget when it is dropped."""
 
     reference: ChainGraph
     stages: tuple[GraphStage, ...]

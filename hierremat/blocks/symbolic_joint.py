@@ -1,12 +1,12 @@
 """One joint graph for every input shape of a stage: the joint traced once with symbolic sizes.
 
-A size-generic stage (hierremat.graphs.generic) computes its sizes from its inputs' at each call. Traced by
-:func:`hierremat.graphs.joint.trace_joint` from fake inputs whose sizes are symbols of one ShapeEnv (the symbols
+A size-generic stage (hierremat.blocks.generic) computes its sizes from its inputs' at each call. Traced by
+:func:`hierremat.blocks.joint.trace_joint` from fake inputs whose sizes are symbols of one ShapeEnv (the symbols
 its placeholders' ``SYMBOLIC_SHAPE`` names, made symbols of the trace), it gives a joint graph whose tensors have
 symbolic shapes and whose sizes are nodes of their own (``aten.sym_size.int`` and integer arithmetic on them:
-hierremat.graphs.joint.is_size_node). That graph is every shape's:
+hierremat.blocks.joint.is_size_node). That graph is every shape's:
 
-* its BlockGraph at a shape is :func:`hierremat.graphs.joint.to_block_graph` of the joint with its ``sizes`` set
+* its BlockGraph at a shape is :func:`hierremat.blocks.joint.to_block_graph` of the joint with its ``sizes`` set
   (:meth:`SymbolicJoint.at_sizes`): each storage's bytes are its symbolic size evaluated there; size nodes are no nodes of
   the BlockGraph (ints, no storage), so its nodes are those of a joint traced at that shape, by name;
 * code generated from it (hierremat.runtime.option_codegen) computes each size in each phase from the inputs that
@@ -90,7 +90,7 @@ class SymbolicJoint:
 
 
 def trace_symbolic_joint(stage: torch.nn.Module, x: torch.Tensor, shared: tuple, **trace_options) -> SymbolicJoint:
-    """:func:`hierremat.graphs.joint.trace_joint` of ``stage``, a size-generic GraphStage (hierremat.graphs.generic),
+    """:func:`hierremat.blocks.joint.trace_joint` of ``stage``, a size-generic GraphStage (hierremat.blocks.generic),
     from fake inputs with ``x``'s and ``shared``'s dtypes and devices whose sizes are symbols where its placeholders'
     SYMBOLIC_SHAPE has them (their values at ``x`` and ``shared`` the trace's hints). Raises NotGeneric where the
     stage's placeholders carry no symbolic shapes or a size cannot be made from its symbols."""
@@ -166,7 +166,7 @@ def as_traced(symbolic: JointGraph, static: JointGraph) -> JointGraph | None:
     """``symbolic`` with each tensor node named as the node at its position in ``static`` (the same stage traced at
     one shape, rewritten with the operator variants: a menu solved on such a graph names its nodes, and so do node
     times measured on it), its size nodes named apart (``hr_size_<k>``), and each call that ``static`` runs in place
-    (hierremat.graphs.variants.in_place) run so too: whether an argument's storage is whole in the result's layout is
+    (hierremat.blocks.variants.in_place) run so too: whether an argument's storage is whole in the result's layout is
     not always known for symbolic strides, and that program's layout is the same at every size. None where the two
     do not have the same placeholders and the same operators in the same order. (The two traces name nodes
     differently: a symbolic trace's size arithmetic takes names too.)"""

@@ -1,10 +1,10 @@
 """One input shape's plan, made runnable: what a RematModule keeps per shape.
 
 ``ChainModule`` runs the chain of stages by its schedule (hierremat.planning.chain_plan.PlannedChain);
-``CompiledShape`` holds it with the model's captured graph (its own, or its family's size-generic one:
-hierremat.graphs.generic), the plan (hierremat.plans.model_plan.ModelPlan),
+``PlannedShape`` holds it with the model's captured graph (its own, or its family's size-generic one:
+hierremat.blocks.generic), the plan (hierremat.plans.model_plan.ModelPlan),
 the sample its profile gives shape fits (hierremat.planning.shape_fit) and, under FSDP2, its sharded chain.
-Made by hierremat.api.shape_planning.compile_shape.
+Made by hierremat.api.shape_planning.plan_shape.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..graphs.generic import GenericChain
-from ..graphs.segment import CHAIN_ATTRIBUTE, ChainGraph
+from ..blocks.generic import GenericChain
+from ..blocks.segment import CHAIN_ATTRIBUTE, ChainGraph
 from ..budget import format_bytes
 from ..errors import InfeasibleBudgetError, UnsupportedModelError
 from ..plans.model_plan import ModelPlan
@@ -62,7 +62,7 @@ class ChainModule(nn.Module):
 
 
 class ChainDispatch(nn.Module):
-    """The chain a size-generic orchestrator calls (hierremat.graphs.generic.GenericChain): the ChainModule of the
+    """The chain a size-generic orchestrator calls (hierremat.blocks.generic.GenericChain): the ChainModule of the
     shape being called, set before each call by :meth:`use`, per thread (not a submodule: the shapes' plans are
     RematModule's)."""
 
@@ -78,7 +78,7 @@ class ChainDispatch(nn.Module):
         return self._current.chain(x, *shared)
 
     def __deepcopy__(self, memo) -> "ChainDispatch":
-        copied = ChainDispatch()  # (set again before the copy's next call: CompiledShape.orchestrator)
+        copied = ChainDispatch()  # (set again before the copy's next call: PlannedShape.orchestrator)
         memo[id(self)] = copied
         return copied
 
@@ -105,7 +105,7 @@ def chain_inputs(chain: ChainGraph, args: tuple, kwargs: dict):
     raise AssertionError("the orchestrator did not reach the chain")
 
 
-class CompiledShape:
+class PlannedShape:
     """A captured model bound to its plan; ``plan`` follows the chain's re-plans (PlannedChain)."""
 
     def __init__(self, chain: ChainGraph, plan: ModelPlan, chain_module: "ChainModule"):
@@ -116,7 +116,7 @@ class CompiledShape:
         self.sample: ShapeSample | None = None  # its measured costs (None: fitted, or run from a saved plan)
         self.bindings: dict | None = None  # its sizes by symbol in the symbolic capture it was planned with
         self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
-        self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.graphs.sources)
+        self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.blocks.sources)
         self.lent = False  # planned on meta with lent weights: bound to the model's own when it has them
         self.unsharded: ModelPlan | None = None  # the plan before shard() re-made it (what each re-shard starts from)
         self.least_held: int | None = None  # bytes of the output a caller that releases it still holds (its losses)

@@ -174,7 +174,7 @@ class SizeLiteral(int):
     """An int in a specialized graph's arguments that stands for a size of the symbolic capture: ``expr``,
     the sympy expression of the capture's symbols it was folded from (_fold_sizes). It prints, hashes and
     compares as the int, so the graph's code and signature are an export's at that shape; what it was
-    folded from lets hierremat.graphs.generic compute it from the inputs' sizes again."""
+    folded from lets hierremat.blocks.generic compute it from the inputs' sizes again."""
 
     expr: sympy.Expr
 
@@ -242,7 +242,7 @@ class _SpecializedMetas(FakeTensorProp):
 
     def run_node(self, n: fx.Node):
         symbolic = n.meta.get("val")
-        if isinstance(symbolic, torch.Tensor):  # (what hierremat.graphs.generic computes sizes from)
+        if isinstance(symbolic, torch.Tensor):  # (what hierremat.blocks.generic computes sizes from)
             n.meta[SYMBOLIC_SHAPE] = tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in symbolic.shape)
         elif isinstance(symbolic, torch.SymInt):
             n.meta[SYMBOLIC_SHAPE] = symbolic.node.expr  # (a size: _fold_sizes' SizeLiteral)
@@ -317,9 +317,9 @@ def distinct_inputs(inputs):
 
 def export_call(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes=None) -> torch.export.ExportedProgram:
     """``torch.export.export(model, args, kwargs, dynamic_shapes=..., strict=False)`` as both captures run it (at
-    one shape, graphs.capture; symbolically, :func:`capture_symbolic`): Hugging Face caches registered as pytrees,
+    one shape, blocks.capture; symbolically, :func:`capture_symbolic`): Hugging Face caches registered as pytrees,
     a tensor passed twice exported from a clone (:func:`distinct_inputs`), mask decisions made on shapes alone
-    (graphs.hf.eager_mask_decisions), the caller's dynamic-size marks off while it runs (:func:`unmarked`), and no
+    (blocks.hf.eager_mask_decisions), the caller's dynamic-size marks off while it runs (:func:`unmarked`), and no
     Python stack trace recorded per node (``torch.fx.config.do_not_emit_stack_traces``: hierremat reads
     ``nn_module_stack`` alone; recording them took 8-15% of a 4-layer GPT-2's symbolic export, 1.07-1.13 s against
     1.19-1.46 s). Raises what export raises."""

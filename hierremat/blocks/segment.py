@@ -73,7 +73,7 @@ class ChainGraph:
         """Bytes of fp32 copies of the fp16 and bf16 tensors the model returns (the orchestrator's outputs, from
         their metadata), those inside tuples, lists and mappings (a ModelOutput), where accelerate's
         ``convert_to_fp32`` reaches (not a key/value cache object's): what a caller that converts its outputs
-        to fp32 adds (hierremat.graphs.hf.upcasts_outputs). Read once (RematModule checks it at every call)."""
+        to fp32 adds (hierremat.blocks.hf.upcasts_outputs). Read once (RematModule checks it at every call)."""
         output = next(n for n in self.orchestrator.graph.nodes if n.op == "output")
         leaves = pytree.tree_leaves(output.args)
         info = getattr(self.orchestrator.graph._codegen, "pytree_info", None)

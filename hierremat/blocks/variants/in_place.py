@@ -25,7 +25,7 @@ The overwritten argument must be
   one's place, so the call's other inputs must also come before that), nor returned, nor
   in a storage that a later value shares; a backward reader before the call is an ATen
   operator, whose schema says whether its result aliases (a Python function such as
-  ``hierremat.graphs.joint.seeded_add`` may return its argument itself);
+  ``hierremat.blocks.joint.seeded_add`` may return its argument itself);
 * passed once, and no other argument shares its storage.
 
 The result then owns no bytes and shares the argument's storage (the block graph's
@@ -135,9 +135,9 @@ def _whole_storage_in_layout(arg: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 def run_in_place(joint):
-    """``joint`` (a hierremat.graphs.joint.JointGraph) with every call that qualifies (module
+    """``joint`` (a hierremat.blocks.joint.JointGraph) with every call that qualifies (module
     docstring) running its in-place or ``out=`` form, in place in ``joint.module``; node names,
-    phases and ``meta["val"]`` are unchanged (hierremat.graphs.joint.storage_layout maps an
+    phases and ``meta["val"]`` are unchanged (hierremat.blocks.joint.storage_layout maps an
     in-place result's storage to its argument's). Returns ``joint``."""
     graph = joint.module.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -174,7 +174,7 @@ def run_in_place(joint):
         if phase == FORWARD and any(order[a] > order[family[0]] for a in node.all_input_nodes if a not in members):
             return False  # the block ILP computes a storage's values together, at its first one's place
         # in the backward, readers may come before the call; not a Python function's
-        # (hierremat.graphs.joint.seeded_add returns its term itself when there is no sum yet)
+        # (hierremat.blocks.joint.seeded_add returns its term itself when there is no sum yet)
         return all(
             u is node or u in members
             or (phase != FORWARD and order[u] < order[node] and isinstance(u.target, torch._ops.OpOverload))

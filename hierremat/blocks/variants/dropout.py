@@ -48,7 +48,7 @@ def _results(node: fx.Node) -> dict[int, fx.Node] | None:
 
 
 def pack_dropout_masks(joint):
-    """``joint`` (a hierremat.graphs.joint.JointGraph) with every training-mode
+    """``joint`` (a hierremat.blocks.joint.JointGraph) with every training-mode
     ``native_dropout`` whose mask only its backward reads rewritten as described above
     (in place in ``joint.module``); returns the updated JointGraph."""
     gm = joint.module

@@ -106,7 +106,7 @@ class JointGraph:
     phase: dict[str, str] = field(repr=False)
     resident_seeds: dict[int, str] = field(default_factory=dict)
     resident_grads: dict[int, str] = field(default_factory=dict)
-    #: a graph traced with symbolic sizes (hierremat.graphs.symbolic_joint): each symbol's value at the shape it is
+    #: a graph traced with symbolic sizes (hierremat.blocks.symbolic_joint): each symbol's value at the shape it is
     #: costed at (storage bytes, :func:`to_block_graph`); None for a graph traced at one shape
     sizes: dict | None = field(default=None, repr=False)
 
@@ -250,7 +250,7 @@ def trace_joint(
     Tracing uses fake tensors: the stage's buffers and the RNG state are not touched.
     """
     if aot_export_joint_with_descriptors is None:  # pragma: no cover
-        raise RuntimeError("hierremat.graphs.joint needs torch >= 2.9 (aot_export_joint_with_descriptors)")
+        raise RuntimeError("hierremat.blocks.joint needs torch >= 2.9 (aot_export_joint_with_descriptors)")
     shared = tuple(shared)
     if input_requires_grad is None:
         input_requires_grad = x.is_floating_point() or x.is_complex()
@@ -486,7 +486,7 @@ def run_joint(joint: JointGraph, x, shared: tuple, tangents, apply_mutations: bo
 
 def is_size_node(node: fx.Node) -> bool:
     """Whether ``node`` computes a size (a SymInt) rather than a tensor: ``aten.sym_size.int`` and the integer
-    arithmetic on it that a trace with symbolic sizes records (hierremat.graphs.symbolic_joint)."""
+    arithmetic on it that a trace with symbolic sizes records (hierremat.blocks.symbolic_joint)."""
     return node.op == "call_function" and isinstance(node.meta.get("val"),
                                                      (torch.SymInt, torch.SymFloat, torch.SymBool))
 
@@ -556,7 +556,7 @@ def storage_layout(joint: JointGraph) -> NodeLayout:
             overwritten = overwritten_argument(node)
             if overwritten is not None and key not in owner:
                 # an in-place result is its argument: its storage is the argument's, whatever
-                # storage the traced value had (hierremat.graphs.variants.in_place keeps the trace's)
+                # storage the traced value had (hierremat.blocks.variants.in_place keeps the trace's)
                 arg_val = overwritten.meta.get("val")
                 arg_key = StorageWeakRef(arg_val.untyped_storage()) if isinstance(arg_val, torch.Tensor) else None
                 if arg_key in owner:

@@ -37,7 +37,7 @@ class CapturedModel:
     """The unlifted GraphModule of the model's program at one input shape, and per-node information.
 
     specialized: True where the module was specialized from a symbolic capture
-    (hierremat.graphs.symbolic), False where it was exported at this shape.
+    (hierremat.blocks.symbolic), False where it was exported at this shape.
     """
 
     module: fx.GraphModule
@@ -114,11 +114,11 @@ def capture(
     """Export ``model(*args, **kwargs)``; raise UnsupportedModelError naming the problem.
 
     variants: also route operators to hierremat's exact, memory-lean variants where one
-    applies (hierremat.graphs.variants: the row-blocked cross-entropy, embeddings and large linear
+    applies (hierremat.blocks.variants: the row-blocked cross-entropy, embeddings and large linear
     weights whose backward adds into ``.grad``).
     outputs: the names of the outputs to return (hierremat.plan's ``outputs=``); None: all.
     symbolic: the model's symbolic capture: its program specialized at these inputs' sizes
-    stands for the export where it holds for them (hierremat.graphs.symbolic); where it does not, the
+    stands for the export where it holds for them (hierremat.blocks.symbolic); where it does not, the
     model is exported at these inputs, or with ``export`` False a ValueError is raised.
     """
     if not isinstance(model, torch.nn.Module):
