@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench bench-extra clean
+.PHONY: setup demo test test-fast bench bench-extra clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,19 @@ demo: setup
 	$(BIN)/python examples/gpt2/finetune.py --steps 20 --out runs/gpt2
 
 # The import-linter contracts first (pyproject.toml: layers, the torch-free side, no cycles), then the
-# suite on two workers (pytest-xdist; tests/conftest.py shares the cores among them): about 19 min on 2 cores.
+# suite on two workers (pytest-xdist; tests/conftest.py shares the cores among them): about 16 min on 2 cores.
 test: setup
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
+
+# The solvers against their oracles (DP brute force, ILP exhaustive search), the operators and variants, the cache and
+# the docs: about a minute on 2 cores, for development.
+FAST_TESTS = tests/test_dp.py tests/test_ilp.py tests/test_budget_and_schedule.py tests/test_variants.py \
+	tests/test_linear.py tests/test_in_place.py tests/test_cache.py tests/test_docs.py
+
+test-fast: setup
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 $(FAST_TESTS)
 
 # `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~25 min on 2 CPU cores, the small models ~15).
 # BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.

@@ -586,7 +586,7 @@ def plan_shape(
             log.warning(
                 "the saved plan's costs were measured by %s and this hierremat measures as %s: its predicted peak and "
                 "times may differ from what it would plan now; plan again (hierremat.plan) and save the new plan",
-                f"the cost model {plan.cost_model}" if plan.cost_model else "a hierremat from before 2026-11-26",
+                f"the cost model {plan.cost_model}" if plan.cost_model else "a hierremat that did not record its cost model",
                 cost_model_version(),
             )
         if plan.menus or options_used(plan.chain.schedule):  # (a fused head alone is an option with no menu stored)

@@ -276,7 +276,7 @@ def check_no_profiler(what: str) -> None:
     if torch._C._autograd._profiler_enabled() or _profiler_warming_up():
         raise RuntimeError(
             f"hierremat cannot {what} while a torch.profiler session records or a scheduled one is in a warm-up "
-            "step (a second session would end it, its events lost): plan outside it (call hierremat.plan/remat, "
+            "step (a second profiler session would end it, its events lost): plan outside it (call hierremat.plan/remat, "
             "and the model at each new input shape, before the profiler starts); a RematModule puts block options "
             "off while one is open, where the budget allows"
         )

@@ -35,7 +35,7 @@ step's start) enter through the same terms: they are in OB[s, k] (B(s) may hold 
 before it ends) and, held from B(s) to the end of the step, in DL, as a resident's gradient
 sum made by B(s) and never consumed is.
 
-Offloading (ChainCosts.tier; issue 34), a restriction of Beaumont, Eyraud-Dubois and Shilova's
+Offloading (ChainCosts.tier), a restriction of Beaumont, Eyraud-Dubois and Shilova's
 (NeurIPS 2021, "Efficient Combination of Rematerialization and Offloading for Training DNNs") in
 which a transfer overlaps only the forward sweep: at a split of (s, t) with v = 0, x_s may be
 copied out while F_ck(s) F_none(s+1..s'-1) run (OUT[s] seconds; what the sweep does not hide is a

@@ -15,7 +15,7 @@ autograd computes, while only one block of the intermediate gradient exists at a
 (two ``[N, C]`` tensors plus one buffer of a sixteenth of the elements, shared by the blocks: about
 a third less at that moment). It runs the same kernels; on a 2-core CPU the blocked backward was faster than
 the whole one, measured when blocks were at most 8 MiB and stayed in cache (they are a sixteenth of the rows
-since 2026-11-26: see block_elements).
+now: see block_elements).
 The forward is unchanged: the logits and the log-probabilities exist together there.
 (Going below two ``[N, C]`` tensors means recomputing the logits block by block, as Cut Cross-Entropy does, Wijmans
 et al. 2024, which changes the summation order of the head's weight gradient.)
@@ -90,10 +90,10 @@ def block_elements(rows: int, classes: int) -> int:
     rows on, about a sixteenth of the rows). Its bytes are a polynomial in the rows for every vocabulary, so a new
     length's memory is fitted exactly from lengths measured before (hierremat.planning.shape_fit).
 
-    Until 2026-11-26 the buffer was also capped at 8 MiB. The cap saved memory only where the logits exceed
-    128 MiB (fp32), at most 3% of that moment then (two ``[N, C]`` tensors and the buffer). But lengths on both
-    sides of the cap fitted no memory: 12-layer GPT-2 at batch 4 (vocabulary 50257) crosses it at 167 tokens, so
-    each new length measured its head."""
+    The buffer has no cap in bytes: a cap of 8 MiB would save memory only where the logits exceed 128 MiB (fp32),
+    at most 3% of that moment (two ``[N, C]`` tensors and the buffer), and lengths on both sides of it would fit no
+    memory (12-layer GPT-2 at batch 4, vocabulary 50257, crosses it at 167 tokens: each new length would measure
+    its head)."""
     return max(classes, rows * -(-classes // _BLOCKS))
 
 

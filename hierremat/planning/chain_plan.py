@@ -69,7 +69,7 @@ def resolve_compile(compile, device: torch.device, stages: Sequence = (), x0: to
 
     Not where they compute in bf16 or fp16 (:func:`computes_in_low_precision`; ``x0``: the chain's input): there a
     compiled option's gradients were 1e-4 from eager's (tiny GPT-2 and Llama under bf16 autocast on an H200,
-    2026-11-28, ``benchmarks/bits_by_op.py``, where every eager op gave plain autograd's bits); in fp32 they were within
+    ``benchmarks/bits_by_op.py``, where every eager op gave plain autograd's bits); in fp32 they were within
     1e-8."""
     if compile == "auto":
         return device.type == "cuda" and not computes_in_low_precision(stages, device, x0)

@@ -89,7 +89,7 @@ NOISE_MARGIN = 0.03
 FORMULATION_VERSION = "staged-6"
 #: Device types where a block's graph traced under autocast, replayed, is known to give eager autocast's gradients
 #: bitwise (tests/test_mixed_precision.py). Not CUDA yet: the 1e-4 gap of block options under bf16 autocast on an H200
-#: (2026-11-27) was their compiled form's (compile="auto" compiled them; Inductor keeps fp32 between fused ops:
+#: was their compiled form's (compile="auto" compiled them; Inductor keeps fp32 between fused ops:
 #: benchmarks/bits_by_op.py, where every eager op of the step gave plain's bits), and "auto" no longer compiles in
 #: bf16 or fp16 (planning.chain_plan.resolve_compile); eager block options under autocast have not run on a GPU,
 #: so there stages keep option 0 (recomputed whole, eagerly: test_cuda_bf16_autocast_within_budget passes so).

@@ -1,4 +1,4 @@
-"""Costs at a new input shape, fitted from the shapes measured before (issue 35: every shape from one profile).
+"""Costs at a new input shape, fitted from the shapes measured before: every shape from one profile.
 
 A model called at many shapes (dynamic padding) is measured in full at its first few shapes: each
 distinct stage's times (hierremat.runtime.profile), each block graph's node times
@@ -191,7 +191,7 @@ def sizes_to_sample(samples: Sequence[ShapeSample], bindings: dict) -> tuple[tup
     (hierremat.blocks.symbolic SymbolicCapture.narrowed): (the sizes that differ from the samples', all
     equal: export may give one length several symbols; the sequence length, typically, or a batch size that
     differs alone; the values), so that with the shapes measured they make the SAMPLED_SHAPES timed shapes a fit
-    needs, spread over the sizes seen and below (issue 35: "profile each distinct block at a few sizes"):
+    needs, spread over the sizes seen and below (DESIGN.md: "profile each distinct block at a few sizes"):
 
     * a shape at least SPACING from every timed one is measured in full itself, and a quarter of it too;
     * a shape nearer one (a length near the first, as when a loop is planned at its longest batch) is not:

@@ -39,7 +39,7 @@ class OptionCosts:
         then bounds it by bwd_overhead_bytes plus the gradients the step allocates in B).
     offloadable: the values the option keeps are explicit (a block option's generated program returns them:
         hierremat.runtime.block_exec.OptionTape), so that a plan may move them to the second tier after F_all and
-        bring them back before B (issue 34); autograd's saved tensors (option 0) are not.
+        bring them back before B; autograd's saved tensors (option 0) are not.
     name, mip_gap: what the option is, for summaries (not used by the DP): an ILP option
         whose solve stopped at its time limit has the solver's relative MIP gap there
         (None: not reported), every other option 0.0.
@@ -209,7 +209,7 @@ class ChainCosts:
         ``.grad`` None it stays instead, so B(i) peaks at most ``step_grad_bytes[i]`` above its
         measured overhead (:meth:`bwd_overhead`), and holds them after.
     tier: the second tier checkpoints may be offloaded to (its measured bandwidths), or None: the DP
-        then never offloads (hierremat.dp.kernel; issue 34).
+        then never offloads (hierremat.dp.kernel).
     """
 
     activation_bytes: tuple[int, ...]

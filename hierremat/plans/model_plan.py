@@ -56,7 +56,7 @@ class ModelPlan:
         backward); predicted_peak_bytes includes them. 0 where the caller makes none.
     cost_model: the versions of the measurements and formulations the plan's costs come from (block nodes' times,
         stage costs, the block ILP, the costs fitted at shapes not measured) and torch's, as hierremat.planning.menus.cost_model_version gives them: a saved
-        plan loaded where they differ is warned about. "" for a plan saved before 2026-11-26.
+        plan loaded where they differ is warned about. "" for a plan saved by a hierremat that did not record them.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs
     (hierremat.plans.costs.ResidentCosts), counted while they are live.

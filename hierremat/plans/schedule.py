@@ -7,10 +7,10 @@ Rotor's notation (Beaumont et al., 2019), with per-stage options:
   Loss         the chain output x_L is handed to the caller; its gradient arrives.
   B(i)         backward of stage i, with the option of its last F_all.
   Offload(i)   x_i, a checkpoint, leaves the device for the second tier (its copy began with the
-               F_ck(i) before it and ran beside the forwards since; issue 34).
+               F_ck(i) before it and ran beside the forwards since).
   Fetch(i)     x_i comes back from the second tier.
   Offload_kept(i)  the values the tape of F_all(i) keeps leave the device for the second tier, before the
-               stages after i run (their copy waits; issue 34); Offload_kept(i, x): x_i too (the option pins
+               stages after i run (their copy waits); Offload_kept(i, x): x_i too (the option pins
                it and no other tape holds it).
   Fetch_kept(i)    they come back, before B(i).
 Plain values: no tensors, no callables. JSON round-trip is lossless.

@@ -1,4 +1,4 @@
-"""What a schedule moves to and from the second tier, and when the runner starts each move (issue 34).
+"""What a schedule moves to and from the second tier, and when the runner starts each move.
 
 A schedule that offloads (ops ``Offload(i)``/``Fetch(i)``, hierremat.plans.schedule) starts copying x_i out
 at the ``F_ck(i)`` before its ``Offload(i)``, so that the copy runs beside the forward sweep (Beaumont,

@@ -18,7 +18,7 @@ before the first run for the replay and to their updated state after it (so they
 updated exactly once per step). Every stage call, recomputations in backward included,
 runs under the autocast setting of the step's forward (hierremat.device.autocast).
 
-A schedule that offloads (issue 34) runs with a second tier (hierremat.runtime.second_tier) and its
+A schedule that offloads runs with a second tier (hierremat.runtime.second_tier) and its
 TransferPlan (hierremat.plans.transfers): x_i's copy out starts before the ``F_ck(i)`` that begins its
 forward sweep, ``Offload(i)`` waits for it and drops the chain's reference (the device memory is freed),
 a prefetch starts bringing it back where the plan says it fits, and ``Fetch(i)`` takes it back. The

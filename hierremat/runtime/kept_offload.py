@@ -1,4 +1,4 @@
-"""The values a block option's tape keeps, sent to the second tier and brought back (issue 34).
+"""The values a block option's tape keeps, sent to the second tier and brought back.
 
 A schedule's ``Offload_kept(i)`` follows ``F_all(i, k)`` where option k is a block option: its forward
 returned what it keeps as a list (hierremat.runtime.block_exec.OptionTape), so each value can leave the

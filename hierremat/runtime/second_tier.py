@@ -1,4 +1,4 @@
-"""Where offloaded values wait for their backward: the second tier of storage (issue 34).
+"""Where offloaded values wait for their backward: the second tier of storage.
 
 Beaumont, Eyraud-Dubois and Shilova (NeurIPS 2021, "Efficient Combination of Rematerialization and
 Offloading for Training DNNs") send a checkpointed activation off the device while the next stages

@@ -1,4 +1,4 @@
-"""Stage times observed in the training steps themselves (issue 35: time samples without extra runs).
+"""Stage times observed in the training steps themselves: time samples without extra runs.
 
 A model trained at many lengths has its stage times fitted over the lengths measured
 (hierremat.planning.shape_fit). Profiling a length apart from the training costs a profile's worth of

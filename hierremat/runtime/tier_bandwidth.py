@@ -1,4 +1,4 @@
-"""How fast values move to and from a second tier (issue 34): measured on the machine, cached like the
+"""How fast values move to and from a second tier: measured on the machine, cached like the
 stage costs (hierremat.runtime.stage_cost_cache: the same option cache, the same ``cache=False``).
 
 A value of ``nbytes`` is offloaded to the tier and waited for (hierremat.runtime.second_tier:
