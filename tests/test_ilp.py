@@ -592,18 +592,23 @@ def test_a_sweep_stopped_by_the_deadline_keeps_what_it_found(monkeypatch):
         assert opt.optimal or opt.mip_gap is None or opt.mip_gap >= 0.0
 
 
-def test_a_sweep_keeps_to_its_own_time_and_solves_every_rows_fastest_schedule_first():
+def test_a_sweep_keeps_to_its_own_time_and_solves_every_rows_fastest_schedule_first(monkeypatch):
     """MENU_SWEEP_LIMIT bounds a menu without a planning deadline: the menu says so, is cached
     (not cut by a deadline), and holds a fastest-schedule option per kept-bytes row, which are
-    solved before any peak budget."""
-    graph = transformer_block(seq=32, d=16)
-    ilp = BlockIlp(graph)
+    solved before any peak budget. On a clock each solve moves 1 s on (the machine's load cannot
+    decide how many solves fit): a 6.5 s sweep stops after its seventh solve."""
+    clock = [1000.0]
+    monkeypatch.setattr(options_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     texts = []
-    started = time.perf_counter()
-    # (the least kept bytes' solve takes 0.7 s alone on a 2-core CPU: its limit leaves room for the suite's load)
-    menu = solve_menu(graph, backend="highs", ilp=ilp, sweep_limit=4.0, time_limit=2.0, progress=texts.append)
-    assert time.perf_counter() - started < 4.0 + 2.0 + 1.0  # the last solve runs to its share of the limit
-    assert "took its 4 s" in menu.coarse and not menu.cut_by_deadline
+
+    def solved(text):
+        texts.append(text)
+        clock[0] += 1.0
+
+    graph = transformer_block(seq=32, d=16)
+    menu = solve_menu(graph, backend="highs", ilp=BlockIlp(graph), sweep_limit=6.5, time_limit=2.0, progress=solved)
+    assert len(texts) == 7, texts
+    assert "took its 6.5 s" in menu.coarse and not menu.cut_by_deadline
     first_peak = next((k for k, t in enumerate(texts) if "peak=" in t), len(texts))
     assert all("peak=" not in t for t in texts[:first_peak])
     assert all("peak=" in t for t in texts[first_peak:])

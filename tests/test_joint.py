@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import time
 
 import pytest
 import torch
@@ -293,12 +292,16 @@ def test_tracing_touches_neither_buffers_nor_rng():
     assert all(torch.equal(v, buffers[k]) for k, v in stage.named_buffers())
 
 
-def test_gpt2_trace_and_profile_time_is_small():
+def test_gpt2_trace_and_profile_cost_every_node():
+    """(How long tracing and profiling take is benchmarks/bench_plan.py's to measure.)"""
     stage, x, shared = _build("gpt2")
-    started = time.perf_counter()
     joint = trace_joint(stage, x, shared)
-    to_block_graph(joint, profile_nodes(joint, x, shared, repeats=5))
-    assert time.perf_counter() - started < 20
+    costs = profile_nodes(joint, x, shared, repeats=5)
+    graph = to_block_graph(joint, costs)
+    computed = [n for n in joint.module.graph.nodes if n.op == "call_function"]
+    assert set(costs) == {n.name for n in computed}
+    assert all(seconds > 0 and workspace >= 0 for seconds, workspace, *_ in costs.values())
+    assert len(graph.nodes) > 0
 
 
 @pytest.mark.cuda
