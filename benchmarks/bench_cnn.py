@@ -81,7 +81,7 @@ def floor_of(model, x) -> int:
 def cold_plan_seconds(model, x, budget: int) -> float:
     with tempfile.TemporaryDirectory(prefix="bench-cnn-cache-") as cache:
         started = time.perf_counter()
-        hr.plan(model, (x,), budget=f"{budget}B", cache=cache)
+        hr.plan(model, (x,), budget=f"{budget}B", settings=hr.Settings(cache=cache))
         return time.perf_counter() - started
 
 

@@ -69,10 +69,11 @@ def main() -> None:
         ("plain compiled", lambda: torch.compile(copy.deepcopy(model))),
         # (the plans with their block options built, timed: defer_block_options=False)
         ("hierremat", lambda: hr.remat(copy.deepcopy(model), (ids,), {"labels": ids}, budget=f"{budget}B",
-                                       defer_block_options=False)),
+                                       settings=hr.Settings(defer_block_options=False))),
         ("hierremat compiled", lambda: torch.compile(hr.remat(copy.deepcopy(model), (ids,), {"labels": ids},
-                                                              budget=f"{budget}B", defer_block_options=False))),
-        ("hierremat compile=True", lambda: hr.remat(copy.deepcopy(model), (ids,), {"labels": ids}, budget=f"{budget}B", compile=True)),
+                                                              budget=f"{budget}B", settings=hr.Settings(defer_block_options=False)))),
+        ("hierremat compile=True", lambda: hr.remat(copy.deepcopy(model), (ids,), {"labels": ids}, budget=f"{budget}B",
+                                                    settings=hr.Settings(compile=True))),
     ):
         started = time.perf_counter()
         module = make()

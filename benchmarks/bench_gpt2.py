@@ -148,8 +148,8 @@ def main(argv=None) -> int:
     def make_hr(name, config, budget, strategy, kind):
         started = time.perf_counter()
         try:
-            mod = hierremat.remat(model, (ids,), kwargs, budget=budget, strategy=strategy,
-                                  defer_block_options=False)  # (the plan with its block options, timed)
+            mod = hierremat.remat(model, (ids,), kwargs, budget=budget,
+                                  settings=hierremat.Settings(strategy=strategy, defer_block_options=False))  # (the plan with its block options, timed)
         except Exception as err:  # report, do not fix the library
             import traceback
             problems.append(f"{name} {config}: {type(err).__name__}: {err}\n{traceback.format_exc()}")

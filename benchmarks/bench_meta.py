@@ -54,7 +54,7 @@ def _big(args) -> str:
     ids = torch.randint(0, 32000, (1, args.seq))
     rss_before = _rss_peak_bytes()
     started = time.perf_counter()
-    plan = hr.plan(model, (ids,), {"labels": ids}, budget=args.budget, device="cpu", cache=False)
+    plan = hr.plan(model, (ids,), {"labels": ids}, budget=args.budget, device="cpu", settings=hr.Settings(cache=False))
     seconds = time.perf_counter() - started
     rss = _rss_peak_bytes()
     table = C.markdown_table(
@@ -99,7 +99,7 @@ def _plan_llama_layer(hidden: int, mlp: int, seq: int):
     with torch.device("meta"):
         model = _llama(2, hidden, mlp, hidden // 128)
     ids = torch.randint(0, 32000, (1, seq))
-    return hr.plan(model, (ids,), {"labels": ids}, budget="64GiB", device="cpu", cache=False)
+    return hr.plan(model, (ids,), {"labels": ids}, budget="64GiB", device="cpu", settings=hr.Settings(cache=False))
 
 
 def _twins(args) -> str:
@@ -111,10 +111,11 @@ def _twins(args) -> str:
     with torch.device("meta"):
         meta = make()
     ids = torch.randint(0, 32000, (1, args.seq))
-    module = hr.remat(meta, (ids,), {"labels": ids}, budget=args.small_budget, device="cpu", cache=False,
-                      defer_block_options=False)  # (planned in full, as hr.plan plans the materialized twin)
+    module = hr.remat(meta, (ids,), {"labels": ids}, budget=args.small_budget, device="cpu",
+                      settings=hr.Settings(cache=False, defer_block_options=False))  # (planned in full, as hr.plan plans the materialized twin)
     plans = {
-        "materialized": hr.plan(real, (ids,), {"labels": ids}, budget=args.small_budget, cache=False),
+        "materialized": hr.plan(real, (ids,), {"labels": ids}, budget=args.small_budget,
+                                settings=hr.Settings(cache=False)),
         "meta": module.plans[0],
     }
     bitwise, tracker = _train_materialized(module, meta, real, ids)

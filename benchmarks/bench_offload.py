@@ -111,7 +111,8 @@ def run(layers: int, batch: int, seq: int, points: int, rounds: int, device: tor
     started = time.perf_counter()
     with C.step_autocast(device, bf16):  # (the explorer and every plan under the autocast the steps run with)
         # (the steps' backward runs after the autocast context closed: planned for that recipe)
-        explorer = hr.explore(model, (ids,), kwargs, outputs="loss", offload=True, backward_autocast=False)
+        explorer = hr.explore(model, (ids,), kwargs, outputs="loss",
+                              settings=hr.Settings(offload=True, backward_autocast=False))
         notes.append(f"one capture and profile, menus and the tier's bandwidths: {time.perf_counter() - started:.1f} s")
         floor_without = explorer.smallest_feasible(offload=False)
         floor_with = explorer.smallest_feasible(offload=True)

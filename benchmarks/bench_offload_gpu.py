@@ -178,8 +178,8 @@ def run(args) -> str:
             model = copy_of()
             try:
                 with C.step_autocast(device, args.bf16):
-                    module = hr.remat(model, (ids,), kwargs, budget=budget, offload=offload, outputs=args.outputs,
-                                      backward_autocast=False, defer_block_options=False)  # (the steps' backward runs after autocast closed)
+                    module = hr.remat(model, (ids,), kwargs, budget=budget, outputs=args.outputs,
+                                      settings=hr.Settings(offload=offload, backward_autocast=False, defer_block_options=False))  # (the steps' backward runs after autocast closed)
             except hr.InfeasibleBudgetError as err:
                 infeasible.append(f"hierremat {label}, offload={offload}: {budget / C.MIB:.2f} MiB is below its "
                                   f"smallest feasible budget, {err.min_budget_bytes / C.MIB:.2f} MiB")

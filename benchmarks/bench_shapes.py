@@ -182,8 +182,8 @@ def run_loop(steps: int, count: int, cache: str, model: str = "gpt2-4", eager: b
             example = dict(longest)  # run filled
             if name == "hierremat unpadded example":  # (every row the full length: nothing says lengths vary)
                 example.update(attention_mask=torch.ones_like(longest["input_ids"]), labels=longest["input_ids"])
-            module = hr.remat(model, (), example, budget=budget, cache=f"{cache}/{name.replace(' ', '-')}",
-                              defer_block_options=not eager)  # (a cache of its own: neither fills the other's)
+            module = hr.remat(model, (), example, budget=budget,
+                              settings=hr.Settings(cache=f"{cache}/{name.replace(' ', '-')}", defer_block_options=not eager))  # (a cache of its own: neither fills the other's)
         method = Method(name, model, module, torch.optim.AdamW(model.parameters(), lr=1e-4))
         method.seconds = time.perf_counter() - started  # hierremat's first plan
         methods.append(method)
@@ -307,7 +307,7 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = AC
     layers, width, vocab, low, high = MODELS[model]
     base, longest, plain_peak = _model_at_longest(model)
     budget = plain_peak // 2
-    module = hr.remat(base, (), dict(longest), budget=budget, cache=cache)
+    module = hr.remat(base, (), dict(longest), budget=budget, settings=hr.Settings(cache=cache))
     order = list(dict.fromkeys([high, *_loop_lengths(count * 3, count, low, high)]))
     runs, rows, fitted_ratios = {}, [], []
     for i, length in enumerate(order):
@@ -445,7 +445,7 @@ def run_rss(count: int, max_shapes: int = DEFAULT_MAX_SHAPES, plain: bool = Fals
     torch.manual_seed(SEED)
     model = _gpt2(2, 64, 512, 1024)
     module = model if plain else hr.remat(model, (), padded_batch(8, 512, SEED), budget="64GiB",
-                                          max_shapes=max_shapes)
+                                          settings=hr.Settings(max_shapes=max_shapes))
     marks = sorted({1, *range(50, count + 1, 50), count})
     lengths = list(range(9, 9 + count))
     random.Random(SEED).shuffle(lengths)  # the longest steps early: what grows after is what planning keeps

@@ -120,7 +120,7 @@ def run(names: list[str], rounds: int) -> str:
                     p.grad = torch.zeros_like(p)
             budget, note = _plan_budget(model, ids, issue_budget)
             module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget=budget,
-                              defer_block_options=False)  # (the plan with its block options)
+                              settings=hr.Settings(defer_block_options=False))  # (the plan with its block options)
             rows.append(Row(name, set_to_none, "hierremat", module, [p for p in model.parameters() if p.requires_grad],
                             budget, note))
         for row in rows:  # gradients after one step from the same weights (the first step plans)

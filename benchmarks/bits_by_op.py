@@ -167,16 +167,16 @@ variants = not args.no_variants
 compile = {"auto": "auto", "on": True, "off": False}[args.compile]
 with autocast:
     try:
-        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=False, variants=variants, backward_autocast=False,
-                compile=compile)
+        hr.plan(model, (ids,), kwargs, budget="1KiB",
+                settings=hr.Settings(cache=False, variants=variants, backward_autocast=False, compile=compile))
         raise SystemExit("a 1 KiB budget was feasible")
     except hr.InfeasibleBudgetError as err:
         floor = err.min_budget_bytes
-    keep = hr.plan(model, (ids,), kwargs, budget="64GiB", cache=False, variants=variants,
-                   backward_autocast=False, compile=compile).predicted_peak_bytes
+    keep = hr.plan(model, (ids,), kwargs, budget="64GiB",
+                   settings=hr.Settings(cache=False, variants=variants, backward_autocast=False, compile=compile)).predicted_peak_bytes
     budget = floor if args.budget == "floor" else keep
-    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=False, variants=variants,
-                      backward_autocast=False, defer_block_options=False, compile=compile)
+    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B",
+                      settings=hr.Settings(cache=False, variants=variants, backward_autocast=False, defer_block_options=False, compile=compile))
 step(module, None)  # (warm: anything made at the first call)
 plains = [Recorder(), Recorder()]
 expected = [step(reference, r) for r in plains]

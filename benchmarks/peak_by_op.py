@@ -49,7 +49,7 @@ def recorded(self, op, index):
 
 executor._Step._execute = recorded
 with C.step_autocast(dev, bf16):
-    explorer = hr.explore(model, (ids,), kwargs, outputs="loss", backward_autocast=False)
+    explorer = hr.explore(model, (ids,), kwargs, outputs="loss", settings=hr.Settings(backward_autocast=False))
     floor = explorer.smallest_feasible(offload=False)
 for label, budget in (("floor", floor), ("keeping everything", explorer.keep_all_bytes)):
     with C.step_autocast(dev, bf16):

@@ -25,6 +25,7 @@ _TORCH_NAMES = {
     "BudgetExplorer": "api.explore",
     "remat": "api.whole_model",
     "RematModule": "api.whole_model",
+    "Settings": "api.settings",
 }
 
 
@@ -45,6 +46,7 @@ __all__ = [
     "InvalidScheduleError",
     "OffloadError",
     "SequentialPlan",
+    "Settings",
     "UnsupportedModelError",
     "checkpoint_sequential",
     "explore",

@@ -43,7 +43,7 @@ class InfeasibleBudgetError(ValueError):
             text += (
                 f" with the outputs released before backward (`model(x).loss.backward()`), "
                 f"{format_bytes(self.min_budget_bytes_output_held)} ({self.min_budget_bytes_output_held} bytes) "
-                "with them kept alive through it (plan with output_held=True for that)"
+                "with them kept alive through it (plan with settings=hr.Settings(output_held=True) for that)"
             )
         if self.min_budget_bytes_grads_kept is not None:
             text += (

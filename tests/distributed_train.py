@@ -204,11 +204,10 @@ def main() -> None:
     with forward_context(device, args.autocast):  # plans are made for the autocast setting they run under
         if args.parallel == "fsdp":
             runner = hr.remat(model, (), local[0], budget=args.budget, device=device if meta else None,
-                              offload=args.offload, block_options=args.block_options,
-                              on_new_shape="error" if args.refuse else "replan")
+                              settings=hr.Settings(offload=args.offload, block_options=args.block_options, on_new_shape="error" if args.refuse else "replan"))
         elif args.parallel == "ddp":  # rank 0 plans, every rank runs its plan (as examples/gpt2/finetune.py)
-            box = [hr.plan(model, (), local[0], budget=args.budget, offload=args.offload,
-                           block_options=args.block_options).to_json() if rank == 0 else None]
+            box = [hr.plan(model, (), local[0], budget=args.budget,
+                           settings=hr.Settings(offload=args.offload, block_options=args.block_options)).to_json() if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             runner = hr.remat(model, (), local[0], plan=hr.ModelPlan.from_json(box[0]))
     if args.parallel:

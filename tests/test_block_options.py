@@ -228,25 +228,25 @@ def test_whole_models_with_ilp_options(which, tmp_path):
     reference = copy.deepcopy(model)
     loss_ref, grads_ref, plain_peak = _step(reference, args, kwargs)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB", cache=str(tmp_path))
+        hr.plan(model, args, kwargs, budget="1KiB", settings=hr.Settings(cache=str(tmp_path)))
     lo = err.value.min_budget_bytes
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB", block_options="autograd")
+        hr.plan(model, args, kwargs, budget="1KiB", settings=hr.Settings(block_options="autograd"))
     assert lo <= err.value.min_budget_bytes  # more options never raise the minimum
     if which == "gpt2":
         # with the outputs released (as the steps below release them) GPT-2's ILP options lower the
         # minimum far below what autograd's options reach (about 0.6x), so a plan there must use one
-        released = {"output_held": False, "cache": str(tmp_path)}
+        released = hr.Settings(output_held=False, cache=str(tmp_path))
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.plan(model, args, kwargs, budget="1KiB", **released)
+            hr.plan(model, args, kwargs, budget="1KiB", settings=released)
         lo_released = err.value.min_budget_bytes
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.plan(model, args, kwargs, budget="1KiB", block_options="autograd", **released)
+            hr.plan(model, args, kwargs, budget="1KiB", settings=replace(released, block_options="autograd"))
         assert lo_released < 0.8 * err.value.min_budget_bytes
-        at_minimum = hr.plan(model, args, kwargs, budget=f"{lo_released}B", **released)
+        at_minimum = hr.plan(model, args, kwargs, budget=f"{lo_released}B", settings=released)
         assert any("[" in a for a in at_minimum.chain.stage_actions()), at_minimum.summary()
     for budget in (lo, lo + (plain_peak - lo) // 3, lo + 2 * (plain_peak - lo) // 3, plain_peak):
-        module = hr.remat(model, args, kwargs, budget=f"{budget}B", cache=str(tmp_path))
+        module = hr.remat(model, args, kwargs, budget=f"{budget}B", settings=hr.Settings(cache=str(tmp_path)))
         plan, peak = _check_steps(module, model, reference, args, kwargs, budget)
         predicted = plan.predicted_peak_bytes
         assert abs(peak - predicted) <= max(0.1 * predicted, MiB), (budget, peak, predicted)
@@ -265,10 +265,10 @@ def test_generated_forwards_and_options_preferred_train_exactly_within_budget(wh
     reference = copy.deepcopy(model)
     _, _, plain_peak = _step(reference, args, kwargs)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB", cache=str(tmp_path))
+        hr.plan(model, args, kwargs, budget="1KiB", settings=hr.Settings(cache=str(tmp_path)))
     lo = err.value.min_budget_bytes
     for budget in (lo, (lo + plain_peak) // 2):
-        module = hr.remat(model, args, kwargs, budget=f"{budget}B", cache=str(tmp_path))
+        module = hr.remat(model, args, kwargs, budget=f"{budget}B", settings=hr.Settings(cache=str(tmp_path)))
         (plan,) = module.plans
         forms = [st.nograd_form for st in plan.chain.costs.stages]
         assert forms.count("generated") >= 2, forms
@@ -289,10 +289,10 @@ def test_second_plan_solves_nothing_and_a_corrupted_entry_is_solved_again(tmp_pa
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
     kwargs = {"labels": ids, "use_cache": False}
-    first = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    first = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
     assert first.options_solves > 0 and first.menus
     default_cache(str(tmp_path)).forget_memory()  # a new process: disk only
-    second = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    second = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
     assert second.options_solves == 0
     assert second.menus == first.menus
     menu_files = [f for f in tmp_path.glob("*.json") if '"graph"' in f.read_text()]  # menus, not stage costs
@@ -302,7 +302,7 @@ def test_second_plan_solves_nothing_and_a_corrupted_entry_is_solved_again(tmp_pa
     menu_files[0].write_bytes(bytes(data))
     default_cache(str(tmp_path)).forget_memory()
     with caplog.at_level(logging.WARNING, logger="hierremat"):
-        third = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+        third = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
     assert third.options_solves > 0
     assert str(menu_files[0].name) in caplog.text
 
@@ -313,15 +313,16 @@ def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path, caplog):
     ids = torch.randint(0, 256, (2, 32))
     kwargs = {"labels": ids, "use_cache": False}
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=str(tmp_path))
-    plan = hr.plan(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B", cache=str(tmp_path))
+        hr.plan(model, (ids,), kwargs, budget="1KiB", settings=hr.Settings(cache=str(tmp_path)))
+    plan = hr.plan(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B",
+                   settings=hr.Settings(cache=str(tmp_path)))
     assert plan.budget_bytes == err.value.min_budget_bytes  # the model's budget, shared values included
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.menus == plan.menus and again.budget_bytes == plan.budget_bytes
     assert again.cost_model == plan.cost_model == cost_model_version()
     reference = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="hierremat"):
-        module = hr.remat(model, (ids,), kwargs, plan=again, output_held=False)
+        module = hr.remat(model, (ids,), kwargs, plan=again, settings=hr.Settings(output_held=False))
     assert "plan again" not in caplog.text
     loss, grads, _ = _step(module, (ids,), kwargs)
     loss_ref, grads_ref, _ = _step(reference, (ids,), kwargs)
@@ -335,8 +336,8 @@ def test_saved_plan_with_ilp_options_runs_without_solving(tmp_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="hierremat"):
             hr.remat(copy.deepcopy(reference), (ids,), kwargs, plan=hr.ModelPlan.from_json(json.dumps(saved)),
-                     output_held=False)
-        assert (older or "before 2026-11-26") in caplog.text and cost_model_version() in caplog.text
+                     settings=hr.Settings(output_held=False))
+        assert (older or "did not record its cost model") in caplog.text and cost_model_version() in caplog.text
 
 
 class _ResidualMLP(torch.nn.Module):
@@ -393,12 +394,12 @@ def test_frozen_block_has_a_signature_of_its_own_and_nothing_is_solved_again(tmp
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
     kwargs = {"labels": ids}
-    trainable = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    trainable = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
     for p in model.transformer.h.parameters():
         p.requires_grad_(False)
     with caplog.at_level("INFO", logger="hierremat"):
-        frozen = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
-        again = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+        frozen = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
+        again = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
     assert "solving again" not in caplog.text
     assert set(trainable.signatures[1:-1]).isdisjoint(frozen.signatures[1:-1])
     assert again.signatures == frozen.signatures and again.options_solves == 0

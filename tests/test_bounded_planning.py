@@ -64,9 +64,9 @@ def test_a_large_block_plans_within_its_time_limit(reads_input, tmp_path):
     grads_ref, plain_peak = _step(reference, x)
     limit = 60.0  # (that the ILP sweeps keep to it: tests/test_ilp.py, on an injected clock)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, (x,), budget="1KiB", cache=str(tmp_path), time_limit=limit)
+        hr.plan(model, (x,), budget="1KiB", settings=hr.Settings(cache=str(tmp_path), time_limit=limit))
     budget = max(plain_peak // 2, err.value.min_budget_bytes)
-    plan = hr.plan(model, (x,), budget=f"{budget}B", cache=str(tmp_path), time_limit=limit)
+    plan = hr.plan(model, (x,), budget=f"{budget}B", settings=hr.Settings(cache=str(tmp_path), time_limit=limit))
     names = [s.name for s in plan.stages]
     nodes = [s.node_count for s in plan.stages]
     if reads_input:
@@ -74,7 +74,7 @@ def test_a_large_block_plans_within_its_time_limit(reads_input, tmp_path):
     else:
         assert max(nodes) <= segment.MAX_STAGE_NODES and any("[2/" in name for name in names), names
         assert len({s.signature for s in plan.stages if "[" in s.name}) >= 1
-    module = hr.remat(model, (x,), plan=plan, cache=str(tmp_path))
+    module = hr.remat(model, (x,), plan=plan, settings=hr.Settings(cache=str(tmp_path)))
     _step(module, x)  # (the first call may re-plan for the output's use)
     grads, peak = _step(module, x)
     assert peak <= module.plans[-1].budget_bytes
@@ -87,9 +87,9 @@ def test_a_deadline_before_the_sweep_leaves_the_heuristic_menu_uncached(tmp_path
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)])
     x = torch.randn(16, 32, requires_grad=True)
     cache = str(tmp_path)
-    rushed = hr.plan(model, (x,), budget="64MiB", cache=cache, time_limit=1e-6)
+    rushed = hr.plan(model, (x,), budget="64MiB", settings=hr.Settings(cache=cache, time_limit=1e-6))
     assert rushed.options_solves == 0 and "deadline" in rushed.summary()
-    again = hr.plan(model, (x,), budget="64MiB", cache=cache)
+    again = hr.plan(model, (x,), budget="64MiB", settings=hr.Settings(cache=cache))
     assert again.options_solves > 0 and "heuristic" not in again.summary()
 
 
@@ -98,6 +98,6 @@ def test_time_limit_is_checked():
     x = torch.randn(2, 4)
     for bad in (0, -1, "60", True):
         with pytest.raises(ValueError, match="time_limit must be a positive number"):
-            hr.plan(model, (x,), budget="1GiB", time_limit=bad)
+            hr.plan(model, (x,), budget="1GiB", settings=hr.Settings(time_limit=bad))
     with pytest.raises(ValueError, match="time_limit"):
         hr.checkpoint_sequential(model, "1GiB", x.requires_grad_(), time_limit=0)

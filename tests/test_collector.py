@@ -60,7 +60,7 @@ def test_a_new_length_is_planned_with_the_collector_paused_and_no_collection_ins
         torch.manual_seed(0)
         model = tiny_gpt2(n_layer=2)
         example = padded_batch(48, pad=3, vocab_size=256)  # (padded: the sizes vary, captured symbolically at once)
-        module = hr.remat(model, (), example, budget="64MiB", cache=False)
+        module = hr.remat(model, (), example, budget="64MiB", settings=hr.Settings(cache=False))
         for length in (40, 33):
             batch = padded_batch(length, pad=2, vocab_size=256)
             module(**batch).loss.backward()

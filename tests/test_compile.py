@@ -128,7 +128,7 @@ def test_compiled_training_step_with_backward_inside_is_exact(autocast):
     ids = torch.randint(0, 256, (2, 48))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         # compiled code keeps the model's outputs alive through the backward: plan for it
-        module = hr.remat(model, (ids,), {"labels": ids}, budget="1.4MiB", output_held=True)
+        module = hr.remat(model, (ids,), {"labels": ids}, budget="1.4MiB", settings=hr.Settings(output_held=True))
     assert not module.plans[0].chain.schedule.keeps_everything  # recomputes (stages or within blocks)
     eager_copy = copy.deepcopy(module)
 
@@ -241,7 +241,8 @@ def test_compiled_remat_model_trains_at_every_length_within_budget():
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 48))
     budget = 1200 * 1024
-    module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget=f"{budget}B", cache=False)
+    module = hr.remat(model, (ids,), {"labels": ids, "use_cache": False}, budget=f"{budget}B",
+                      settings=hr.Settings(cache=False))
     eager = copy.deepcopy(module)
     compiled = torch.compile(module)
     lengths = (48, 32, 40, 24, 36, 20, 44, 28, 30, 26)

@@ -162,17 +162,18 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
     kwargs = {"labels": ids, "use_cache": False}
     cache = str(tmp_path)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=cache, outputs="loss", compile=True)
+        hr.plan(model, (ids,), kwargs, budget="1KiB", outputs="loss", settings=hr.Settings(cache=cache, compile=True))
     lo = err.value.min_budget_bytes
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=cache, outputs="loss", compile=False)
+        hr.plan(model, (ids,), kwargs, budget="1KiB", outputs="loss", settings=hr.Settings(cache=cache, compile=False))
     assert lo <= err.value.min_budget_bytes  # the eager forms stay on offer
     # at the minimum the fused head and compiled forms run: forwards without grad where stages are recomputed, or
     # block options whose compiled form holds less (which forms are offered follows their measured speed: under
     # load remat's profile may offer one hr.plan's did not, and keep everything at lo); a third of the way to
     # plain's peak, compiled block options fit (and the DP picks the head by time)
     for budget in (lo, lo + (plain_peak - lo) // 3):
-        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=cache, outputs="loss", compile=True)
+        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", outputs="loss",
+                          settings=hr.Settings(cache=cache, compile=True))
         (plan,) = module.plans
         assert plan.compiled and "compiling block options" in plan.summary()
         costs, used = plan.chain.costs.stages, options_used(plan.chain.schedule)
@@ -190,7 +191,7 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
         assert abs(peak - predicted) <= max(0.05 * predicted, 64 * 1024), ran.summary()
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.compiled and again.compile_seconds == plan.compile_seconds
-    saved = hr.remat(model, (ids,), kwargs, plan=again, cache=cache, outputs="loss")
+    saved = hr.remat(model, (ids,), kwargs, plan=again, outputs="loss", settings=hr.Settings(cache=cache))
     grads_saved, peak_saved = _step(saved, ids, meter())
     for a, b in zip(grads_saved, grads):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
@@ -248,7 +249,8 @@ def test_compile_argument_is_checked():
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         resolve_compile("yes", torch.device("cpu"))
     with pytest.raises(ValueError, match="compile"):
-        hr.plan(tiny_gpt2(), (torch.zeros(1, 8, dtype=torch.long),), budget="1MiB", compile="fast")
+        hr.plan(tiny_gpt2(), (torch.zeros(1, 8, dtype=torch.long),), budget="1MiB",
+                settings=hr.Settings(compile="fast"))
 
 
 def test_auto_compiles_only_stages_that_compute_in_fp32():
@@ -292,19 +294,19 @@ def test_a_saved_plan_with_compiled_options_run_in_bf16_is_warned_about(monkeypa
 
     def lowest_plan() -> hr.ModelPlan:
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.plan(model, (ids,), kwargs, budget="1KiB", cache=False, backward_autocast=False)
-        plan = hr.plan(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B", cache=False,
-                       backward_autocast=False)
+            hr.plan(model, (ids,), kwargs, budget="1KiB", settings=hr.Settings(cache=False, backward_autocast=False))
+        plan = hr.plan(model, (ids,), kwargs, budget=f"{err.value.min_budget_bytes}B",
+                       settings=hr.Settings(cache=False, backward_autocast=False))
         assert options_used(plan.chain.schedule), plan.summary()
         return dataclasses.replace(plan, compiled=True)
 
     warning = "the saved plan runs its block options compiled by Inductor, and the model computes in bf16"
     with caplog.at_level(logging.WARNING, logger="hierremat"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            hr.remat(model, (ids,), kwargs, plan=lowest_plan(), cache=False)
+            hr.remat(model, (ids,), kwargs, plan=lowest_plan(), settings=hr.Settings(cache=False))
         assert warning in caplog.text
         caplog.clear()
-        hr.remat(model, (ids,), kwargs, plan=lowest_plan(), cache=False)
+        hr.remat(model, (ids,), kwargs, plan=lowest_plan(), settings=hr.Settings(cache=False))
         assert warning not in caplog.text
 
 

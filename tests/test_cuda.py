@@ -90,9 +90,9 @@ def test_cuda_whole_gpt2_with_ilp_options(tmp_path):
     ids = torch.randint(0, 256, (2, 64), device=device)
     kwargs = {"labels": ids, "use_cache": False}
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, (ids,), kwargs, budget="1KiB", cache=str(tmp_path))
+        hr.plan(model, (ids,), kwargs, budget="1KiB", settings=hr.Settings(cache=str(tmp_path)))
     budget = err.value.min_budget_bytes + (1 << 20)
-    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=str(tmp_path))
+    module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", settings=hr.Settings(cache=str(tmp_path)))
     assert module.plans[0].menus
 
     def step(m):

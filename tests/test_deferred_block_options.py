@@ -37,7 +37,8 @@ def _batch(length: int, batch: int = 2, seed: int = 0) -> dict:
 def _model_and_budget():
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
-    plain = hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
+    plain = hr.plan(model, (), _batch(64), budget="64GiB",
+                    settings=hr.Settings(strategy="none", cache=False)).predicted_peak_bytes
     return model, int(0.45 * plain)  # (a plan that recomputes: block options could save some of it)
 
 
@@ -77,7 +78,7 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
     caplog.set_level(logging.INFO, logger="hierremat")
     model, budget = _model_and_budget()
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(64), budget=budget, cache=False)
+    module = hr.remat(model, (), _batch(64), budget=budget, settings=hr.Settings(cache=False))
     first = module.plans[-1]
     assert not traced and not first.menus and first.options_solves == 0
     assert first.times.startswith("measured (times of one run each, until its training steps time it); block options "
@@ -139,7 +140,8 @@ def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles
     traces = []
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1) if scheduled else None
     with torch.profiler.profile(schedule=schedule, on_trace_ready=traces.append) as profile:
-        module = hr.remat(model, (), _batch(64), budget=budget, cache=False, defer_block_options=False)
+        module = hr.remat(model, (), _batch(64), budget=budget,
+                          settings=hr.Settings(cache=False, defer_block_options=False))
         profile.step()  # (scheduled: from warm-up to recording)
         _step(module, reference, model, _batch(64), 0)
         profile.step()
@@ -190,10 +192,11 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     shorter lengths too. ``defer_block_options=False``: built at once, as
     hierremat.plan does."""
     model, budget = _model_and_budget()
-    eager = hr.remat(model, (), _batch(64), budget=budget, cache=str(tmp_path), defer_block_options=False)
+    eager = hr.remat(model, (), _batch(64), budget=budget,
+                     settings=hr.Settings(cache=str(tmp_path), defer_block_options=False))
     assert eager.plans[-1].menus and eager.plans[-1].options_solves > 0
     warm_model = copy.deepcopy(model)
-    warm = hr.remat(warm_model, (), _batch(64), budget=budget, cache=str(tmp_path))
+    warm = hr.remat(warm_model, (), _batch(64), budget=budget, settings=hr.Settings(cache=str(tmp_path)))
     assert warm.plans[-1].menus and warm.plans[-1].options_solves == 0
     assert warm.plans[-1].times == "measured"
     # a second length near the first (fitted from 42 and 16, measured now): the cache has no menus at those, so
@@ -206,15 +209,16 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     tracker, allocator = _peaks(warm, _batch(56))
     assert max(tracker, allocator) <= budget
 
-    explored = {kind: hr.explore(model, (), _batch(64), block_options=kind, cache=False)
+    explored = {kind: hr.explore(model, (), _batch(64), settings=hr.Settings(block_options=kind, cache=False))
                 for kind in ("ilp", "autograd")}
     low, high = explored["ilp"].smallest_feasible(), explored["autograd"].smallest_feasible()
     assert low < high  # (block options lower this model's floor)
     tight = (low + high) // 2
     with pytest.raises(InfeasibleBudgetError):
-        hr.remat(copy.deepcopy(model), (), _batch(64), budget=tight, cache=False, block_options="autograd")
+        hr.remat(copy.deepcopy(model), (), _batch(64), budget=tight,
+                 settings=hr.Settings(cache=False, block_options="autograd"))
     tight_model = copy.deepcopy(model)
-    module = hr.remat(tight_model, (), _batch(64), budget=tight, cache=False)
+    module = hr.remat(tight_model, (), _batch(64), budget=tight, settings=hr.Settings(cache=False))
     assert module.plans[-1].menus and module.plans[-1].predicted_peak_bytes <= tight
     # built because the budget needs them: the shorter lengths measured at the second shape build them too (the
     # shapes fitted later re-cost them from node times fitted over those), the cache or not
@@ -228,7 +232,7 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     # second shape profiles the family for times (block options built by then), which then measures two in full
     said_model, padded = copy.deepcopy(model), _batch(64)
     padded["attention_mask"][1, -3:] = 0
-    module = hr.remat(said_model, (), padded, budget=tight, cache=False)
+    module = hr.remat(said_model, (), padded, budget=tight, settings=hr.Settings(cache=False))
     assert [(max(dict(s.bindings).values()), s.times_measured, s.cut)
             for s in next(iter(module._samples.values()))] == [(64, True, False), (16, True, True)]
     _step(module, copy.deepcopy(model), said_model, _batch(56), 5)
@@ -241,4 +245,4 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
 def test_defer_block_options_must_be_a_bool():
     model, budget = _model_and_budget()
     with pytest.raises(ValueError, match="defer_block_options must be True"):
-        hr.remat(model, (), _batch(64), budget=budget, cache=False, defer_block_options="yes")
+        hr.remat(model, (), _batch(64), budget=budget, settings=hr.Settings(cache=False, defer_block_options="yes"))

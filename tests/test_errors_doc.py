@@ -72,8 +72,8 @@ def _x(width: int = 32) -> torch.Tensor:
     return torch.randn(16, width, requires_grad=True)
 
 
-def _remat_mlp(**kw):
-    return hr.remat(_mlp(), (_x(),), **kw)
+def _remat_mlp(budget=None, outputs=None, **settings):
+    return hr.remat(_mlp(), (_x(),), budget=budget, outputs=outputs, settings=hr.Settings(**settings))
 
 
 def _plan_for_other_model():
@@ -88,7 +88,7 @@ def _plan_under_other_autocast():
 
 
 def _new_shape_with_error_mode():
-    m = hr.remat(_mlp(), (_x(),), budget="64MiB", on_new_shape="error")
+    m = hr.remat(_mlp(), (_x(),), budget="64MiB", settings=hr.Settings(on_new_shape="error"))
     m(torch.randn(16, 32))
     return m(torch.randn(8, 32))
 
@@ -101,7 +101,7 @@ def _gpt2_too_small():
 
 def _plan_in_a_profiler_session():
     with torch.profiler.profile():
-        return hr.plan(_mlp(), (_x(),), budget="64MiB", cache=False)
+        return hr.plan(_mlp(), (_x(),), budget="64MiB", settings=hr.Settings(cache=False))
 
 
 def _gpt2_outputs_misspelt():

@@ -279,7 +279,7 @@ def test_a_model_returning_its_loss_trains_with_the_fused_head_at_its_minimum():
     ids = torch.randint(0, 4096, (2, 96))
     budget, _ = _train_at_minimum(model, (ids, ids), {}, lambda m: m(ids, ids))
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, (ids, ids), {}, budget="1KiB", variants=False)
+        hr.plan(model, (ids, ids), {}, budget="1KiB", settings=hr.Settings(variants=False))
     assert budget < 0.5 * err.value.min_budget_bytes  # the logits and their gradient were the floor
 
 
@@ -398,7 +398,7 @@ def test_a_plan_from_explore_whose_only_option_is_the_fused_head_runs(monkeypatc
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 4096, (2, 96))
     kwargs = {"labels": ids, "use_cache": False}
-    explorer = hr.explore(model, (ids,), kwargs, outputs="loss", cache=False)
+    explorer = hr.explore(model, (ids,), kwargs, outputs="loss", settings=hr.Settings(cache=False))
     budget = explorer.smallest_feasible_bytes
     plan = explorer.plan(budget)
     assert not plan.menus and plan.chain.stage_actions()[-1] == f"all[{FUSED_HEAD}]", plan.summary()

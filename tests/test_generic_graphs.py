@@ -144,7 +144,8 @@ def test_shapes_specialized_from_the_capture_share_one_set_of_graphs_and_train_b
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False)  # (padded: symbolic at once)
+    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB",
+                      settings=hr.Settings(cache=False))  # (padded: symbolic at once)
     lengths = (40, 17, 63, 29, 40, 17, 50, 33)
     for step, length in enumerate(lengths):
         batch = _batch(length, pad=0 if step == 3 else 1 + step % 4, seed=step)  # (29: every mask all ones)
@@ -173,8 +174,9 @@ def test_plans_that_hold_graphs_of_their_own_are_bounded_apart(monkeypatch):
     monkeypatch.setattr(whole_model, "MAX_SHAPES_WITH_GRAPHS", 1)
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
-    shared = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False)
-    own = hr.remat(copy.deepcopy(model), (), _batch(40, pad=3), budget="64GiB", cache=False, dynamic=False)
+    shared = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", settings=hr.Settings(cache=False))
+    own = hr.remat(copy.deepcopy(model), (), _batch(40, pad=3), budget="64GiB",
+                   settings=hr.Settings(cache=False, dynamic=False))
     lengths = (40, 17, 29, 33)
     for length in lengths:
         for module in (shared, own):
@@ -188,7 +190,7 @@ def test_shapes_sharing_graphs_accumulate_gradients_across_shapes_and_survive_a_
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False)
+    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", settings=hr.Settings(cache=False))
     for length in (40, 23, 31):  # (each planned, sharing the family's graphs)
         module(**_batch(length, pad=1)).loss.backward()
     model.zero_grad()
@@ -210,7 +212,7 @@ def test_a_family_whose_last_plan_is_dropped_is_forgotten_with_its_generic_graph
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB).eval()
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", cache=False, max_shapes=2)
+    module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", settings=hr.Settings(cache=False, max_shapes=2))
     for length in (40, 17):
         module(**_batch(length, pad=1)).loss.backward()
     (family,) = module._generic

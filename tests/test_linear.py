@@ -87,7 +87,7 @@ def test_a_classifier_with_a_large_weight_trains_bitwise_with_a_lower_floor():
 
     def floor(**settings) -> int:
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.plan(model, (x,), budget="1KiB", **settings)
+            hr.plan(model, (x,), budget="1KiB", settings=hr.Settings(**settings))
         return err.value.min_budget_bytes
 
     lean, whole = floor(), floor(variants=False)

@@ -43,8 +43,8 @@ def test_a_model_on_meta_is_planned_from_its_materialized_twins_memory():
     torch.manual_seed(0)
     real, meta = _gpt2(), _on_meta(_gpt2)
     ids = torch.randint(0, 512, (2, 32))
-    planned = hr.plan(real, (ids,), {"labels": ids}, budget="1500KiB", cache=False)
-    on_meta = hr.plan(meta, (ids,), {"labels": ids}, budget="1500KiB", cache=False, device="cpu")
+    planned = hr.plan(real, (ids,), {"labels": ids}, budget="1500KiB", settings=hr.Settings(cache=False))
+    on_meta = hr.plan(meta, (ids,), {"labels": ids}, budget="1500KiB", device="cpu", settings=hr.Settings(cache=False))
     assert on_meta.signatures == planned.signatures
     a, b = planned.chain.costs, on_meta.chain.costs
     assert a.activation_bytes == b.activation_bytes and a.output_grad_bytes == b.output_grad_bytes
@@ -71,10 +71,11 @@ def test_a_model_planned_on_meta_trains_bitwise_within_budget_once_materialized(
     vocab = reference.config.vocab_size
     ids = torch.randint(0, vocab, (2, 32))
     with context():
-        low = hr.explore(reference, (ids,), {"labels": ids}, cache=False).smallest_feasible_bytes
+        low = hr.explore(reference, (ids,), {"labels": ids}, settings=hr.Settings(cache=False)).smallest_feasible_bytes
         budget = int(low * 1.15)
-        module = hr.remat(model, (ids.to("meta"),), {"labels": ids.to("meta")}, budget=f"{budget}B", cache=False,
-                          device="cpu")
+        module = hr.remat(model, (ids.to("meta"),), {"labels": ids.to("meta")}, budget=f"{budget}B", device="cpu",
+                          settings=hr.Settings(cache=False),
+                          )
     plan = module.plans[0]
     assert plan.lent_weight_bytes > 0 and not plan.chain.schedule.keeps_everything
     compiled = next(iter(module._planned.values()))
@@ -125,8 +126,8 @@ def test_a_model_built_under_fake_tensor_mode_is_planned_on_the_device_its_fakes
         model = _gpt2()
         fake_ids = torch.randint(0, 512, (2, 32))
     ids = torch.randint(0, 512, (2, 32))
-    planned = hr.plan(reference, (ids,), {"labels": ids}, budget="1500KiB", cache=False)
-    module = hr.remat(model, (fake_ids,), {"labels": fake_ids}, budget="1500KiB", cache=False)
+    planned = hr.plan(reference, (ids,), {"labels": ids}, budget="1500KiB", settings=hr.Settings(cache=False))
+    module = hr.remat(model, (fake_ids,), {"labels": fake_ids}, budget="1500KiB", settings=hr.Settings(cache=False))
     plan = module.plans[0]
     assert plan.lent_weight_bytes > 0 and "planned without its weights" in plan.summary()
     assert plan.chain.costs.activation_bytes == planned.chain.costs.activation_bytes
@@ -147,11 +148,11 @@ def test_a_model_built_under_fake_tensor_mode_is_planned_on_the_device_its_fakes
 def test_wrong_uses_of_device_are_refused_with_what_to_do():
     ids = torch.randint(0, 256, (2, 16))
     with pytest.raises(hr.UnsupportedModelError, match="device="):
-        hr.plan(_on_meta(lambda: tiny_gpt2(n_layer=1)), (ids,), budget="1GiB", cache=False)
+        hr.plan(_on_meta(lambda: tiny_gpt2(n_layer=1)), (ids,), budget="1GiB", settings=hr.Settings(cache=False))
     with pytest.raises(ValueError, match="device="):
-        hr.plan(tiny_gpt2(n_layer=1), (ids,), budget="1GiB", cache=False, device="cuda")
+        hr.plan(tiny_gpt2(n_layer=1), (ids,), budget="1GiB", device="cuda", settings=hr.Settings(cache=False))
     with pytest.raises(ValueError, match="device"):
-        hr.plan(tiny_gpt2(n_layer=1), (ids,), budget="1GiB", cache=False, device="tpu")
+        hr.plan(tiny_gpt2(n_layer=1), (ids,), budget="1GiB", device="tpu", settings=hr.Settings(cache=False))
 
 
 def test_weights_that_cannot_be_lent_are_named_with_their_bytes(monkeypatch):
@@ -163,7 +164,8 @@ def test_weights_that_cannot_be_lent_are_named_with_their_bytes(monkeypatch):
     monkeypatch.setattr(lent_weights, "lent_value", no_room)
     ids = torch.randint(0, 256, (2, 16))
     with pytest.raises(hr.UnsupportedModelError, match=r"MiB\) could not be allocated"):
-        hr.plan(_on_meta(lambda: tiny_gpt2(n_layer=1)), (ids,), budget="1GiB", cache=False, device="cpu")
+        hr.plan(_on_meta(lambda: tiny_gpt2(n_layer=1)), (ids,), budget="1GiB", device="cpu",
+                settings=hr.Settings(cache=False))
 
 
 def test_without_weights_gives_meta_tensors_of_whole_shapes_keeps_ties_and_puts_everything_back():

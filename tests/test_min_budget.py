@@ -90,7 +90,7 @@ def test_the_reported_minimum_trains(name):
     held = err.value.min_budget_bytes_output_held
     if held is not None:  # the outputs kept alive through the backward need more, and say how much
         assert held > budget and "output_held=True" in str(err.value)
-        module = hr.remat(model, args, kwargs, budget=f"{held}B", output_held=True, **settings)
+        module = hr.remat(model, args, kwargs, budget=f"{held}B", settings=hr.Settings(output_held=True), **settings)
         _steps(module, model, args, kwargs, held, hold=True)
 
 

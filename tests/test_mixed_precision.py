@@ -121,8 +121,8 @@ def test_gpt2_bf16_block_options_follow_the_recipe_seen_at_the_first_backward(re
     for p in model.parameters():  # (as _step has them: allocated before the step)
         p.grad = torch.zeros_like(p)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=False,
-                          defer_block_options=False)  # (block options solved when planned: the recipe's, under test)
+        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B",
+                          settings=hr.Settings(cache=False, defer_block_options=False))  # (block options solved when planned: the recipe's, under test)
     blocks = module.plans[0].stages[1].signature
     assert blocks not in module.plans[0].menus  # the recipe not known yet
     with caplog.at_level(logging.INFO, logger="hierremat"):
@@ -136,15 +136,15 @@ def test_gpt2_bf16_block_options_follow_the_recipe_seen_at_the_first_backward(re
     assert blocks in plan.menus and "all[" in plan.summary()  # a block option in the schedule
     # told the recipe, a plan has the blocks' options from the start (a plan rank 0 makes for DDP, say)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        told = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", cache=False,
-                       backward_autocast=recipe == "one-context")
+        told = hr.plan(model, (ids,), kwargs, budget=f"{budget}B",
+                       settings=hr.Settings(cache=False, backward_autocast=recipe == "one-context"))
         assert blocks in told.menus and told.backward_autocast == (recipe == "one-context")
         with pytest.raises(ValueError, match="backward_autocast must be"):
-            hr.plan(model, (ids,), kwargs, budget=f"{budget}B", backward_autocast="outside")
+            hr.plan(model, (ids,), kwargs, budget=f"{budget}B", settings=hr.Settings(backward_autocast="outside"))
         # the plan saved and run (as DDP's other ranks run rank 0's): its blocks traced for the recipe again
         saved = hr.remat(model, (ids,), kwargs, plan=hr.ModelPlan.from_json(told.to_json()))
-        other = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", cache=False,
-                        backward_autocast=recipe != "one-context")
+        other = hr.plan(model, (ids,), kwargs, budget=f"{budget}B",
+                        settings=hr.Settings(cache=False, backward_autocast=recipe != "one-context"))
         wrong = hr.remat(model, (ids,), kwargs, plan=other)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hierremat"):
@@ -173,10 +173,10 @@ def test_block_options_are_refused_under_autocast_where_a_replay_is_not_known_bi
         p.grad = torch.zeros_like(p)
     with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level(logging.INFO, logger="hierremat"):
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.plan(model, (ids,), kwargs, budget="1KiB", cache=False, backward_autocast=False)
+            hr.plan(model, (ids,), kwargs, budget="1KiB", settings=hr.Settings(cache=False, backward_autocast=False))
         budget = (err.value.min_budget_bytes + plain_peak) // 2
-        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B", cache=False, defer_block_options=False,
-                          backward_autocast=False)
+        module = hr.remat(model, (ids,), kwargs, budget=f"{budget}B",
+                          settings=hr.Settings(cache=False, defer_block_options=False, backward_autocast=False))
     (plan,) = module.plans
     blocks = plan.stages[1].signature
     assert blocks not in plan.menus and "all[" not in plan.summary().split("schedule:")[-1]
@@ -186,7 +186,7 @@ def test_block_options_are_refused_under_autocast_where_a_replay_is_not_known_bi
         _, grads, peak = _step(module, ids, "fresh", torch.bfloat16)
         assert all(same_bits(a, b) for a, b in zip(grads, grads_ref))
         assert peak <= budget, (peak, budget)
-    fp32 = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", cache=False)
+    fp32 = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", settings=hr.Settings(cache=False))
     assert fp32.stages[1].signature in fp32.menus
 
 

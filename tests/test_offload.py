@@ -288,13 +288,13 @@ def test_whole_model_with_offload_is_exact_and_summarized(tmp_path):
     grads, _ = _reference(model, x)
     offloading = second_tier(str(tmp_path), None, "cpu", None)  # the tier remat finds for these arguments
     offloading.bandwidth = FREE
-    explorer = hr.explore(model, (x,), block_options="autograd", offload=str(tmp_path))
+    explorer = hr.explore(model, (x,), settings=hr.Settings(block_options="autograd", offload=str(tmp_path)))
     plan = explorer.plan(int(explorer.smallest_feasible_bytes * 1.15))
     assert plan.chain.offloads and "offloading: x_" in plan.summary()
     assert explorer.smallest_feasible_bytes <= explorer.smallest_feasible(offload=False)
     without = explorer.plan(int(explorer.smallest_feasible_bytes * 1.15), offload=False)
     assert plan.predicted_step_time <= without.predicted_step_time
-    module = hr.remat(model, (x,), plan=plan, offload=str(tmp_path))
+    module = hr.remat(model, (x,), plan=plan, settings=hr.Settings(offload=str(tmp_path)))
     runner = next(iter(module._planned.values())).chain_module.planned.runner
     assert runner.tier is offloading.tier_for(transfer_plan(plan.chain.costs, plan.chain.schedule))
     runner.tier.peak_bytes = 0
@@ -318,10 +318,11 @@ def test_a_compiled_training_step_offloads_exactly(tmp_path):
     grads, _ = _reference(model, x)
     second_tier(str(tmp_path), None, "cpu", None).bandwidth = FREE
     # (compiled code keeps the model's output alive through the backward: planned so)
-    explorer = hr.explore(model, (x,), block_options="autograd", output_held=True, offload=str(tmp_path))
+    explorer = hr.explore(model, (x,),
+                          settings=hr.Settings(block_options="autograd", output_held=True, offload=str(tmp_path)))
     plan = explorer.plan(int(explorer.smallest_feasible_bytes * 1.15))
     assert plan.chain.offloads
-    module = hr.remat(model, (x,), plan=plan, offload=str(tmp_path))
+    module = hr.remat(model, (x,), plan=plan, settings=hr.Settings(offload=str(tmp_path)))
 
     def train_step(m):
         m(x).sum().backward()

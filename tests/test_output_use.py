@@ -106,7 +106,7 @@ def test_gpt2_gradient_for_logits_warns_and_reprofiles(caplog):
     ids = torch.randint(0, 256, (2, 32))
     kwargs = {"labels": ids, "use_cache": False}
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (ids,), kwargs, budget="1GiB", strategy="segments=2")
+    module = hr.remat(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(strategy="segments=2"))
     torch.manual_seed(5)
     with caplog.at_level(logging.WARNING, logger="hierremat"):
         out = module(ids, **kwargs)

@@ -172,7 +172,7 @@ def test_compiled_training_step_of_a_model_with_residents_is_exact():
     residents and runs readers' options: bitwise the eager hierremat step."""
     model, args = _unet_and_args()
     low = hr.explore(model, args).smallest_feasible_bytes
-    module = hr.remat(model, args, budget=f"{low}B", output_held=True)
+    module = hr.remat(model, args, budget=f"{low}B", settings=hr.Settings(output_held=True))
     assert not module.plans[0].chain.schedule.keeps_everything
     eager_copy = copy.deepcopy(module)
 

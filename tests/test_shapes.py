@@ -526,7 +526,7 @@ def test_fitted_memory_equals_the_measured_memory_at_unmeasured_lengths():
     a full profile at that length measures (live-tensor tracker), to the byte."""
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
-    module = hr.remat(model, (), _batch(64, pad=5), budget="1GiB", cache=False)
+    module = hr.remat(model, (), _batch(64, pad=5), budget="1GiB", settings=hr.Settings(cache=False))
     for step, length in enumerate((64, 40, 23, 51)):
         module(**_batch(length, pad=step % 3)).loss.backward()
     for sample in next(iter(module._samples.values())):  # a trace's largest candidates are the measured figures
@@ -539,7 +539,7 @@ def test_fitted_memory_equals_the_measured_memory_at_unmeasured_lengths():
         assert "times and memory fitted" in plan.summary()
         # every stage's, the LM head's too: its loss's row-block buffer is a polynomial in the rows
         assert "measured at this shape" not in plan.times, plan.times
-        measured = hr.plan(model, (), batch, budget="1GiB", cache=False).chain.costs
+        measured = hr.plan(model, (), batch, budget="1GiB", settings=hr.Settings(cache=False)).chain.costs
         fitted = plan.chain.costs
         assert fitted.activation_bytes == measured.activation_bytes
         assert fitted.output_grad_bytes == measured.output_grad_bytes
@@ -570,14 +570,15 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     reference = copy.deepcopy(model)
     longest = _batch(64, pad=5)
     with _autocast(precision):
-        plain = hr.plan(model, (), longest, budget="64GiB", strategy="none", cache=str(tmp_path)).predicted_peak_bytes
+        plain = hr.plan(model, (), longest, budget="64GiB",
+                        settings=hr.Settings(strategy="none", cache=str(tmp_path))).predicted_peak_bytes
         budget = int(0.6 * plain)
         # (told the recipe of the steps below, the backward after the autocast context: planned for it from the
         # first shape on, GPT-2's blocks with block options; test_mixed_precision learns it from the first backward)
         # (an unpadded first batch: the sizes that vary made symbolic at the second shape; a padded one is captured
         # symbolically at once: test_a_first_batch_that_says_lengths_vary_is_captured_symbolically_at_once...)
-        module = hr.remat(model, (), _batch(40), budget=budget, cache=str(tmp_path), backward_autocast=False,
-                          defer_block_options=False)  # (menus solved at the first shape, re-costed at the others)
+        module = hr.remat(model, (), _batch(40), budget=budget,
+                          settings=hr.Settings(cache=str(tmp_path), backward_autocast=False, defer_block_options=False))  # (menus solved at the first shape, re-costed at the others)
     for step, length in enumerate((40, 64, 23, 51, 40, 30)):
         batch = _batch(length, pad=step % 3)
         for m in (model, reference):
@@ -652,11 +653,11 @@ def test_cuda_dynamic_padding_trains_every_length_within_the_budget_with_gradien
         return {name: value.to(device) for name, value in batch.items()}
 
     with autocast:
-        plain = hr.plan(model, (), on_device(_batch(64, pad=5)), budget="64GiB", strategy="none",
-                        cache=str(tmp_path)).predicted_peak_bytes
+        plain = hr.plan(model, (), on_device(_batch(64, pad=5)), budget="64GiB",
+                        settings=hr.Settings(strategy="none", cache=str(tmp_path))).predicted_peak_bytes
         budget = int(0.6 * plain)
-        module = hr.remat(model, (), on_device(_batch(40)), budget=budget, cache=str(tmp_path),
-                          backward_autocast=False)
+        module = hr.remat(model, (), on_device(_batch(40)), budget=budget,
+                          settings=hr.Settings(cache=str(tmp_path), backward_autocast=False))
 
     def step(m, batch: dict, seed: int) -> list:
         m.zero_grad()  # (set_to_none=True, PyTorch's default)
@@ -708,8 +709,10 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    budget = int(0.45 * hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes)
-    module = hr.remat(model, (), _batch(40), budget=budget, cache=False, defer_block_options=False)  # (solved here)
+    budget = int(0.45 * hr.plan(model, (), _batch(64), budget="64GiB",
+                                settings=hr.Settings(strategy="none", cache=False)).predicted_peak_bytes)
+    module = hr.remat(model, (), _batch(40), budget=budget,
+                      settings=hr.Settings(cache=False, defer_block_options=False))  # (solved here)
     for step, length in enumerate((40, 64, 23, 30, 60, 56, 56, 56, 56)):
         if length == 60:
             monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 0.0)
@@ -767,7 +770,7 @@ def test_a_new_shape_is_planned_for_how_the_caller_used_the_output_at_the_others
     from the start, not at its second call after a first step planned for the output held."""
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
-    module = hr.remat(model, (), _batch(32), budget="64GiB", cache=False)
+    module = hr.remat(model, (), _batch(32), budget="64GiB", settings=hr.Settings(cache=False))
     with caplog.at_level(logging.INFO, logger="hierremat"):
         for _ in range(2):  # planned with the output held: the second call re-plans
             module(**_batch(32)).loss.backward()
@@ -783,12 +786,12 @@ def test_a_new_shape_is_planned_for_how_the_caller_used_the_output_at_the_others
 def test_plans_kept_per_shape_are_bounded():
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
-    module = hr.remat(model, (), _batch(32), budget="64GiB", max_shapes=2, cache=False)
+    module = hr.remat(model, (), _batch(32), budget="64GiB", settings=hr.Settings(max_shapes=2, cache=False))
     for length in (20, 12, 32, 20):
         module(**_batch(length)).loss.backward()
     assert len(module.plans) == 2  # the two used last: 32 and 20
     with pytest.raises(ValueError, match="max_shapes"):
-        hr.remat(model, (), _batch(32), budget="64GiB", max_shapes=0)
+        hr.remat(model, (), _batch(32), budget="64GiB", settings=hr.Settings(max_shapes=0))
 
 
 def test_a_model_without_a_symbolic_capture_is_exported_per_shape(monkeypatch):
@@ -797,7 +800,7 @@ def test_a_model_without_a_symbolic_capture_is_exported_per_shape(monkeypatch):
     monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: None)
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
-    module = hr.remat(model, (), _batch(32), budget="64GiB", cache=False)
+    module = hr.remat(model, (), _batch(32), budget="64GiB", settings=hr.Settings(cache=False))
     module(**_batch(20)).loss.backward()
     assert [p.capture_kind for p in module.plans] == ["exported", "exported"]
 
@@ -841,7 +844,8 @@ def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False)  # (unpadded: the sizes said by the second)
+    module = hr.remat(model, (), _batch(64), budget="1GiB",
+                      settings=hr.Settings(cache=False))  # (unpadded: the sizes said by the second)
     batch = _batch(56, pad=2)
     for net in (module, reference):
         torch.manual_seed(1)
@@ -879,9 +883,11 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     with _autocast(precision):
-        plain = hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
+        plain = hr.plan(model, (), _batch(64), budget="64GiB",
+                        settings=hr.Settings(strategy="none", cache=False)).predicted_peak_bytes
         budget = int(0.6 * plain)
-        module = hr.remat(model, (), _batch(64), budget=budget, cache=False, backward_autocast=False)
+        module = hr.remat(model, (), _batch(64), budget=budget,
+                          settings=hr.Settings(cache=False, backward_autocast=False))
     assert module.plans[0].times.startswith("measured (times of one run each, until its training steps time it)")
     times = {}
     for step, length in enumerate((64, 64, 48, 40, 56, 48, 64, 64)):
@@ -934,8 +940,9 @@ def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_t
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    budget = int(0.6 * hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes)
-    module = hr.remat(model, (), _batch(64), budget=budget, cache=False)
+    budget = int(0.6 * hr.plan(model, (), _batch(64), budget="64GiB",
+                               settings=hr.Settings(strategy="none", cache=False)).predicted_peak_bytes)
+    module = hr.remat(model, (), _batch(64), budget=budget, settings=hr.Settings(cache=False))
     for step, length in enumerate((64, 64, 64, 48)):
         if length == 48:  # (block options built at the fitted length: whatever they save pays)
             module._recost_seconds = 0.0
@@ -988,10 +995,11 @@ def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    plain = hr.plan(model, (), _batch(64), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
+    plain = hr.plan(model, (), _batch(64), budget="64GiB",
+                    settings=hr.Settings(strategy="none", cache=False)).predicted_peak_bytes
     budget = int(0.6 * plain)
     batch = _batch(64, pad=1)  # (padded: captured symbolically at once, so its steps make samples)
-    module = hr.remat(model, (), batch, budget=budget, cache=False)
+    module = hr.remat(model, (), batch, budget=budget, settings=hr.Settings(cache=False))
     module._recost_seconds = 1e6  # (no block options built in these steps: the plans made again here are the test's)
     key = next(iter(module._planned))
     recorder = module._planned[key].chain_module.planned.step_times
@@ -1036,7 +1044,7 @@ def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False)
+    module = hr.remat(model, (), _batch(64), budget="1GiB", settings=hr.Settings(cache=False))
     # the first shape planned again (as for another padding state, where plans are kept per padding state, or the
     # caller's autocast recipe): no size varies yet, so no capture is made (the next length makes it)
     module._plan_again(next(iter(module._planned)), (), _batch(64))
@@ -1072,7 +1080,7 @@ def test_a_capture_that_does_not_take_the_shapes_before_does_not_replace_the_one
 
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
-    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False)
+    module = hr.remat(model, (), _batch(64), budget="1GiB", settings=hr.Settings(cache=False))
     module(**_batch(40)).loss.backward()
     seq_only, samples = next(iter(module._symbolic.values())), list(next(iter(module._samples.values())))
     exports = []
@@ -1167,9 +1175,10 @@ def test_a_first_batch_that_says_lengths_vary_is_captured_symbolically_at_once_a
     if said == "marked":
         torch._dynamo.mark_dynamic(first["input_ids"], 1)
     with _autocast(precision):
-        plain = hr.plan(model, (), _batch(128), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
+        plain = hr.plan(model, (), _batch(128), budget="64GiB",
+                        settings=hr.Settings(strategy="none", cache=False)).predicted_peak_bytes
         budget = int(0.6 * plain)
-        module = hr.remat(model, (), first, budget=budget, cache=False, backward_autocast=False)
+        module = hr.remat(model, (), first, budget=budget, settings=hr.Settings(cache=False, backward_autocast=False))
     assert module.plans[0].capture_kind == "specialized"
     assert bool(marked_dims((), first)) == (said == "marked")  # (the caller's marks kept: export deletes those it reads)
     samples = next(iter(module._samples.values()))
@@ -1218,7 +1227,7 @@ def test_a_padded_attention_mask_or_dynamic_true_says_which_sizes_vary_at_the_fi
     assert every_dim((), _batch(64, batch=1)) == lengths
 
     reference = copy.deepcopy(model)
-    module = hr.remat(model, (), _batch(64), budget="1GiB", cache=False, dynamic=True)
+    module = hr.remat(model, (), _batch(64), budget="1GiB", settings=hr.Settings(cache=False, dynamic=True))
     assert module.plans[0].capture_kind == "specialized"
     assert sorted(d for _, d in next(iter(module._symbolic.values())).symbolic_dims) == [0, 0, 0, 1, 1, 1]
     for net in (module, reference):
@@ -1226,11 +1235,11 @@ def test_a_padded_attention_mask_or_dynamic_true_says_which_sizes_vary_at_the_fi
         net(**_batch(40, batch=3, pad=2)).loss.backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
     assert [p.capture_kind for p in module.plans] == ["specialized", "specialized"]
-    static = hr.remat(model, (), padded, budget="1GiB", cache=False, dynamic=False)
+    static = hr.remat(model, (), padded, budget="1GiB", settings=hr.Settings(cache=False, dynamic=False))
     static(**_batch(40, pad=2))
     assert static._symbolic == {} and [p.capture_kind for p in static.plans] == ["exported", "exported"]
     with pytest.raises(ValueError, match="dynamic must be None"):
-        hr.remat(model, (), padded, budget="1GiB", cache=False, dynamic="yes")
+        hr.remat(model, (), padded, budget="1GiB", settings=hr.Settings(cache=False, dynamic="yes"))
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
@@ -1243,7 +1252,8 @@ def test_a_model_planned_with_one_tensor_as_two_arguments_reads_each_argument_at
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (2, 32))
-    module = hr.remat(model, (), {"input_ids": ids, "labels": ids}, budget="1GiB", cache=False, dynamic=dynamic)
+    module = hr.remat(model, (), {"input_ids": ids, "labels": ids}, budget="1GiB",
+                      settings=hr.Settings(cache=False, dynamic=dynamic))
     assert module.plans[0].capture_kind == ("specialized" if dynamic else "exported")
     for labels in (ids.roll(1, dims=1), ids.masked_fill(torch.arange(32) >= 20, -100), ids):
         losses = []
@@ -1270,14 +1280,16 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: captured.append(a[-1]))  # (fails)
     first = _batch(64)
     torch._dynamo.mark_dynamic(first["input_ids"], [0, 1])
-    module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB", cache=False)
+    module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB",
+                      settings=hr.Settings(cache=False))
     assert module.plans[0].capture_kind == "exported" and len(captured) == 1
     assert ("[1]['labels']", 0) in captured[0] and marked_dims((), first) == captured[0]  # (kept through the export)
     module(**_batch(56))
     assert captured[1] == {("[1]['input_ids']", 1), ("[1]['attention_mask']", 1), ("[1]['labels']", 1)}
     # its plans all dropped (max_shapes=1: a call of another structure planned since), the shape is planned again
     # without the failed capture tried again
-    module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB", cache=False, max_shapes=1)
+    module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB",
+                      settings=hr.Settings(cache=False, max_shapes=1))
     family = next(iter(module._planned.values())).family
     tried = len(captured)
     module(input_ids=first["input_ids"], labels=first["labels"])  # (another family: its own first-shape capture)
@@ -1285,7 +1297,8 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     module(**first)
     assert len(captured) == tried + 1 and len(module.plans) == 1
     # a padded first batch whose capture fails: the second length, varying the same sizes, does not try again
-    padded = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), _batch(64, pad=3), budget="1GiB", cache=False)
+    padded = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), _batch(64, pad=3), budget="1GiB",
+                      settings=hr.Settings(cache=False))
     tried = len(captured)
     padded(**_batch(56, pad=2))
     assert len(captured) == tried and [p.capture_kind for p in padded.plans] == ["exported", "exported"]
@@ -1325,7 +1338,7 @@ def test_a_second_shape_asks_for_shorter_lengths_and_narrowing_keeps_each_rows_p
         assert torch.equal(kwargs[key], value[:, :12]) and kwargs[key].data_ptr() != value.data_ptr()
     assert {v for s, v in symbolic.bindings((), kwargs).items() if str(s) in names} == {12}
     # the last row padded by 5: its first 12 tokens are not; its last 12 keep the padding, as RematModule cuts
-    module = hr.remat(model, (), _batch(24, pad=3), budget="1GiB", cache=False)
+    module = hr.remat(model, (), _batch(24, pad=3), budget="1GiB", settings=hr.Settings(cache=False))
     _, suffix = module._narrowed(symbolic, (), batch, names, 12)
     assert all(torch.equal(suffix[key], value[:, -12:]) for key, value in batch.items())
     _, prefix = module._narrowed(symbolic, (), _batch(32), names, 12)  # no padding: the first tokens

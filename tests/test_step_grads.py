@@ -125,12 +125,12 @@ def test_whole_model_with_a_tied_head_stays_within_the_budget_with_default_zero_
     kwargs = {"labels": ids, "use_cache": False}
     options = {"block_options": "autograd"} if at == "keep_everything" else {}  # autograd's own option: fastest
     if at == "keep_everything":
-        budget = hr.plan(model, (ids,), kwargs, budget="64GiB", **options).predicted_peak_bytes
+        budget = hr.plan(model, (ids,), kwargs, budget="64GiB", settings=hr.Settings(**options)).predicted_peak_bytes
     else:
         with pytest.raises(hr.InfeasibleBudgetError) as err:
             hr.plan(model, (ids,), kwargs, budget="1KiB")
         budget = err.value.min_budget_bytes
-    module = hr.remat(model, (ids,), kwargs, budget=budget, **options)
+    module = hr.remat(model, (ids,), kwargs, budget=budget, settings=hr.Settings(**options))
     torch.manual_seed(1)
     _zero_grad(reference, True)
     reference(ids, **kwargs).loss.backward()

@@ -141,8 +141,10 @@ def test_plans_re_costed_at_each_length_run_one_program_per_option_and_train_bit
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=3, vocab_size=VOCAB)  # (training: dropouts, drawn as plain autograd draws them)
     reference = copy.deepcopy(model)
-    plain = hr.plan(model, (), _batch(64, pad=3), budget="64GiB", strategy="none", cache=False).predicted_peak_bytes
-    module = hr.remat(model, (), _batch(64, pad=3), budget=int(0.45 * plain), cache=False, defer_block_options=False)
+    plain = hr.plan(model, (), _batch(64, pad=3), budget="64GiB",
+                    settings=hr.Settings(strategy="none", cache=False)).predicted_peak_bytes
+    module = hr.remat(model, (), _batch(64, pad=3), budget=int(0.45 * plain),
+                      settings=hr.Settings(cache=False, defer_block_options=False))
     for step, length in enumerate((64, 60, 62, 58, 63, 61)):
         module._recost_seconds = 0.0  # (re-costing taken to be free: at each length's first call)
         batch = _batch(length, pad=1 + step % 3, seed=step)
@@ -176,7 +178,7 @@ def test_the_fused_head_is_made_once_for_every_shape_of_a_family(monkeypatch):
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, (), _batch(64, pad=3), budget="1KiB", cache=False, outputs="loss")
+        hr.plan(model, (), _batch(64, pad=3), budget="1KiB", outputs="loss", settings=hr.Settings(cache=False))
     budget = int(1.1 * err.value.min_budget_bytes)
     real_option = menus_module.fused_head_option
 
@@ -185,7 +187,7 @@ def test_the_fused_head_is_made_once_for_every_shape_of_a_family(monkeypatch):
         return fused and (dataclasses.replace(fused[0], fwd_time=0.0, bwd_time=0.0), *fused[1:])
 
     monkeypatch.setattr(menus_module, "fused_head_option", free_fused_head)
-    module = hr.remat(model, (), _batch(64, pad=3), budget=budget, cache=False, outputs="loss")
+    module = hr.remat(model, (), _batch(64, pad=3), budget=budget, outputs="loss", settings=hr.Settings(cache=False))
     fused = []
     for step, length in enumerate((64, 41, 57, 33, 60)):
         batch = _batch(length, pad=1 + step % 3, seed=step)

@@ -35,7 +35,7 @@ def _t5():
 
 def _smallest_budget(model, args, kwargs, **settings) -> int:
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB", **settings)
+        hr.plan(model, args, kwargs, budget="1KiB", settings=hr.Settings(**settings))
     return err.value.min_budget_bytes
 
 
@@ -70,7 +70,7 @@ def test_tied_weights_accumulate_once_per_step_with_plain_autograds_gradient(nam
     budget = _smallest_budget(model, args, kwargs, variants=variants)
     chain = build_chain_graph(capture(model, args, call_kwargs(model, kwargs)), model)
     assert TiedParameters([[s] for s in chain.stages]), "the embedding and the LM head are read by two stages"
-    module = hr.remat(model, args, kwargs, budget=f"{budget}B", variants=variants)
+    module = hr.remat(model, args, kwargs, budget=f"{budget}B", settings=hr.Settings(variants=variants))
     (plan,) = module.plans
     assert max(plan.chain.schedule.forward_counts()) > 1, plan.summary()
     got = _steps(module, args, kwargs, model)

@@ -136,11 +136,12 @@ def test_trainer_bf16_plans_for_its_fp32_outputs_and_autocast_recipe_exactly_wit
     with torch.autocast("cpu", dtype=torch.bfloat16):  # (planned under the autocast it trains with, as usage.md says)
         # the smallest budget while the recipe is not known (no block options for GPT-2's blocks): the first call's
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.remat(copy.deepcopy(model), (ids,), example, budget="1KiB", cache=False, defer_block_options=False)
-        short = hr.remat(copy.deepcopy(model), (ids,), example, budget=f"{err.value.min_budget_bytes}B", cache=False,
-                         defer_block_options=False)  # (block options solved when planned: the recipe's, under test)
-        module = hr.remat(model, (ids,), example, budget=f"{err.value.min_budget_bytes + copies}B", cache=False,
-                          defer_block_options=False)
+            hr.remat(copy.deepcopy(model), (ids,), example, budget="1KiB",
+                     settings=hr.Settings(cache=False, defer_block_options=False))
+        short = hr.remat(copy.deepcopy(model), (ids,), example, budget=f"{err.value.min_budget_bytes}B",
+                         settings=hr.Settings(cache=False, defer_block_options=False))  # (block options solved when planned: the recipe's, under test)
+        module = hr.remat(model, (ids,), example, budget=f"{err.value.min_budget_bytes + copies}B",
+                          settings=hr.Settings(cache=False, defer_block_options=False))
     assert module.plans[0].stages[1].signature not in module.plans[0].menus  # the recipe not known yet
     with pytest.raises(hr.InfeasibleBudgetError, match="fp32 copies the caller makes"):
         _train(short, tmp_path, "short", bf16=True, use_cpu=True)
@@ -198,7 +199,7 @@ def test_a_plan_made_before_accelerate_copies_the_outputs_to_fp32_is_made_again(
     reference = copy.deepcopy(model)
     batch = pad_to_longest([Rows()[1], Rows()[2]])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        module = hr.remat(model, (), batch, budget="64MiB", cache=False, backward_autocast=False)
+        module = hr.remat(model, (), batch, budget="64MiB", settings=hr.Settings(cache=False, backward_autocast=False))
     assert module.plans[0].output_copies_bytes == 0
     runs = []
     for net in (reference, module):
@@ -214,8 +215,8 @@ def test_a_plan_made_before_accelerate_copies_the_outputs_to_fp32_is_made_again(
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     # a saved plan is never made again: warned about once
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        saved = hr.remat(model, (), batch, plan=hr.plan(model, (), batch, budget="64MiB", cache=False,
-                                                         backward_autocast=False))
+        saved = hr.remat(model, (), batch, plan=hr.plan(model, (), batch, budget="64MiB",
+                                                        settings=hr.Settings(cache=False, backward_autocast=False)))
     saved = accelerate.Accelerator(cpu=True, mixed_precision="bf16", device_placement=False).prepare(saved)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hierremat"):

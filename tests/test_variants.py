@@ -105,10 +105,11 @@ def test_variants_lower_gpt2s_smallest_budget_and_the_plan_records_them():
     smallest = {}
     for variants in (False, True):
         with pytest.raises(hr.InfeasibleBudgetError) as err:
-            hr.plan(model, (ids,), kwargs, budget="1KiB", variants=variants, output_held=False)
+            hr.plan(model, (ids,), kwargs, budget="1KiB", settings=hr.Settings(variants=variants, output_held=False))
         smallest[variants] = err.value.min_budget_bytes
     assert smallest[True] <= smallest[False] - ids.numel() * 4096 * 4 * 0.9, smallest
-    plan = hr.plan(model, (ids,), kwargs, budget=smallest[False], variants=False, output_held=False)
+    plan = hr.plan(model, (ids,), kwargs, budget=smallest[False],
+                   settings=hr.Settings(variants=False, output_held=False))
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.variants is False and "operator variants off" in again.summary()
     module = hr.remat(model, (ids,), kwargs, plan=again)  # runs the plan's own (variant-free) graph

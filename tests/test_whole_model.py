@@ -40,10 +40,10 @@ def _check(model, args, kwargs, **settings):
     reference = copy.deepcopy(model)
     loss_ref, grads_ref, plain_peak = _step(reference, args, kwargs)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
-        hr.plan(model, args, kwargs, budget="1KiB", **settings)
+        hr.plan(model, args, kwargs, budget="1KiB", settings=hr.Settings(**settings))
     lo = err.value.min_budget_bytes
     for budget in (lo, lo + (plain_peak - lo) // 3, plain_peak, 2**36):
-        module = hr.remat(model, args, kwargs, budget=f"{budget}B", **settings)
+        module = hr.remat(model, args, kwargs, budget=f"{budget}B", settings=hr.Settings(**settings))
         (plan,) = module.plans
         loss, grads, peak = _step(module, args, kwargs)
         torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
@@ -78,7 +78,8 @@ def test_whole_graph_segmentation_solves_everything_before_the_head_as_one_block
         return
     assert hr.ModelPlan.from_json(plan.to_json()) == plan
     with pytest.raises(ValueError, match="segmentation must be 'blocks'.*got 'layers'"):
-        hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB", segmentation="layers")
+        hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB",
+                settings=hr.Settings(segmentation="layers"))
 
 
 def test_gpt2_with_attention_mask_keyword():
@@ -139,7 +140,7 @@ def test_gpt2_12_layers_segments_into_blocks_profiled_once(monkeypatch):
     monkeypatch.setattr(profile_module, "_profile_stage", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     model = tiny_gpt2(n_layer=12, n_embd=32, n_positions=32)
     ids = torch.randint(0, 256, (1, 32))
-    plan = hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB", cache=False)
+    plan = hr.plan(model, (ids,), {"labels": ids, "use_cache": False}, budget="1GiB", settings=hr.Settings(cache=False))
     names = [s.name for s in plan.stages]
     assert len(names) == 14
     assert names[1:13] == [f"transformer.h.{i}" for i in range(12)]
@@ -159,15 +160,15 @@ def test_a_second_plan_measures_nothing_again_unless_the_cache_is_off(monkeypatc
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))
     kwargs = {"labels": ids, "use_cache": False}
-    first = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    first = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
     # prologue, decoder block, head profiled; one block executor timed per distinct menu (the prologue
     # ends in a dropout: with its mask packed it has block options too)
     assert len(profiled) == 3 and len(timed) == len(first.menus) >= 1
     profiled.clear(), timed.clear()
-    second = hr.plan(model, (ids,), kwargs, budget="1GiB", cache=str(tmp_path))
+    second = hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=str(tmp_path)))
     assert profiled == [] and timed == [] and second.options_solves == 0
     assert second.chain.costs == first.chain.costs and second.chain.schedule == first.chain.schedule
-    hr.plan(model, (ids,), kwargs, budget="1GiB", cache=False)
+    hr.plan(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(cache=False))
     assert len(profiled) == 3 and len(timed) == len(first.menus)
 
 
@@ -190,7 +191,7 @@ def test_new_input_shape_replans_or_raises():
     module = hr.remat(model, (torch.randn(64, 96),), budget="64MiB")
     module(torch.randn(32, 96)).sum().backward()
     assert len(module.plans) == 2
-    strict = hr.remat(model, (torch.randn(64, 96),), budget="64MiB", on_new_shape="error")
+    strict = hr.remat(model, (torch.randn(64, 96),), budget="64MiB", settings=hr.Settings(on_new_shape="error"))
     with pytest.raises(ValueError, match="differ"):
         strict(torch.randn(32, 96))
 
@@ -219,7 +220,7 @@ def test_baseline_strategies_run_through_the_same_runtime(strategy):
     ids = torch.randint(0, 256, (2, 64))
     kwargs = {"labels": ids, "use_cache": False}
     loss_ref, grads_ref, _ = _step(reference, (ids,), kwargs)
-    module = hr.remat(model, (ids,), kwargs, budget="1GiB", strategy=strategy)
+    module = hr.remat(model, (ids,), kwargs, budget="1GiB", settings=hr.Settings(strategy=strategy))
     (plan,) = module.plans
     loss, grads, peak = _step(module, (ids,), kwargs)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
@@ -234,4 +235,4 @@ def test_baseline_strategies_run_through_the_same_runtime(strategy):
 
 def test_unknown_strategy_is_rejected():
     with pytest.raises(ValueError, match="strategy"):
-        hr.plan(random_mlp_chain(7), (torch.randn(8, 96),), budget="1GiB", strategy="fastest")
+        hr.plan(random_mlp_chain(7), (torch.randn(8, 96),), budget="1GiB", settings=hr.Settings(strategy="fastest"))

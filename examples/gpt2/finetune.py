@@ -294,8 +294,8 @@ def run(args, ddp: Distributed) -> dict:
                 # (train_step closes the autocast context before backward: planned for that from the start;
                 # under DDP rank 0's plan is every rank's, so its block options are built before it is sent,
                 # not once they pay)
-                module = hr.remat(model, *example, budget=budget, variants=not args.no_variants,
-                                  backward_autocast=False, defer_block_options=not ddp.enabled)
+                module = hr.remat(model, *example, budget=budget,
+                                  settings=hr.Settings(variants=not args.no_variants, backward_autocast=False, defer_block_options=not ddp.enabled))
                 plan = module.plans[0]
             plan_json = ddp.broadcast(plan.to_json() if ddp.main else None)
             if not ddp.main:

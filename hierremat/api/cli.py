@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.utils import _pytree as pytree
 
     from .explore import explore
+    from .settings import Settings
 
     if args.hf:
         model, example_args, example_kwargs = hf_model(args.hf, config_overrides(args.set), args.batch, args.seq)
@@ -169,10 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         held = {"yes": True, "no": False, "auto": None}[args.output_held or ("no" if args.hf else "auto")]
         outputs = tuple(n.strip() for n in args.outputs.split(",") if n.strip()) if args.outputs else None
         try:
-            explorer = explore(
-                model, example_args, example_kwargs, variants=not args.no_variants, output_held=held, outputs=outputs,
-                offload=args.offload, offload_limit=args.offload_limit,
-            )
+            settings = Settings(variants=not args.no_variants, output_held=held, offload=args.offload,
+                                offload_limit=args.offload_limit)
+            explorer = explore(model, example_args, example_kwargs, outputs=outputs, settings=settings)
         except OffloadError as err:
             print(f"--offload: {err}", file=sys.stderr)
             return 2

@@ -33,7 +33,6 @@ from ..blocks.segment import CHAIN_ATTRIBUTE
 from ..blocks.sources import clear_fake_tensor_cache, forget_sources, recorded_sources, source_keys
 from ..blocks.symbolic import SymbolicCapture, capture_symbolic, every_dim, marked_dims, padded_dims, varying_dims
 from ..budget import parse_budget
-from ..dp.solve import DEFAULT_SLOTS
 from ..errors import UnsupportedModelError
 from ..plans.model_plan import ModelPlan
 from ..device.memory import profiler_active
@@ -41,7 +40,6 @@ from ..device.autocast import AutocastState
 from ..runtime.fsdp import is_fsdp_module, is_sharded, without_weights
 from ..runtime.lent_weights import has_abstract_weights, lent_inputs
 from ..runtime.profile import PROFILE_REPEATS
-from ..planning.chain_plan import PLAN_TIME_LIMIT
 from ..planning.family_programs import FamilyPrograms
 from .sequential import check_devices
 from ..planning.shape_fit import (
@@ -50,16 +48,12 @@ from ..planning.shape_fit import (
 from .collector import collector_paused
 from .planned_shape import ChainDispatch, PlannedShape
 from .ranks import UNBOUNDED_BYTES, ranks_plan
+from .settings import DEFAULT_MAX_SHAPES, Settings, settings_from
 from .shape_planning import PlanSettings, plan_shape, device_types, lending_device, sample_at
 
 log = logging.getLogger(__name__)
 
 
-#: How many input shapes' plans a RematModule keeps (least recently used dropped first; a dropped shape plans again
-#: when it comes back). A shape that runs its family's size-generic graphs (hierremat.blocks.generic) and no generated
-#: code holds its schedule, costs and runner state alone: 36 KiB of Python allocations for a 2-layer GPT-2, 61 KiB for
-#: a 12-layer one (benchmarks/bench_shapes.py --rss; 0.6 and 2.3 MiB with graphs of its own).
-DEFAULT_MAX_SHAPES = 1024
 #: Of those, with the default, how many may hold graphs of their own (PlannedShape.holds_graphs: exported on their
 #: own, of a program not shared, or running block options' generated code traced at their shape) or block options
 #: costed at their shape (PlannedShape.holds_menus: 0.2-0.35 MiB for a 4-12-layer GPT-2), least recently used dropped
@@ -129,14 +123,6 @@ class RematModule(nn.Module):
     def __init__(self, model: nn.Module, budget_bytes: int, on_new_shape: str, settings: PlanSettings,
                  max_shapes: int = DEFAULT_MAX_SHAPES, dynamic: bool | None = None):
         super().__init__()
-        if on_new_shape not in ("replan", "error"):
-            raise ValueError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
-        if not (dynamic is None or isinstance(dynamic, bool)):
-            raise ValueError(f"dynamic must be None (sizes marked dynamic or a padded attention_mask make them "
-                             f"symbolic at the first shape, the sizes that vary at the second), True (every size "
-                             f"symbolic at the first shape) or False (each shape captured on its own), got {dynamic!r}")
-        if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
-            raise ValueError(f"max_shapes must be a positive int (how many input shapes' plans are kept), got {max_shapes!r}")
         self.model = uncompiled(model)
         self.budget_bytes = budget_bytes
         self.on_new_shape = on_new_shape
@@ -837,7 +823,7 @@ class RematModule(nn.Module):
             raise ValueError(
                 "inputs differ (shape, dtype, device or non-tensor values) from the planned ones"
                 + ("" if refuses else " on another rank")
-                + "; call hierremat.remat(..., on_new_shape='replan') to plan per shape"
+                + "; call hierremat.remat(..., settings=hr.Settings(on_new_shape='replan')) to plan per shape"
             )
         if planned is None or not planned.sharded or others_plan:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
@@ -918,83 +904,24 @@ def remat(
     *,
     budget=None,
     plan: ModelPlan | None = None,
-    slots: int = DEFAULT_SLOTS,
-    on_new_shape: str = "replan",
-    strategy: str = "optimal",
-    output_held: bool | None = None,
-    block_options: str = "ilp",
-    cache: bool | str = True,
-    segmentation: str | None = None,
-    variants: bool | None = None,
-    compile: bool | str | None = None,
     outputs: str | tuple[str, ...] | None = None,
-    time_limit: float | None = PLAN_TIME_LIMIT,
-    max_shapes: int = DEFAULT_MAX_SHAPES,
     device: str | torch.device | None = None,
-    offload: bool | str | None = None,
-    offload_limit: int | str | None = None,
-    backward_autocast: bool | None = None,
-    defer_block_options: bool = True,
-    dynamic: bool | None = None,
+    settings: Settings | None = None,
 ) -> RematModule:
     """Return a module called like ``model`` whose training step fits ``budget`` (or ``plan``'s).
 
-    strategy, output_held, block_options, cache, segmentation, variants, compile, outputs,
-    time_limit (each plan's, re-plans for new shapes included): as for hierremat.plan (segmentation, variants, compile and outputs default to ``plan``'s,
-    else 'blocks', True, "auto" and None).
-    on_new_shape: "replan" (default): a call whose inputs have a new shape is planned for it. From
-    the second shape on, the model is captured once with symbolic sizes and each new shape's graph
-    is specialized from that capture (no trace; hierremat.blocks.symbolic), and the block menus
-    solved for another shape are re-costed at the new sizes (no ILP solve); "error": raise.
-    max_shapes: how many shapes' plans are kept (least recently used dropped first; a dropped
-    shape is planned again when it comes back). A shape specialized from the symbolic capture runs
-    the graphs its family shares where they are its program (hierremat.blocks.generic) and holds
-    36-61 KiB; with the default, at most MAX_SHAPES_WITH_GRAPHS (64) of the plans kept hold graphs of
-    their own (a shape exported on its own or of a program not shared, block options' code generated at
-    its shape) or block options costed at their shape (whose code their family shares:
-    hierremat.planning.family_programs); a max_shapes given bounds those too.
-    device: as for hierremat.plan. A module planned on meta computes with the model's own weights from
-    its first call after ``to_empty`` and initialization (a call before raises).
-    offload, offload_limit: as for hierremat.plan; offload defaults to True where ``plan`` offloads, else False.
-    backward_autocast: as for hierremat.plan; None (default): seen at the first backward, a shape planned before
-    then is planned again at its next call where that gives blocks options.
-    dynamic: which input sizes are captured symbolic at the first shape, as torch.compile's ``dynamic``. None
-    (default): those the example inputs mark dynamic (``torch._dynamo.mark_dynamic``, as for torch.compile), and
-    the length where a 2-D ``attention_mask`` pads a row (a batch padded to its longest row: the lengths will vary);
-    with none, the sizes that differ are made symbolic at the second shape (a model called at one shape never pays
-    for the symbolic capture). Captured at the first shape, that shape also measures three shorter lengths' memory,
-    so that every later length is planned from fits alone (a 4-layer GPT-2 on 2 CPU cores: 0.04-0.58 s a new
-    length, against 2.8-4.8 s at the second length captured then; the first shape pays 2-6 s more). True: every
-    size symbolic at the first shape (those the model lets vary). False: no symbolic capture; each shape is
-    captured and measured on its own.
-    defer_block_options: True (default): block options are built once they pay (rent or buy). A shape is first
-    planned without them, where they could save less per step than building them costs: at the first shape, with
-    none built yet, what capturing and profiling it took (building them traces, profiles and runs each distinct
-    block again and solves its ILP); at a later shape whose times are fitted, what re-costing them took last. They
-    are built once the steps run without them have lost that much (they could save at most the recomputation of
-    the plan without them), and at once where they could save more, where the budget needs them, or where this
-    cache built them for the shape before. So a short run never pays for what cannot pay back, and a long one
-    loses at most what building them costs. False: built at once at a shape measured in full (as hierremat.plan
-    does); a shape whose times are fitted re-costs them (no ILP solve) only where that pays, either way.
+    plan: a plan from hierremat.plan or hierremat.explore to run (its budget, outputs, segmentation, variants,
+    compile and offload unless given). outputs, device: as for hierremat.plan; a module planned on meta computes
+    with the model's own weights from its first call after ``to_empty`` and initialization (a call before
+    raises). settings: every other option (hr.Settings; its remat-only fields say how new input shapes are
+    planned and when block options are built).
     """
     if budget is None and plan is None:
         raise TypeError("remat needs budget= (bytes or '3GiB') or plan= (from hierremat.plan)")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     budget_bytes = parse_budget(budget) if budget is not None else plan.budget_bytes
-    if segmentation is None:
-        segmentation = plan.segmentation if plan is not None else "blocks"
-    if variants is None:
-        variants = plan.variants if plan is not None else True
-    if compile is None:
-        compile = plan.compiled if plan is not None else "auto"
-    if outputs is None and plan is not None:
-        outputs = plan.outputs
-    if offload is None:
-        offload = plan is not None and plan.chain.offloads
-    settings = PlanSettings(
-        slots, strategy, output_held, block_options, cache, segmentation, variants, compile, outputs, time_limit,
-        None if device is None else str(device), offload, offload_limit, backward_autocast, defer_block_options,
-    )
-    module = RematModule(model, budget_bytes, on_new_shape, settings, max_shapes, dynamic)
+    settings = settings_from(settings)
+    module = RematModule(model, budget_bytes, settings.on_new_shape, settings.planning(outputs, device, plan, defer=True),
+                         settings.max_shapes, settings.dynamic)
     module._add(args, example_kwargs or {}, plan)
     return module
