@@ -75,6 +75,7 @@ import os
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # silence the profiler's start/stop lines
 
 import argparse
+import dataclasses
 import copy
 import functools
 import gc
@@ -102,6 +103,13 @@ log = logging.getLogger("run_all")
 MIB = C.MIB
 SEED = 1234
 ALL_MODELS = ("mlp", "resnet", "gpt2-tiny", "gpt2-12")
+
+
+def _whole_model_options(extra: dict, **settings) -> dict:
+    """A configuration's options as remat and plan take them: outputs= itself, the others in settings=."""
+    fields = {k: v for k, v in extra.items() if k != "outputs"}
+    return {"outputs": extra.get("outputs"), "settings": hierremat.Settings(**fields, **settings)}
+
 
 # Extra hierremat configurations, each a row family at the same budgets as plain hierremat: (label, keyword
 # arguments added to hierremat.remat / hierremat.checkpoint_sequential). A configuration whose arguments the API
@@ -452,8 +460,8 @@ class Bench:
             else:
                 method = "torch-style segments (hierremat runtime)"
                 try:
-                    mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget="100GiB", strategy=f"segments={k}",
-                                          variants=False)  # torch's segments run the model's own operators
+                    mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget="100GiB",
+                                          settings=hierremat.Settings(strategy=f"segments={k}", variants=False))  # torch's segments run the model's own operators
                 except Exception as err:
                     self.skip(method, f"segments={k}", "segments", f"{type(err).__name__}: {err}", "failed")
                     continue
@@ -535,12 +543,12 @@ class Bench:
         wl = self.wl
         if wl.kind == "gpt2":
             def make(b):
-                mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget=f"{b}B", defer_block_options=False,
-                                      **extra)  # (the plan with its block options, timed)
+                mod = hierremat.remat(wl.model, (wl.x,), wl.kwargs, budget=f"{b}B",  # (with its block options, timed)
+                                      **_whole_model_options(extra, defer_block_options=False))
                 return functools.partial(wl.run, mod), (lambda: mod.plans[0])
 
             def plan_at(budget):
-                return hierremat.plan(wl.model, (wl.x,), wl.kwargs, budget=budget, **extra)
+                return hierremat.plan(wl.model, (wl.x,), wl.kwargs, budget=budget, **_whole_model_options(extra))
         else:
             from hierremat.api.sequential import PlanCache, as_stages
 
@@ -606,7 +614,9 @@ class Bench:
         if self.args.configs is not None:  # the default row and the configurations named
             families = [f for f in families if f[2] == "hierremat" or any(c in f[0] for c in self.args.configs)]
         api = hierremat.remat if wl.kind == "gpt2" else hierremat.checkpoint_sequential
-        api_params = inspect.signature(api).parameters
+        api_params = set(inspect.signature(api).parameters)
+        if wl.kind == "gpt2":  # (remat's options are hr.Settings' fields)
+            api_params |= {f.name for f in dataclasses.fields(hierremat.Settings)}
         for method, extra, family in families:
             missing = [k for k in extra if k not in api_params]
             if extra.get("segmentation") == "none" and wl.name not in WHOLE_GRAPH_MODELS:
@@ -744,7 +754,7 @@ def render(results: dict, plot_paths: dict[str, Path], doc_dir: Path) -> str:
     lines = [
         f"Machine: {meta['device_name']} ({meta['device']}, {meta['cpu_count']} CPUs, {meta['torch_threads']} torch "
         f"threads); torch {meta['torch']}, transformers {meta.get('transformers', '-')}, hierremat {meta['hierremat']} "
-        f"({meta['revision']}); {meta['date']}.",
+        f"({meta['revision']}).",
         "",
         f"Command: `{meta['command']}` (median of interleaved rounds; total {meta['seconds']:.0f} s).",
         "",
