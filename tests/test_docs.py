@@ -34,8 +34,8 @@ def test_docs_links_exist():
             assert (doc.parent / target).exists(), (doc.name, target)
 
 
-def test_code_and_readme_tell_no_history():
-    sources = [ROOT / "README.md", *(ROOT / "hierremat").rglob("*.py")]
+def test_code_docs_and_readme_tell_no_history():
+    sources = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "hierremat").rglob("*.py")]
     found = [f"{path.relative_to(ROOT)}:{n}" for path in sources
              for n, line in enumerate(path.read_text().splitlines(), 1) if HISTORY.search(line)]
     assert not found, found
