@@ -8,6 +8,7 @@ The planning core (``hierremat.dp``, ``hierremat.plans.simulate``, schedules, co
 import torch; the torch-facing names below are loaded on first use.
 """
 
+from ._torch_version import check_torch_version
 from .budget import format_bytes, parse_budget
 from .errors import InfeasibleBudgetError, InvalidScheduleError, OffloadError, UnsupportedModelError
 from .plans.model_plan import ModelPlan
@@ -15,6 +16,8 @@ from .plans.sequential_plan import SequentialPlan
 from .plans.schedule import ChainSchedule
 
 __version__ = "0.1.0"
+
+check_torch_version()
 
 _TORCH_NAMES = {
     "checkpoint_sequential": "api.sequential",

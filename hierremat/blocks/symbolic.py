@@ -325,13 +325,24 @@ def export_call(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shape
     1.19-1.46 s). Raises what export raises."""
     register_cache_pytrees(model)
     args, kwargs = distinct_inputs((args, kwargs))
-    emitting = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    with eager_mask_decisions(model), unmarked((args, kwargs)), _without_stack_traces():
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+@contextlib.contextmanager
+def _without_stack_traces():
+    """fx records no Python stack trace per node while in the block, where this torch has the switch
+    (``torch.fx.config.do_not_emit_stack_traces``); elsewhere it records them (slower, the same graph)."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    emitting = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
     try:
-        with eager_mask_decisions(model), unmarked((args, kwargs)):
-            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        yield
     finally:
-        torch.fx.config.do_not_emit_stack_traces = emitting
+        config.do_not_emit_stack_traces = emitting
 
 
 @contextlib.contextmanager
