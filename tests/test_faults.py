@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import errno
 import logging
+import os
 import pathlib
+import time
 
 import pytest
 import torch
@@ -251,3 +253,24 @@ def test_cpp_extension_failing_to_build_uses_the_torch_kernels(monkeypatch, capl
         assert torch.equal(packed_bits.masked_scale_reference(x, bits, 1 / 0.7), out)
     finally:
         packed_bits.load_cpu_kernels.cache_clear()  # later tests load the real kernels again
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_with_one_warning(tmp_path, caplog):
+    """torch waits for a build lock until it goes: one a killed build left would hang every later process."""
+    stale, fresh = tmp_path / "stale" / "lock", tmp_path / "fresh" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - packed_bits.STALE_LOCK_SECONDS - 60
+    os.utime(stale, (old, old))
+    caplog.set_level(logging.WARNING, logger="hierremat")
+    for lock in (stale, fresh, tmp_path / "absent" / "lock"):
+        packed_bits._remove_stale_lock(lock)
+    assert not stale.exists() and fresh.exists()
+    warned = _warnings(caplog, "hierremat")
+    assert len(warned) == 1 and "build lock" in warned[0]
+
+
+def test_the_kernels_build_once_per_torch_release():
+    assert packed_bits.extension_name().startswith("hierremat_packed_bits_")
+    assert torch.__version__.split("+")[0].replace(".", "_") in packed_bits.extension_name()

@@ -33,12 +33,15 @@ interpreter on CPU, and on CUDA under ``pytest.mark.cuda``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
+import re
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -277,6 +280,45 @@ torch.library.register_autograd(
 )
 
 
+#: A build lock older than this many seconds is taken as left by a build that was killed (a build takes under a
+#: minute): torch's own wait for it never ends.
+STALE_LOCK_SECONDS = 600
+
+
+def extension_name() -> str:
+    """The kernels' build name, one per torch release: a library built against another torch's headers is
+    never loaded (torch's build cache keys on the sources and flags alone)."""
+    return "hierremat_packed_bits_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing %s, a build lock left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """pip's ninja (a dependency) on PATH while in the block, where it is not already: it sits beside this
+    interpreter's scripts, which an interpreter run by path need not have on PATH."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + (before or "")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 @functools.cache
 def load_cpu_kernels() -> bool:
     """Build (first time on this machine) and load the C++ CPU kernels; False, with one
@@ -287,16 +329,17 @@ def load_cpu_kernels() -> bool:
     if not _SOURCE.exists():
         log.warning("%s is missing (hierremat installed without csrc/): packed masks use the pure-torch kernels", _SOURCE)
         return False
-    if shutil.which("ninja") is None:  # pip's ninja (a dependency) sits beside this interpreter's scripts
-        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(
-            name="hierremat_packed_bits", sources=[str(_SOURCE)], is_python_module=False, verbose=False,
-            # OpenMP: ATen's parallel_for runs serially in an extension built without it
-            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        )
+        name = extension_name()
+        _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
+        with _ninja_on_path():
+            cpp_extension.load(
+                name=name, sources=[str(_SOURCE)], is_python_module=False, verbose=False,
+                # OpenMP: ATen's parallel_for runs serially in an extension built without it
+                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            )
     except Exception as err:  # no compiler, no ninja, a header mismatch: the reference kernels still work
         log.warning("could not build hierremat's C++ kernels (%s: %s); packed masks use the pure-torch kernels",
                     type(err).__name__, str(err).strip().splitlines()[-1][:200] if str(err).strip() else "")
