@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hierremat as hr
 from hierremat.device import LiveTensorTracker, memory_meter
+from hierremat.plans.schedule import FAll, FCk, FNone
 
 HERE = Path(__file__).resolve().parent
 SIZES = {
@@ -157,19 +158,34 @@ def resolve_budget(args, model, batch, device, optimizer) -> int | None:
     return int(plain_peak * args.budget_fraction)
 
 
-def median_step_seconds(module, batch, args, device, optimizer, repeats: int = 5) -> float:
-    """Median seconds of ``repeats`` training steps, after one untimed warm-up step (which is
-    where hierremat re-plans if the caller uses the output other than the plan assumed)."""
-    samples = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        train_step(module, batch, args.dtype, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            samples.append(time.perf_counter() - t0)
-        optimizer.zero_grad()
-    return statistics.median(samples)
+def step_seconds(module, batch, args, device, optimizer) -> float:
+    """Seconds of one training step (no optimizer step: the weights do not change)."""
+    t0 = time.perf_counter()
+    train_step(module, batch, args.dtype, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    optimizer.zero_grad()
+    return seconds
+
+
+def interleaved_step_seconds(modules, batch, args, device, optimizer, rounds: int = 5) -> list[float]:
+    """Median step seconds of each of ``modules``, timed in turn round after round (a busy machine's slow
+    moments fall on every one alike), after one untimed step each."""
+    samples = [[] for _ in modules]
+    for r in range(rounds + 1):
+        for module, times in zip(modules, samples):
+            seconds = step_seconds(module, batch, args, device, optimizer)
+            if r:
+                times.append(seconds)
+    return [statistics.median(times) for times in samples]
+
+
+def recomputed_forwards(plan) -> tuple[int, int]:
+    """(forwards of stages the schedule runs beyond one each, stages)."""
+    schedule = plan.chain.schedule
+    forwards = sum(isinstance(op, (FNone, FCk, FAll)) for op in schedule.ops)
+    return forwards - schedule.length, schedule.length
 
 
 class Distributed:
@@ -282,10 +298,9 @@ def run(args, ddp: Distributed) -> dict:
 
     # Rank 0 measures and plans; the other ranks take its plan: profiled timings differ from
     # process to process, and ranks running different schedules would be harder to reason about.
-    budget = plain_seconds = None
+    budget = None
     if ddp.main:
         budget = resolve_budget(args, model, probe, device, optimizer)
-        plain_seconds = median_step_seconds(model, probe, args, device, optimizer)
     module, plan = model, None
     if not args.no_remat:
         example = ((probe,), {"labels": probe, "use_cache": False})
@@ -304,9 +319,7 @@ def run(args, ddp: Distributed) -> dict:
                 budget = plan.budget_bytes
         if ddp.main:
             print(plan.summary(), "\n")
-    remat_seconds = plain_seconds
-    if plan and ddp.main:
-        remat_seconds = median_step_seconds(module, probe, args, device, optimizer)
+    planned_module = module
     if ddp.enabled:
         # DDP's defaults: hierremat backpropagates stage by stage, and a parameter two stages read
         # (GPT-2's tied embedding and LM head) still reaches DDP's reducer once per step
@@ -343,6 +356,9 @@ def run(args, ddp: Distributed) -> dict:
         if not math.isfinite(total):
             raise SystemExit(f"loss is {total} at step {step}")
 
+    plain_seconds = remat_seconds = None
+    if ddp.main:  # (after training: the plan has settled, solved again from its steps' times)
+        plain_seconds, remat_seconds = interleaved_step_seconds([model, planned_module], probe, args, device, optimizer)
     val_loss = validation_loss(model, val.to(device), args.batch, ddp)
     report = {
         "budget_bytes": budget,
@@ -376,12 +392,17 @@ def write_outputs(args, model, plan, report: dict, timeline) -> None:
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     if plan:
         (args.out / "plan.json").write_text(plan.to_json())
+    change = report["step_seconds"] / report["plain_step_seconds"] - 1
+    why = ""
+    if plan and change > 0:
+        extra, stages = recomputed_forwards(plan)
+        why = f": it runs {extra} stage forwards more than the {stages} stages to fit the budget"
     log.info(
-        "measured peak %s %s budget %s (predicted %s); step %.3f s vs %.3f s plain autograd (%+.0f%%); "
-        "validation loss %.4f; wrote %s",
+        "measured peak %s %s budget %s (predicted %s); step %.3f s vs %.3f s plain autograd (%+.0f%%, timed "
+        "interleaved after training%s); validation loss %.4f; wrote %s",
         hr.format_bytes(peak), "<=" if report["within_budget"] else "ABOVE", hr.format_bytes(budget or 0),
         hr.format_bytes(report["predicted_peak_bytes"] or 0), report["step_seconds"], report["plain_step_seconds"],
-        100 * (report["step_seconds"] / report["plain_step_seconds"] - 1), report["validation_loss"], args.out,
+        100 * change, why, report["validation_loss"], args.out,
     )
 
 
