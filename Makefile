@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench bench-extra clean
+.PHONY: setup demo test test-slow test-fast test-compat bench bench-extra clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,7 @@ demo: setup
 
 # The import-linter contracts first (pyproject.toml: layers, the torch-free side, no cycles), then the
 # suite on two workers (pytest-xdist; tests/conftest.py shares the cores among them): about 16 min on 2 cores.
+# Tests marked slow (variants of what the suite already checks) are skipped there; `make test-slow` runs them.
 test: setup
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
@@ -30,9 +31,28 @@ test: setup
 FAST_TESTS = tests/test_dp.py tests/test_ilp.py tests/test_budget_and_schedule.py tests/test_variants.py \
 	tests/test_linear.py tests/test_in_place.py tests/test_cache.py tests/test_docs.py
 
+test-slow: setup
+	HIERREMAT_RUN_SLOW=1 $(BIN)/python -m pytest -q -n auto --maxprocesses=4 -m slow
+
 test-fast: setup
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 $(FAST_TESTS)
+
+# The ends of the torch range pyproject.toml declares (hierremat/_torch_version.py), each in a venv of its own
+# (CUDA builds from PyPI: several GB each): the fast tier and the capture, planning and training tests.
+COMPAT_TORCH ?= 2.11.0 2.15.0
+COMPAT_TESTS = $(FAST_TESTS) tests/test_whole_model.py tests/test_sequential.py tests/test_hf_models.py \
+	tests/test_meta.py tests/test_boundary_writes.py tests/test_shapes.py tests/test_torch_version.py
+
+.venv-torch-%/bin/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/pip install -q --upgrade pip
+	.venv-torch-$*/bin/pip install -q "torch==$*"
+	.venv-torch-$*/bin/pip install -q -e ".[dev,examples]"
+	touch $@
+
+test-compat: $(foreach v,$(COMPAT_TORCH),.venv-torch-$(v)/bin/.installed)
+	for v in $(COMPAT_TORCH); do .venv-torch-$$v/bin/python -m pytest -q -n auto --maxprocesses=4 $(COMPAT_TESTS) || exit 1; done
 
 # `make bench`: every method on every model (benchmarks/run_all.py; gpt2-12 alone takes ~25 min on 2 CPU cores, the small models ~15).
 # BENCH_ARGS passes options, e.g. `make bench BENCH_ARGS="--models mlp,resnet,gpt2-tiny --readme"`.
@@ -57,4 +77,4 @@ bench-extra: setup
 	$(BIN)/python benchmarks/bench_meta.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-torch-* .pytest_cache

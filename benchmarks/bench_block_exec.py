@@ -12,7 +12,7 @@ grad and one backward per run. Methods, side by side over interleaved rounds:
 Reported per method: the median seconds, the ratio to eager autograd, and two deterministic
 costs: the FLOPs counted by ``torch.utils.flop_counter`` (equal kernels, equal FLOPs) and the
 sum of the graph's profiled per-op seconds that the option runs (hierremat's cost model).
-Target (issue 12): generated keep-all within 1.03x eager autograd.
+Target: generated keep-all within 1.03x eager autograd.
 Usage: python benchmarks/bench_block_exec.py [--rounds 31]; writes benchmarks/results/bench_block_exec.md.
 """
 

@@ -1,4 +1,4 @@
-"""Planning a model larger than this machine's memory, built on meta (issue 33; CPU, one process).
+"""Planning a model larger than this machine's memory, built on meta (CPU, one process).
 
 A Llama-7B-shaped model (32 layers, 4096 wide, MLP 11008, 32 heads, vocabulary 32000, fp32: 27 GB of
 parameters, more than this 24 GB machine holds) is built under ``torch.device("meta")`` and planned at

@@ -1,4 +1,4 @@
-"""Offloading checkpoints to a second tier (issue 34): the plan with ``offload=True`` against the plan without,
+"""Offloading checkpoints to a second tier: the plan with ``offload=True`` against the plan without,
 at budgets from the smallest feasible one to keeping everything, and plain autograd, side by side in one run.
 
 Model: 12-layer GPT-2 (768 wide, vocabulary 50257, random weights, dropout 0.1, fp32, train mode, nothing

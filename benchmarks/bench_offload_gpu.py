@@ -1,4 +1,4 @@
-"""Offloading on a GPU (issue 34's last target): hierremat with ``offload=True`` against the offloading people
+"""Offloading on a GPU (the last target): hierremat with ``offload=True`` against the offloading people
 hand-pick today, side by side in one run, at Hugging Face checkpointing's memory and at half of it.
 
 Model: GPT-2 (random weights, dropout 0.1, nothing downloaded; ``--layers``/``--width``/``--batch``/``--seq``),

@@ -4,7 +4,7 @@ A collator with dynamic padding gives each batch the length of its longest row, 
 lengths. hierremat plans each new length: from the second on, from one symbolic capture specialized to
 it (no trace) with the block menus solved at another length re-costed (no ILP solve).
 
-The loop (issue 35): GPT-2 (random weights, fp32, train mode, 4 layers, 256 wide, vocabulary 8192),
+The loop: GPT-2 (random weights, fp32, train mode, 4 layers, 256 wide, vocabulary 8192),
 batch 4, ``--steps`` steps whose lengths are drawn from ``--lengths`` lengths evenly spaced over 64..512,
 each batch dynamically padded (rows of random lengths up to the batch's, padding masked, labels -100),
 AdamW, PyTorch's default ``optimizer.zero_grad()``. Methods, each on the same weights and batches:
@@ -31,7 +31,7 @@ own steps' times where they time it, hierremat.runtime.step_times), whether its 
 one, once its steps without them had lost what re-costing takes: "later", never: "no"), and whether every
 gradient equals plain's bitwise at every step.
 
-``--model gpt2-12``: 12-layer GPT-2 (768 wide, vocabulary 50257), lengths 160..256 instead (issue 35's 2 s per
+``--model gpt2-12``: 12-layer GPT-2 (768 wide, vocabulary 50257), lengths 160..256 instead (the 2 s per
 new length at that size).
 
     python benchmarks/bench_shapes.py [--steps 36] [--lengths 12]
@@ -50,7 +50,7 @@ Writes benchmarks/results/bench_shapes.md (``--model gpt2-12``: bench_shapes_gpt
 suffix, ``--eager``: ``_eager``; the ``--rss`` table to bench_shapes_rss.md, ``--accuracy``'s to
 bench_shapes_accuracy.md).
 
-``--accuracy`` (issue 35: "on lengths never profiled, the fitted model predicts step time within 10% and peak at or
+``--accuracy`` ("on lengths never profiled, the fitted model predicts step time within 10% and peak at or
 above the measured one"): hierremat alone, each length's first plan against that plan's own steps (run_accuracy),
 the prediction's miss split in two: the same schedule priced with the stage times its own steps recorded
 ("predicted/own times": what the fit missed) and those over the measured step ("own times/measured": what a step
@@ -478,7 +478,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=36)
     parser.add_argument("--lengths", type=int, default=12)
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-4",
-                        help="gpt2-12: 12-layer GPT-2 (768 wide, vocabulary 50257) over lengths 160..256 (issue 35's "
+                        help="gpt2-12: 12-layer GPT-2 (768 wide, vocabulary 50257) over lengths 160..256 (the "
                         "2 s per new length); try --steps 8 --lengths 6")
     parser.add_argument("--warm", action="store_true",
                         help="the loop with a cache an earlier process filled running it (a script run again)")

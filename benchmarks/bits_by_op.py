@@ -1,4 +1,4 @@
-"""Which ATen op of a planned step gives other bits than plain autograd's from the same inputs (issue 34).
+"""Which ATen op of a planned step gives other bits than plain autograd's from the same inputs.
 
 A diagnosis, not a comparison. On CUDA under bf16 autocast, a replayed block option's gradients were found 1e-4
 from plain autograd's (2026-11-27, H200), where on CPU they are bitwise; and a model held in bf16 is one ulp off

@@ -1,4 +1,4 @@
-"""Where the CUDA allocator's peak departs from the plan's prediction, op by op (issue 34's bf16 overshoot).
+"""Where the CUDA allocator's peak departs from the plan's prediction, op by op (the bf16 overshoot).
 
 A diagnosis, not a comparison: GPT-2 (bench_offload's model, 12 layers, batch 2 x 512 by default), outputs="loss",
 bf16 autocast (fp32 with --fp32), on CUDA. At the smallest feasible budget and at keeping everything, each op of the

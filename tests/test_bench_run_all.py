@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "run_all.py"
 
 
+@pytest.mark.slow
 def test_run_all_quick(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],

@@ -1,4 +1,4 @@
-"""benchmarks/bits_by_op.py, the diagnosis a GPU session runs (issue 34), checked where it can be: on CPU, where
+"""benchmarks/bits_by_op.py, the diagnosis a GPU session runs, checked where it can be: on CPU, where
 hierremat's bf16 steps are bitwise plain autograd's, it names no op; with one bit of one backward matmul of
 hierremat's step flipped (``--self-check``), it names that op first."""
 
@@ -18,6 +18,7 @@ def _run(*flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_bits_by_op_names_no_op_where_the_steps_agree_and_the_op_a_fault_is_put_in():
     clean = _run()
     assert clean.returncode == 0, clean.stderr[-3000:]

@@ -56,7 +56,8 @@ def _step(model, x):
     return [p.grad.clone() for p in model.parameters()], tracker.peak_bytes
 
 
-@pytest.mark.parametrize("reads_input", [False, True], ids=["split-2000-nodes", "coarse-1000-nodes"])
+@pytest.mark.parametrize("reads_input", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["split-2000-nodes", "coarse-1000-nodes"])
 def test_a_large_block_plans_within_its_time_limit(reads_input, tmp_path):
     model = _model(reads_input)
     x = torch.randn(64, WIDTH, requires_grad=True)

@@ -94,6 +94,7 @@ def test_cli_text_and_bad_input(tmp_path, capsys, monkeypatch):
         main(["--model", spec, "--set", "n_layer=2"])
 
 
+@pytest.mark.slow
 def test_python_dash_m_hierremat_on_an_hf_config():
     pytest.importorskip("transformers")
     results = []

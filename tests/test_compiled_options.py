@@ -70,6 +70,7 @@ def _decoder_block():
     return stage, x, shared, joint, to_block_graph(joint, profile_nodes(joint, x, shared, method="flops"))
 
 
+@pytest.mark.slow
 def test_compiled_option_matches_the_eager_option_with_the_same_dropout(tmp_path):
     stage, x, shared, joint, graph = _decoder_block()
     menu = solve_menu(graph)
@@ -198,6 +199,7 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
     assert peak_saved <= again.budget_bytes
 
 
+@pytest.mark.slow
 def test_whole_model_compiled_with_the_fused_head_within_budget_and_exact(tmp_path, monkeypatch):
     _check_whole_model(torch.device("cpu"), tmp_path, monkeypatch, CpuAllocatorMeter)
 

@@ -1,4 +1,4 @@
-"""Block options built once they pay (hierremat.remat's ``defer_block_options``, issue 35: "re-solve a menu only
+"""Block options built once they pay (hierremat.remat's ``defer_block_options``: "re-solve a menu only
 where that pays, in the background or lazily").
 
 Building a block's menu traces, profiles and runs the block again and solves its ILP: on a fresh cache that cost
@@ -185,6 +185,7 @@ def test_a_session_of_ours_is_refused_in_a_scheduled_profilers_warm_up_step_alon
     assert not profiler_active()
 
 
+@pytest.mark.slow
 def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_needs_them(tmp_path):
     """A cache that built this shape's menus before: remat uses them at construction (a lookup, no ILP solve),
     and the shorter lengths it measures at the second shape, whose menus that cache lacks, are measured without

@@ -197,7 +197,7 @@ def test_two_fsdp2_ranks_count_the_fp32_copies_accelerate_makes_of_the_outputs_a
     assert copies == [logits] * len(reports) and plan.output_copies_bytes == logits, copies
 
 
-@pytest.mark.parametrize("autocast", ["off", "bf16"])
+@pytest.mark.parametrize("autocast", [pytest.param("off", marks=pytest.mark.slow), "bf16"])
 def test_two_ddp_ranks_train_a_t5_like_one_process_within_budget(tmp_path, autocast):
     """DDP with its defaults: every parameter's gradient reaches the reducer once per step,
     T5's tied embedding and LM head (read by the first and the last stage) included."""
@@ -226,9 +226,9 @@ def test_two_ranks_offloading_train_like_one_process_within_budget(tmp_path, par
         assert "the values kept by the forwards with grad of stages" in reports[0]["summary"]
 
 
-@pytest.mark.parametrize("autocast", ["off", "bf16"])
+@pytest.mark.parametrize("autocast", [pytest.param("off", marks=pytest.mark.slow), "bf16"])
 def test_two_fsdp2_ranks_plan_on_meta_then_shard_and_materialize(tmp_path, autocast):
-    """torchtitan's order (issue 33): a Llama built on meta, hr.remat(device=) plans it with lent weights,
+    """torchtitan's order: a Llama built on meta, hr.remat(device=) plans it with lent weights,
     fully_shard per layer and on the root, to_empty, the weights set into the shards, two AdamW steps:
     the first step's gradients bitwise FSDP2 alone's, the parameters one process's, every rank on rank 0's
     plan and within the budget."""
@@ -251,9 +251,9 @@ def test_two_ddp_ranks_train_varying_lengths_with_default_zero_grad_within_budge
     assert all(report["plans"] == 3 for report in reports)
 
 
-@pytest.mark.parametrize("autocast", ["off", "bf16"])
+@pytest.mark.parametrize("autocast", [pytest.param("off", marks=pytest.mark.slow), "bf16"])
 def test_two_fsdp2_ranks_plan_new_lengths_after_fully_shard(tmp_path, autocast):
-    """Sequence lengths first seen after fully_shard (issue 35): each is planned without the model's weights (their
+    """Sequence lengths first seen after fully_shard: each is planned without the model's weights (their
     whole shapes, lent weights), then for the shards; every rank runs rank 0's plan at every length, the
     parameters are one process's after steps of 96, 64, 80, 96, 64 and 80 tokens (fp32), and the second step of
     each length is within the budget on every rank, with PyTorch's default zero_grad: every step allocates the

@@ -77,7 +77,7 @@ def _valid_results(costs):
 @pytest.mark.parametrize("residents", [False, True], ids=["chain", "with_residents"])
 @pytest.mark.parametrize("seed", range(6))
 def test_dp_with_offloading_equals_brute_force(seed, residents):
-    """With a second tier (issue 34): the DP's fastest plan and smallest peak equal the simulator's over every
+    """With a second tier: the DP's fastest plan and smallest peak equal the simulator's over every
     schedule of the family, its offloaded splits (a checkpoint copied out beside the forward sweep, away
     through the right part, fetched back before the left part) and its options with their kept values offloaded
     (away while the rest of the chain runs, back before their backward); offloading never makes a plan slower or

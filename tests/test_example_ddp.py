@@ -75,6 +75,7 @@ def _initial_weights() -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_two_ranks_train_the_same_weights_as_one_process(tmp_path):
     ddp_out, single_out = tmp_path / "ddp", tmp_path / "single"
     ddp_log = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

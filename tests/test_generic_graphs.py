@@ -1,6 +1,6 @@
 """One set of graphs for every input shape (hierremat.blocks.generic): a shape specialized from the symbolic capture
 runs its family's size-generic stages and orchestrator, checked to be its own program, and keeps no graph of its own
-(issue 35: "no graph per shape")."""
+("no graph per shape")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Models planned without their weights (issue 33, first slice): built on meta, planned, then materialized.
+"""Models planned without their weights: built on meta, planned, then materialized.
 
 A model built under ``torch.device("meta")`` is captured on meta and planned with real weights lent
 per distinct stage on ``device=`` (hierremat.runtime.lent_weights); after ``to_empty`` and

@@ -1,4 +1,4 @@
-"""Offloading checkpoints as a planner choice, run (issue 34): the runner executes Offload/Fetch with a second
+"""Offloading checkpoints as a planner choice, run: the runner executes Offload/Fetch with a second
 tier, ``offload=`` and ``offload_limit=`` plan and run with it, the summary says what moves.
 
 Checked on CPU with the disk tier: gradients bitwise plain autograd's (dropout replayed); the live-tensor

@@ -1,4 +1,4 @@
-"""Offloading what a block option keeps (issue 34): ``Offload_kept(i)`` after ``F_all(i, k)`` sends the tape's kept
+"""Offloading what a block option keeps: ``Offload_kept(i)`` after ``F_all(i, k)`` sends the tape's kept
 storages to the second tier while the later stages run, ``Fetch_kept(i)`` brings them back before ``B(i)``.
 
 Checked on CPU with the disk tier: views of one kept storage come back viewing one storage; storages the stage's

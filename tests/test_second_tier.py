@@ -1,4 +1,4 @@
-"""The second tier of storage for offloaded values (issue 34, first slice): one interface, a disk tier
+"""The second tier of storage for offloaded values: one interface, a disk tier
 (CPU: files, the process's RAM freed) and a host memory tier (a pool reused across steps; pinned,
 with side-stream copies, on CUDA), and their bandwidths measured and cached.
 

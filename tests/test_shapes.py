@@ -1,4 +1,4 @@
-"""Every input shape from one capture (issue 35, item 1): a symbolic capture specialized per shape,
+"""Every input shape from one capture: a symbolic capture specialized per shape,
 block menus re-costed at new sizes instead of solved, times and memory fitted, bounded plans and cache.
 
 A model called at a second shape is exported once with symbolic sizes (hierremat.blocks.symbolic);
@@ -927,16 +927,16 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
 
 def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_the_profile_timed_them(monkeypatch):
     """A family timed in its training steps (CPU, block options built once they pay), its steps here made to run
-    twice as slow as its profile: at a fitted length where block options are built (their node times profiled
-    there), each option is priced at the steps' forward and backward over the profile's (ShapeFit.step_ratios, the
+    ten times as slow as its profile (a margin no load on the machine closes): at a fitted length where block options
+    are built (their node times profiled there), each option is priced at the steps' forward and backward over the profile's (ShapeFit.step_ratios, the
     median over the stages) times what the menus price it, as option 0 is fitted from the steps: not at the
-    profile's prices against a twice dearer option 0. Gradients bitwise equal to plain autograd's at every step."""
+    profile's prices against a dearer option 0. Gradients bitwise equal to plain autograd's at every step."""
     from hierremat.api import shape_planning
     from hierremat.planning.shape_fit import chain_pattern
 
     from_step_times = ShapeSample.from_step_times
     monkeypatch.setattr(ShapeSample, "from_step_times", lambda bindings, pattern, times: from_step_times(
-        bindings, pattern, tuple(tuple(2 * t for t in st) for st in times)))
+        bindings, pattern, tuple(tuple(10 * t for t in st) for st in times)))
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
     reference = copy.deepcopy(model)
@@ -958,7 +958,7 @@ def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_t
     signatures = [info.signature for info in compiled.chain.infos]
     fit = ShapeFit.of([*module._samples[compiled.family], *module._step_samples[compiled.family]],
                       compiled.bindings, chain_pattern(signatures), reduced=True)
-    assert all(r > 1.5 for r in fit.step_ratios), fit.step_ratios
+    assert all(r > 3 for r in fit.step_ratios), fit.step_ratios
     _, forward, backward = fit.step_ratios
     costs = compiled.plan.chain.costs  # option 0 as fitted from the steps (autograd's no-grad forward among them)
 

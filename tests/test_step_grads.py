@@ -1,4 +1,4 @@
-"""Parameter gradients a step allocates are in the budget (issue 35, item 3).
+"""Parameter gradients a step allocates are in the budget.
 
 With PyTorch's default ``zero_grad(set_to_none=True)`` every ``.grad`` is None when a step starts: the
 step allocates each parameter's gradient in the backward of the last stage that reads it and keeps it

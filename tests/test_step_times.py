@@ -1,4 +1,4 @@
-"""Stage times observed in the training steps (issue 35: time samples from the steps themselves).
+"""Stage times observed in the training steps (time samples from the steps themselves).
 
 A chain runner with a StepTimes records, in the steps it runs on CPU op by op, the seconds of each stage's own
 no-grad forward, its forward with grad under autograd and its backward, only for steps that ran through their

@@ -1,7 +1,7 @@
 """One joint graph for every shape of a stage (hierremat.blocks.symbolic_joint, hierremat.planning.family_programs):
 a size-generic stage traced once with symbolic sizes gives, at each shape, the BlockGraph a trace at that shape gives
 (node for node, byte for byte), and block options' code generated from it once runs every shape with the gradients
-of plain autograd, bitwise (issue 35: "no graph per shape")."""
+of plain autograd, bitwise ("no graph per shape")."""
 
 from __future__ import annotations
 

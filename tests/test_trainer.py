@@ -1,4 +1,4 @@
-"""Hugging Face's Trainer with its default arguments trains a remat'd model (issue 35, item 2).
+"""Hugging Face's Trainer with its default arguments trains a remat'd model.
 
 Trainer keeps the dataset columns the model's forward names (``remove_unused_columns=True``), reads
 ``config`` and ``main_input_name`` from the model, calls PyTorch's default ``zero_grad`` (every
