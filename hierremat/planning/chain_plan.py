@@ -15,7 +15,6 @@ import torch
 import torch.fx
 
 from ..device.autocast import AutocastState
-from ..device.memory import CUDA_ALLOCATION_ROUNDING_BYTES
 from ..device.rng import CPU_RNG_STATE_BYTES
 from ..dp import min_peak_schedule, solve_chain
 from ..dp.baselines import keep_all_schedule, uniform_segments_schedule
@@ -43,16 +42,6 @@ def _replay_reserve(stages: Sequence[Callable], profile: ChainProfile, device: t
         for stage, names in zip(stages, profile.mutated_buffers)
     ]
     return per_stage, rng
-
-
-def _caller_loss_bytes(profile: ChainProfile, device: torch.device) -> int:
-    """Bytes the caller's loss holds through the backward of a chain whose output is not itself a scalar
-    loss: the scalar it calls ``backward()`` on and the seed gradient autograd makes for it, fp64 at most
-    (8 B each; on CUDA the caching allocator's smallest block each, 512 B). A chain that returns its loss
-    has both in its costs already (ChainProfile.loss_bytes, ChainCosts.output_grad)."""
-    if profile.loss_bytes:
-        return 0
-    return 2 * (CUDA_ALLOCATION_ROUNDING_BYTES if device.type == "cuda" else 8)
 
 
 #: Default bound on planning, seconds (capture, profiling, block ILPs, compiling).
@@ -132,7 +121,7 @@ def _fastest_fitting(
     keep_all = keep_all_schedule(costs)
     fastest = all(st.options[0].fwd_time + st.options[0].bwd_time <= min(o.fwd_time + o.bwd_time for o in st.options)
                   for st in costs.stages)
-    if fastest and keep_all.predicted_peak_bytes + reserved(keep_all) <= budget_bytes:
+    if fastest and keep_all.predicted_peak_bytes <= budget_bytes:
         return costs, keep_all  # no recomputation at all; it runs as plain autograd
     lean = costs.with_leaner_forwards()
     found = []
@@ -221,20 +210,17 @@ def _plan_from_profile(
 ) -> SequentialPlan:
     """plan_from_profile with the second tier's bandwidths ``tier`` (plans.costs.TierBandwidth, or None)."""
     reserve, caller_rng = _replay_reserve(stages, profile, device)
-    caller_loss = _caller_loss_bytes(profile, device)
     if step_grads is None:
         step_grads = StepGrads(stages).bytes()
 
     def reserved(schedule) -> int:
         counts = schedule.forward_counts()
         replays = any(c > 1 for c in counts)
-        return sum(r for r, c in zip(reserve, counts) if c > 1) + (caller_rng if replays else 0) + caller_loss
-
-    most_reserved = sum(reserve) + caller_rng + caller_loss
+        return sum(r for r, c in zip(reserve, counts) if c > 1) + (caller_rng if replays else 0)
 
     def solve(costs):
         if strategy == "optimal":
-            return _fastest_fitting(costs, budget_bytes, most_reserved, reserved, slots)
+            return _fastest_fitting(costs, budget_bytes, sum(reserve) + caller_rng, reserved, slots)
         schedule = fixed_schedule(costs, strategy)
         needed = schedule.predicted_peak_bytes + reserved(schedule)
         if needed > budget_bytes:
@@ -250,14 +236,14 @@ def _plan_from_profile(
         costs, schedule = solve(costs)
     except InfeasibleBudgetError as held:
         if output_held is not None:
-            raise _with_grads_kept(held, costs, most_reserved, strategy) from None
+            raise _with_grads_kept(held, costs, sum(reserve) + caller_rng, strategy) from None
         costs = replace(costs, output_held_bytes=least_held_bytes(profile))
         try:
             costs, schedule = solve(costs)
         except InfeasibleBudgetError as released:
             raise _with_grads_kept(InfeasibleBudgetError(
                 budget_bytes, released.min_budget_bytes, released.what, min_budget_bytes_output_held=held.min_budget_bytes,
-            ), costs, most_reserved, strategy) from None
+            ), costs, sum(reserve) + caller_rng, strategy) from None
         log.info(
             "budget %d B fits only if the caller releases the chain output before backward (e.g. `loss = "
             "model(x).loss`); planned so. Each backward checks it and warns if the output was held.", budget_bytes,

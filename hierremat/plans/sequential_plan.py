@@ -21,8 +21,7 @@ class SequentialPlan:
     """A plan for a chain of stages under a budget.
 
     reserved_bytes: memory the runtime needs beyond the schedule's model (RNG states and
-    buffer snapshots of recomputed stages, the caller's scalar loss and its seed gradient);
-    predicted_peak_bytes includes it.
+    buffer snapshots of recomputed stages); predicted_peak_bytes includes it.
     profile_seconds, solve_seconds: planning cost.
     output_grad_mask: per output of the last stage, whether the plan expects a gradient
         for it; with ``costs.output_held_bytes``, what the plan assumes of how the caller uses
