@@ -27,6 +27,8 @@ from hierremat.runtime.offload import Offloading
 from hierremat.runtime.second_tier import DiskTier
 
 FREE = TierBandwidth("disk", 1e12, 1e12)  # transfers that cost nothing: the DP offloads wherever it saves time
+#: The test's scalar loss and its seed gradient (fp32, 4 B each): the caller's, beside the chain's predicted peak.
+CALLERS_LOSS_BYTES = 8
 
 
 def test_kept_views_of_one_storage_come_back_viewing_one_storage():
@@ -137,6 +139,6 @@ def test_planned_chain_offloads_kept_values_exactly_within_the_predicted_peak(tm
     assert all(torch.equal(p.grad, g) for p, g in zip(chain.parameters(), grads))
     assert torch.equal(xr.grad, x_grad)
     assert tracker.peak_bytes <= plan.predicted_peak_bytes
-    assert meter.peak_bytes <= plan.predicted_peak_bytes
+    assert meter.peak_bytes <= plan.predicted_peak_bytes + CALLERS_LOSS_BYTES
     assert 0 < tier.peak_bytes <= transfers.tier_peak_bytes
     assert tier.held_bytes == 0 and tier.file_bytes == 0

@@ -310,6 +310,41 @@ def allocator_peaks_in_marks(events, prefix: str) -> dict[str, tuple[int, int]]:
     return peaks
 
 
+def _innermost_operators(events, thread: int) -> list[tuple[int, int]]:
+    """(start ns, end ns) of the operators on ``thread`` that enclose no other one there, in time order."""
+    ops = sorted((e.start_ns(), e.end_ns()) for e in events
+                 if e.name() != "[memory]" and e.start_thread_id() == thread and e.device_type() ==
+                 torch.autograd.DeviceType.CPU)
+    return [(start, end) for k, (start, end) in enumerate(ops) if k + 1 == len(ops) or ops[k + 1][0] >= end]
+
+
+def allocator_transients_in_marks(events, prefix: str) -> dict[str, int]:
+    """For each ``record_function`` range named ``prefix + name`` (as allocator_peaks_in_marks): the most bytes
+    the CPU allocator held inside one innermost operator of it above what it held at that operator's start and at
+    its end, in bytes. That is what a kernel allocates and frees within one call (its scratch, which no tensor
+    holds), wherever in the range it runs, not only at the tracked peak."""
+    changes = cpu_allocator_changes(events)
+    marks = [(e.start_ns(), e.end_ns(), e.name()[len(prefix):], e.start_thread_id()) for e in events
+             if e.name().startswith(prefix)]
+    transients: dict[str, int] = {}
+    for start, end, name, thread in marks:
+        live, k, most = 0, 0, 0
+        for op_start, op_end in _innermost_operators(events, thread):
+            if not start <= op_start <= end:
+                continue
+            while k < len(changes) and changes[k][0] < op_start:
+                live += changes[k][1]
+                k += 1
+            before, highest = live, live
+            while k < len(changes) and changes[k][0] <= op_end:
+                live += changes[k][1]
+                highest = max(highest, live)
+                k += 1
+            most = max(most, highest - max(before, live))
+        transients[name] = most
+    return transients
+
+
 class MarkedAllocatorPeaks:
     """The CPU allocator's peak in each of several runs, each marked by name while a profile session
     records (``recording()``, around them all; ``mark(name)``, around each): what the live-tensor
@@ -323,6 +358,7 @@ class MarkedAllocatorPeaks:
         self.enabled = device.type == "cpu" and not (torch._C._autograd._profiler_enabled()
                                                      or _profiler_warming_up())
         self._peaks: dict[str, tuple[int, int]] = {}
+        self._transients: dict[str, int] = {}
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -334,6 +370,7 @@ class MarkedAllocatorPeaks:
         events = list(profile.profiler.kineto_results.events())
         del profile
         self._peaks = allocator_peaks_in_marks(events, self.PREFIX)
+        self._transients = allocator_transients_in_marks(events, self.PREFIX)
 
     def mark(self, name: str):
         return torch.profiler.record_function(self.PREFIX + name) if self.enabled else contextlib.nullcontext()
@@ -342,6 +379,10 @@ class MarkedAllocatorPeaks:
         """The most bytes the allocator held during run ``name`` above what it held at its start (0 when off)."""
         base, peak = self._peaks.get(name, (0, 0))
         return peak - base
+
+    def transient(self, name: str) -> int:
+        """The most scratch one operator of run ``name`` held at once (allocator_transients_in_marks; 0 when off)."""
+        return self._transients.get(name, 0)
 
 
 def memory_meter(device: torch.device | str, record_allocations: bool = False):

@@ -332,13 +332,18 @@ class ChainCosts:
         gradients that stay (step_grad_bytes), at most the overhead measured with ``.grad`` allocated
         plus those bytes (each gradient, added into ``.grad`` and freed there, stays here instead), and
         at most the overhead measured with every ``.grad`` of the stage None
-        (OptionCosts.bwd_overhead_new_grads_bytes: gradients that already exist only lower it)."""
+        (OptionCosts.bwd_overhead_new_grads_bytes: gradients that already exist only lower it).
+        The last stage's, where its tape pins x_L and the caller holds some of it, is the overhead plus
+        x_L's bytes: measured alone, the tape's release freed x_L during the backward, which the
+        caller's reference keeps alive here (the peak after that release is higher by them)."""
+        held = self.activation_bytes[-1] if (stage == len(self.stages) - 1 and option.pins_output
+                                             and self.held_output) else 0
         new_grads = self.step_grad(stage)
         if not new_grads:
-            return option.bwd_overhead_bytes
+            return option.bwd_overhead_bytes + held
         bound = option.bwd_overhead_bytes + new_grads
         measured = option.bwd_overhead_new_grads_bytes
-        return bound if measured is None else min(bound, max(option.bwd_overhead_bytes, measured))
+        return held + (bound if measured is None else min(bound, max(option.bwd_overhead_bytes, measured)))
 
     def held_after_backward(self, stage: int) -> int:
         """Bytes that the step holds beside the chain once the backward of stages ``stage``..L-1 has

@@ -434,11 +434,13 @@ class _PeakRun:
         return self.peak
 
     def scratch(self) -> int:
-        """The bytes the allocator held above this run's tracked peak (the kernels' scratch), once the
-        allocator's session ended; 0 without one."""
+        """The kernels' scratch on top of this run's tracked peak, in bytes, once the allocator's session ended
+        (0 without one): the allocator's peak above the tracked one, or the most one operator held at once
+        where more (an operator's scratch outside the tracked peak meets a higher tracked level in a chain
+        whose other stages hold more there)."""
         if self._allocator is None or not self._allocator.enabled:
             return 0
-        return max(0, self._allocator.peak(self._name) - self.peak)
+        return max(0, self._allocator.peak(self._name) - self.peak, self._allocator.transient(self._name))
 
 
 def _with_floor(run: _PeakRun | None, *floors: int) -> tuple[int, ...] | None:
