@@ -94,6 +94,7 @@ def test_compiled_option_matches_the_eager_option_with_the_same_dropout(tmp_path
     assert any((tmp_path / "inductor").rglob("*")), "Inductor's caches go under hierremat's cache directory"
 
 
+@pytest.mark.slow
 def test_compiled_forward_without_grad_matches_the_generated_one(tmp_path):
     _, x, shared, joint, graph = _decoder_block()
     forward = forward_only(graph)
@@ -281,6 +282,7 @@ def test_auto_compiles_only_stages_that_compute_in_fp32():
             assert computes_in_low_precision([fp32], cuda) is False  # (autocast is per device type)
 
 
+@pytest.mark.slow
 def test_a_saved_plan_with_compiled_options_run_in_bf16_is_warned_about(monkeypatch, caplog):
     """A plan saved with compiled block options (compile=True; "auto" on CUDA in bf16 before 2026-11-28) and run
     where the model computes in bf16: warned that its gradients are not plain autograd's; in fp32, not (Inductor's

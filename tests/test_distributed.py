@@ -170,7 +170,9 @@ def _check_fsdp(reports, sharded_params, single_params, slack: int = 0) -> hr.Mo
     return plan
 
 
-@pytest.mark.parametrize("model, budget, autocast", [("llama", "3.3MiB", "off"), ("t5", "3.1MiB", "off")])
+@pytest.mark.parametrize("model, budget, autocast", [
+    ("llama", "3.3MiB", "off"), pytest.param("t5", "3.1MiB", "off", marks=pytest.mark.slow),
+])
 def test_two_fsdp2_ranks_train_like_one_process_within_budget(tmp_path, model, budget, autocast):
     reports, sharded_params, single_params = _train(tmp_path, 2, "cpu", model, "fsdp", budget, autocast)
     assert all(report["world"] == 2 for report in reports)
@@ -208,7 +210,8 @@ def test_two_ddp_ranks_train_a_t5_like_one_process_within_budget(tmp_path, autoc
 
 
 @pytest.mark.parametrize("parallel, model, budget, block_options", [
-    ("ddp", "t5", "2.5MiB", "autograd"), ("fsdp", "llama", "3.15MiB", "autograd"), ("ddp", "llama", "1.8MiB", "ilp"),
+    pytest.param("ddp", "t5", "2.5MiB", "autograd", marks=pytest.mark.slow),
+    pytest.param("fsdp", "llama", "3.15MiB", "autograd", marks=pytest.mark.slow), ("ddp", "llama", "1.8MiB", "ilp"),
 ])
 def test_two_ranks_offloading_train_like_one_process_within_budget(tmp_path, parallel, model, budget, block_options):
     """offload=True under DDP (rank 0's plan, run by every rank with its own disk tier) and FSDP2 (the plan
@@ -282,6 +285,7 @@ def _failing_fsdp_run(tmp_path, flag: str) -> str:
     return output
 
 
+@pytest.mark.slow
 def test_fsdp2_ranks_called_with_different_lengths_raise_on_every_rank(tmp_path):
     """Under FSDP2 every rank runs one schedule, so every rank must be called with inputs of one shape: where rank 1's
     second batch is shorter than rank 0's, both ranks raise UnsupportedModelError at that call (no rank is left

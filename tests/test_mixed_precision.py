@@ -95,12 +95,12 @@ def _check(
     assert recomputed
 
 
-@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+@pytest.mark.parametrize("recipe", [pytest.param("fresh", marks=pytest.mark.slow), "one-context"])
 def test_llama_bf16_autocast_bitwise_within_budget(recipe):
     _check(tiny_llama, recipe, torch.bfloat16)
 
 
-@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+@pytest.mark.parametrize("recipe", ["fresh", pytest.param("one-context", marks=pytest.mark.slow)])
 def test_gpt2_bf16_autocast_bitwise_within_budget(recipe):
     _check(lambda: tiny_gpt2(n_layer=2), recipe, torch.bfloat16)
 

@@ -140,7 +140,7 @@ def test_unet_levels_are_stages_and_skip_tensors_residents():
     assert layout.producers == (1, 2, 3) and layout.readers == ((8,), (7,), (6,)) and layout.exported == ()
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "t5" else n for n in sorted(MODELS)])
 def test_model_with_residents_trains_bitwise_within_budget_at_four_budgets(name):
     if name != "unet":
         pytest.importorskip("transformers")
@@ -227,7 +227,7 @@ def test_t5_without_dropout_checkpoints_with_the_kernels_of_its_forward_with_gra
     assert [k for k, g in grads.items() if not same_bits(g, reference[k])] == []
 
 
-@pytest.mark.parametrize("masks_by", ["keyword", "position"])
+@pytest.mark.parametrize("masks_by", [pytest.param("keyword", marks=pytest.mark.slow), "position"])
 def test_t5_batches_without_padding_take_eager_modes_mask_shortcut_bitwise_under_bf16(masks_by):
     """With no padding at all eager mode skips the padding masks, a branch on their values: the
     captured graph takes it too (hierremat.blocks.eager_masks), plans are kept per all-ones state

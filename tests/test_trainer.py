@@ -119,6 +119,7 @@ def test_trainer_with_default_arguments_trains_exactly_within_the_budget(tmp_pat
     assert max(peaks) <= budget
 
 
+@pytest.mark.slow
 def test_trainer_bf16_plans_for_its_fp32_outputs_and_autocast_recipe_exactly_within_the_budget(
         tmp_path, caplog, mixed_precision_undone):
     """``bf16=True``: accelerate runs the forward under autocast, copies the bf16 logits to fp32 after it

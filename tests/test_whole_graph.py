@@ -88,7 +88,7 @@ def test_concatenated_readers_pass_each_residents_gradient_sum_on_and_cost_what_
         concatenate([graphs[0], transformer_block(seq=16, d=8)])
 
 
-@pytest.mark.parametrize("model", ["gpt2", "t5"])
+@pytest.mark.parametrize("model", ["gpt2", pytest.param("t5", marks=pytest.mark.slow)])
 def test_bench_quality_runs_and_the_hierarchical_plan_is_never_worse_than_the_baselines(tmp_path, model):
     pytest.importorskip("transformers")
     bench_quality = _bench_quality()
