@@ -10,6 +10,7 @@ import pytest
 from hierremat import InfeasibleBudgetError, InvalidScheduleError
 from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.dp import min_peak_schedule, solve_chain
+from hierremat.dp.decisions import Action, OptionChoice, decode_code
 from hierremat.dp.discretize import discretize
 from hierremat.dp.kernel import fill_tables
 from hierremat.dp.reference import fill_tables_reference
@@ -293,3 +294,20 @@ def test_parameter_gradients_a_backward_allocates_are_held_to_the_end_of_the_ste
     assert solve_chain(with_grads, 10**6).schedule.predicted_peak_bytes == max(e.peak_bytes for e in after)
     with pytest.raises(ValueError, match="step_grad_bytes"):
         ChainCosts(base.activation_bytes, base.stages, step_grad_bytes=(1,))
+
+
+def test_every_decision_code_decodes_to_one_action_and_index():
+    """The kernel's codes for K = 3 options and L = 4 stages (hierremat.dp.kernel), each read back as written."""
+    K, L = 3, 4
+    written = [(k, (Action.OPTION, k)) for k in range(K)]
+    written += [(K + sp, (Action.SPLIT, sp)) for sp in range(L)]
+    written += [(K + L + sp, (Action.OFFLOADED_SPLIT, sp)) for sp in range(L)]
+    written += [(K + 2 * L + k, (Action.OFFLOADED_OPTION, k)) for k in range(K)]
+    written += [(2 * K + 2 * L + k, (Action.OFFLOADED_OPTION_AND_INPUT, k)) for k in range(K)]
+    assert [code for code, _ in written] == list(range(3 * K + 2 * L))
+    assert all(decode_code(code, K, L) == want for code, want in written)
+    for bad in (-1, 3 * K + 2 * L):
+        with pytest.raises(ValueError, match="decision code"):
+            decode_code(bad, K, L)
+    with pytest.raises(ValueError, match="action"):
+        OptionChoice(Action.SPLIT, 0)

@@ -63,7 +63,7 @@ Decision table D: -1 infeasible, k in [0, K) an option, K + s' a checkpoint spli
 split with x_s offloaded, K + 2L + k option k with its kept values offloaded, 2K + 2L + k with x_s too.
 Loops run over m innermost so table reads are contiguous; candidates are still tried
 per m in the reference's order (options, then splits by s'), so ties resolve the same.
-The pure-Python reference in hierremat.dp.reference has the same signature.
+The pure-Python reference in hierremat.dp.reference has the same signature; hierremat.dp.decisions decodes D.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import numpy as np
 from ..plans.costs import ChainCosts
 from ..errors import InfeasibleBudgetError
 from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FetchKept, FNone, Loss, Offload, OffloadKept
+from .decisions import Action, Choice, OptionChoice, SplitChoice, decode_code
 from .discretize import ChainArrays, ceil_div, discretize, resident_terms
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,9 @@ class ChainSolution:
     fallback_min_peak: bool  # True if the DP's discretisation found nothing and the min-peak schedule was used
 
 
-# A chooser maps (v, s, t, m) to ("option", k, m_rest), ("offloaded option", k, m_rest) (its kept values offloaded
-# while the rest runs), ("offloaded option and input", k, m_rest) (x_s with them), ("split", s', m_right, m_left)
-# or ("offloaded split", s', m_right, m_left); v = 1 when x_s is held by the caller's tape (see hierremat.dp.kernel).
-Chooser = Callable[[int, int, int, int], tuple]
+# A chooser maps (v, s, t, m) to the subproblem's Choice (hierremat.dp.decisions); v = 1 when x_s is held by the
+# caller's tape (see hierremat.dp.kernel).
+Chooser = Callable[[int, int, int, int], Choice]
 
 
 class _Expander:
@@ -133,11 +133,10 @@ class _Expander:
 
     def expand(self, choose: Chooser, v: int, s: int, t: int, m: int, ops: list) -> tuple[int, float]:
         """Append the ops of subproblem (v, s, t) to ``ops``; return (exact peak, time)."""
-        decision = choose(v, s, t, m)
+        choice = choose(v, s, t, m)
         stages = self.costs.stages
-        if decision[0] in ("option", "offloaded option", "offloaded option and input"):
-            kind, k, m_rest = decision
-            kept_offloaded, with_input = kind != "option", kind == "offloaded option and input"
+        if isinstance(choice, OptionChoice):
+            k, kept_offloaded, with_input = choice.option, choice.kept_offloaded, choice.with_input
             op = stages[s].options[k]
             ops.append(FAll(s, k))
             if s == t:
@@ -147,15 +146,14 @@ class _Expander:
             else:
                 if kept_offloaded:
                     ops.append(OffloadKept(s, with_input))
-                sub_peak, sub_time = self.expand(choose, int(op.pins_output), s + 1, t, m_rest, ops)
+                sub_peak, sub_time = self.expand(choose, int(op.pins_output), s + 1, t, choice.memory_rest, ops)
                 if kept_offloaded:
                     ops.append(FetchKept(s))
                     sub_time += self.kept_transfer_times(s, k, with_input)
             ops.append(Backward(s))
             peak = self.option_terms(v, s, t, k, sub_peak, kept_offloaded, with_input)
             return peak, op.fwd_time + sub_time + op.bwd_time
-        kind, sp, m_right, m_left = decision
-        offloaded = kind == "offloaded split"
+        sp, offloaded = choice.split, choice.offloaded
         ops.append(FCk(s))
         fwd_time = stages[s].nograd_fwd_time
         for j in range(s + 1, sp):
@@ -164,10 +162,10 @@ class _Expander:
         transfers = self.offload_times(s, fwd_time) if offloaded else 0.0
         if offloaded:
             ops.append(Offload(s))
-        right_peak, right_time = self.expand(choose, 0, sp, t, m_right, ops)
+        right_peak, right_time = self.expand(choose, 0, sp, t, choice.memory_right, ops)
         if offloaded:
             ops.append(Fetch(s))
-        left_peak, left_time = self.expand(choose, v, s, sp - 1, m_left, ops)
+        left_peak, left_time = self.expand(choose, v, s, sp - 1, choice.memory_left, ops)
         peak = self.split_terms(s, t, sp, right_peak, left_peak, offloaded)
         return peak, fwd_time + transfers + right_time + left_time
 
@@ -176,28 +174,25 @@ def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
     A, A_floor, KEPT = arrays.A, arrays.A_floor, arrays.KEPT
     K = arrays.OF.shape[1]
 
-    def choose(v: int, s: int, t: int, m: int) -> tuple:
+    def choose(v: int, s: int, t: int, m: int) -> Choice:
         c = int(D[v, s, t, m])
         if c < 0:
             raise AssertionError(f"backtracking reached an infeasible state {(v, s, t, m)}")
-        if c < K or c >= K + 2 * L:
-            variant, k = divmod(c - 2 * L, K) if c >= K else (0, c)  # (codes K + 2L + k, 2K + 2L + k)
-            kind = ("option", "offloaded option", "offloaded option and input")[variant]
-            # (x_s freed by F_all, or sent with the kept values)
-            freed = v == 0 and s > 0 and (kind == "offloaded option and input" or not arrays.PIN_IN[s, k])
-            credit = int(A_floor[s]) if freed else 0
-            made = int(arrays.NV[s]) if t == L - 1 else 0
-            kept = 0 if kind != "option" else int(KEPT[s, k])
-            m_rest = min(M, m - kept - int(A[s + 1]) + credit - made)
-            return (kind, int(arrays.option_ids[s, k]), m_rest)
-        offloaded = c >= K + L
-        sp = c - K - (L if offloaded else 0)
-        m_right = m - int(A[sp]) - (int(arrays.FV[s, sp]) if t == L - 1 else 0)
-        m_left = m_right - arrays.HL - arrays.GL if t == L - 1 else m_right + int(A_floor[t + 1])
-        m_left = min(M, m_left - int(arrays.DL[sp, t]))
-        if offloaded:
-            return ("offloaded split", sp, min(M, m_right + int(A_floor[s])), m_left)
-        return ("split", sp, m_right, m_left)
+        action, index = decode_code(c, K, L)
+        if action in (Action.SPLIT, Action.OFFLOADED_SPLIT):
+            sp, offloaded = index, action is Action.OFFLOADED_SPLIT
+            m_right = m - int(A[sp]) - (int(arrays.FV[s, sp]) if t == L - 1 else 0)
+            m_left = m_right - arrays.HL - arrays.GL if t == L - 1 else m_right + int(A_floor[t + 1])
+            m_left = min(M, m_left - int(arrays.DL[sp, t]))
+            return SplitChoice(offloaded, sp, min(M, m_right + int(A_floor[s])) if offloaded else m_right, m_left)
+        k = index
+        # (x_s freed by F_all, or sent with the kept values)
+        freed = v == 0 and s > 0 and (action is Action.OFFLOADED_OPTION_AND_INPUT or not arrays.PIN_IN[s, k])
+        credit = int(A_floor[s]) if freed else 0
+        made = int(arrays.NV[s]) if t == L - 1 else 0
+        kept = 0 if action is not Action.OPTION else int(KEPT[s, k])
+        m_rest = min(M, m - kept - int(A[s + 1]) + credit - made)
+        return OptionChoice(action, int(arrays.option_ids[s, k]), m_rest)
 
     return choose
 
@@ -227,7 +222,7 @@ def min_peak_schedule(costs: ChainCosts) -> ChainSchedule:
     """The schedule of least peak bytes (ties broken by time), exact, no discretisation."""
     L = costs.length
     ex = _Expander(costs)
-    best: dict[tuple[int, int, int], tuple[int, float, tuple]] = {}
+    best: dict[tuple[int, int, int], tuple[int, float, Choice]] = {}
     for length in range(L):
         for s in range(L - length):
             t = s + length
@@ -236,21 +231,21 @@ def min_peak_schedule(costs: ChainCosts) -> ChainSchedule:
                 for k, op in enumerate(costs.stages[s].options):
                     sub_peak, sub_time = (0, 0.0) if s == t else best[(int(op.pins_output), s + 1, t)][:2]
                     peak = ex.option_terms(v, s, t, k, sub_peak)
-                    cands.append((peak, op.fwd_time + op.bwd_time + sub_time, ("option", k, 0)))
+                    cands.append((peak, op.fwd_time + op.bwd_time + sub_time, OptionChoice(Action.OPTION, k)))
                     for with_input in ex.kept_offloads(v, s, t, k):
                         peak = ex.option_terms(v, s, t, k, sub_peak, True, with_input)
                         time = op.fwd_time + op.bwd_time + sub_time + ex.kept_transfer_times(s, k, with_input)
-                        kind = "offloaded option and input" if with_input else "offloaded option"
-                        cands.append((peak, time, (kind, k, 0)))
+                        action = Action.OFFLOADED_OPTION_AND_INPUT if with_input else Action.OFFLOADED_OPTION
+                        cands.append((peak, time, OptionChoice(action, k)))
                 fwd_time = costs.stages[s].nograd_fwd_time
                 for sp in range(s + 1, t + 1):
                     right, left = best[(0, sp, t)], best[(v, s, sp - 1)]
                     peak = ex.split_terms(s, t, sp, right[0], left[0])
-                    cands.append((peak, fwd_time + right[1] + left[1], ("split", sp, 0, 0)))
+                    cands.append((peak, fwd_time + right[1] + left[1], SplitChoice(False, sp)))
                     if ex.can_offload(v, s):
                         peak = ex.split_terms(s, t, sp, right[0], left[0], offloaded=True)
                         time = fwd_time + ex.offload_times(s, fwd_time) + right[1] + left[1]
-                        cands.append((peak, time, ("offloaded split", sp, 0, 0)))
+                        cands.append((peak, time, SplitChoice(True, sp)))
                     fwd_time += costs.stages[sp].nograd_fwd_time
                 best[(v, s, t)] = min(cands, key=lambda c: (c[0], c[1]))
     peak = best[(0, 0, L - 1)][0]
