@@ -47,6 +47,7 @@ from ..plans.transfers import TransferPlan
 from ..device.autocast import AutocastState
 from .residents import collect_reads, keep_made, keep_sums, pop_seeds, read_roots, split_output, stage_shared, tap_read
 from ..device.rng import RngState, cuda_devices_of
+from .block_exec import OptionExecutor, OptionTape
 from .kept_offload import bring_back_kept, prefetch_kept, send_kept
 from .tapeless import tapeless
 from .tied import TiedParameters
@@ -295,6 +296,24 @@ class ChainRunner:
         return outputs if len(outputs) > 1 else outputs[0]
 
 
+@dataclass(frozen=True)
+class _AutogradTape:
+    """What F_all(i) under autograd (option 0) leaves for B(i): the stage's gradient edges, its input's sink
+    (None where x_i needs no gradient) and the taps of the residents it read."""
+
+    edges: list
+    sink: torch.Tensor | None
+    taps: tuple
+
+
+@dataclass(frozen=True)
+class _OptionRun:
+    """What F_all(i, k), k > 0, leaves for B(i): option k's executor and the tape of its forward."""
+
+    executor: OptionExecutor
+    tape: OptionTape
+
+
 class _Step:
     """State of one forward+backward of the chain."""
 
@@ -303,7 +322,7 @@ class _Step:
         self.shared = shared
         self.x: dict[int, torch.Tensor] = {0: x0.detach()}
         self.grad: dict[int, torch.Tensor | None] = {}
-        self.tape: dict[int, tuple] = {}
+        self.tape: dict[int, _AutogradTape | _OptionRun] = {}
         self.rng: dict[int, RngState] = {}
         self.buffers_before: dict[int, list[torch.Tensor]] = {}
         self.runs = [0] * len(runner.stages)
@@ -403,7 +422,7 @@ class _Step:
         if isinstance(op, (FNone, FCk)):
             return "nograd" if self.runner.forward_executors[op.stage] is None else None
         if isinstance(op, Backward):
-            return "backward" if self.tape[op.stage][0] == "autograd" else None
+            return "backward" if isinstance(self.tape[op.stage], _AutogradTape) else None
         return None
 
     def _run(self, op) -> None:
@@ -415,7 +434,7 @@ class _Step:
                 with self.runner.tied.forward(i, self.stand_ins):
                     y, tape = self._forward(i, lambda: executor.forward(x, self._shared()))
                 del x
-                self.tape[i] = ("option", executor, tape)
+                self.tape[i] = _OptionRun(executor, tape)
             elif isinstance(op, FAll):
                 inp, sink = tap_input(x, self._input_anchor(i))
                 del x
@@ -423,7 +442,7 @@ class _Step:
                 with torch.enable_grad(), self.runner.tied.forward(i, self.stand_ins):
                     out = self._forward(i, lambda: self._call(i, inp, shared))
                 del inp, shared
-                self.tape[i] = ("autograd", gradient_edges(out), (sink, taps))
+                self.tape[i] = _AutogradTape(gradient_edges(out), sink, taps)
                 y, made = split_output(detach_output(out), self.layout, i)
                 keep_made(self.resident_values, self.layout, i, made, replace=True)
                 del out, made
@@ -463,7 +482,7 @@ class _Step:
             self.offloaded.discard(key)
         elif isinstance(op, OffloadKept):
             i = op.stage
-            _, executor, tape = self.tape[i]
+            executor, tape = self.tape[i].executor, self.tape[i].tape
             # (x_i itself: F_all(i) took it from the chain; the tape holds it where the option pins it)
             others = [tape.y, self.x.get(i + 1), *executor.binding.args(executor.program.forward_inputs, None,
                                                                          self._shared())]
@@ -475,19 +494,19 @@ class _Step:
             self.offloaded.update(stored.key for stored in away)
         elif isinstance(op, FetchKept):
             away = self.kept_away.pop(op.stage)
-            bring_back_kept(self.tier, away, self.tape[op.stage][2])
+            bring_back_kept(self.tier, away, self.tape[op.stage].tape)
             self.offloaded.difference_update(stored.key for stored in away)
         else:
             raise TypeError(f"unexpected op {op!r}")
 
     def _backward(self, i: int) -> None:
-        kind, first, second = self.tape.pop(i)
+        record = self.tape.pop(i)
         grad = self.grad.pop(i + 1)
-        if kind == "autograd":  # option 0: the stage's gradient edges, its input's and residents' sinks
-            sink, taps = second
+        if isinstance(record, _AutogradTape):  # option 0: the stage's gradient edges, its input's and residents' sinks
+            sink, taps = record.sink, record.taps
             made = self.layout.produced_by(i) if self.layout is not None else ()
             edges, grads = read_roots(taps, self.resident_grads)
-            edges = [*first, *edges]
+            edges = [*record.edges, *edges]
             grads = [*as_tuple(grad), *(self.resident_grads.pop(r, None) for r in made), *grads]
             backward_through(edges, tuple(grads))
             del edges, grads
@@ -497,18 +516,20 @@ class _Step:
                 del self.resident_values[r]
             del sink, taps
         else:  # a block option: its executor and the tape of its forward
+            executor, tape = record.executor, record.tape
             dx = None
             if i == len(self.runner.stages) - 1:  # the chain's output gradients: its one output's
                 (grad,) = grad
             if grad is not None and self.layout is not None and self.layout.read_by(i):
-                dx, sums = first.backward_with_sums(  # (handing over the only reference to the seeds)
-                    second, grad, self._shared(), pop_seeds(self.layout, i, self.resident_grads))
+                dx, sums = executor.backward_with_sums(  # (handing over the only reference to the seeds)
+                    tape, grad, self._shared(), pop_seeds(self.layout, i, self.resident_grads))
                 keep_sums(self.layout, sums, self.resident_grads)
                 del sums
             elif grad is not None:
-                dx = first.backward(second, grad, self._shared())
+                dx = executor.backward(tape, grad, self._shared())
             self.grad[i] = dx if i > 0 or self.input_requires_grad else None
-        del grad, first, second
+            del executor, tape
+        del grad, record
 
     def _input_anchor(self, i: int) -> torch.Tensor | None:
         """The anchor that makes stage i's input require a gradient in a forward with grad (None
