@@ -75,12 +75,12 @@ def _menu_widths(args) -> str:
     width (the in-process menus forgotten first), then at 4096 re-costed from the 256-wide menu as planning
     does for a block solved before at other sizes; beside the whole block-options phase, which also times
     the graph's nodes on the lent weights."""
-    from hierremat.planning import menus as menus_module
+    from hierremat.session import current_session
 
     rows = []
     for hidden, mlp, fresh in ((256, 688, True), (4096, 11008, True), (4096, 11008, False)):
         if fresh:
-            menus_module._SOLVED_IN_PROCESS.clear()
+            current_session().solved_menus.clear()
         else:  # the 256-wide menu solved last
             _plan_llama_layer(256, 688, args.seq)
         plan = _plan_llama_layer(hidden, mlp, args.seq)

@@ -14,6 +14,7 @@ from .errors import InfeasibleBudgetError, InvalidScheduleError, OffloadError, U
 from .plans.model_plan import ModelPlan
 from .plans.sequential_plan import SequentialPlan
 from .plans.schedule import ChainSchedule
+from .session import PlannerSession, current_session, planner_session
 
 __version__ = "0.1.0"
 
@@ -48,15 +49,18 @@ __all__ = [
     "InfeasibleBudgetError",
     "InvalidScheduleError",
     "OffloadError",
+    "PlannerSession",
     "SequentialPlan",
     "Settings",
     "UnsupportedModelError",
     "checkpoint_sequential",
+    "current_session",
     "explore",
     "format_bytes",
     "parse_budget",
     "plan",
     "plan_cache",
     "plan_sequential",
+    "planner_session",
     "remat",
 ]

@@ -68,6 +68,15 @@ def _interpreted_triton_module():
 
 
 @pytest.fixture
+def fresh_session():
+    """A planner session of the test's own (hierremat.session): no menu, solver record or tier of an earlier test."""
+    from hierremat.session import planner_session
+
+    with planner_session() as session:
+        yield session
+
+
+@pytest.fixture
 def interpreted_triton_kernels(_interpreted_triton_module, monkeypatch):
     """hierremat.ops.triton_kernels built by Triton's interpreter, so that its launchers run
     on CPU tensors (a copy of the module: the one the library imports is untouched).

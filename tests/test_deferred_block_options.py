@@ -64,7 +64,8 @@ def _peaks(module, batch: dict) -> tuple[int, int]:
     return tuple(peaks)
 
 
-def test_block_options_are_built_once_the_steps_without_them_have_lost_what_building_them_costs(monkeypatch, caplog):
+def test_block_options_are_built_once_the_steps_without_them_have_lost_what_building_them_costs(
+        monkeypatch, caplog, fresh_session):  # (no menu an earlier test solved to re-cost, cache=False)
     """The first shape is planned without block options (no stage traced) and says so; a second length is
     fitted (its memory and times from shorter lengths measured for it, timed from one run each: no block menu built to
     fit, and no length profiled for times alone, the training steps time them); once the steps have lost
@@ -74,7 +75,6 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
     trace_joint = menus.trace_joint
     monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
     monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 0.0)  # (the decision under test, not this machine's noise)
-    monkeypatch.setattr(menus, "_SOLVED_IN_PROCESS", {})  # (no menu an earlier test solved to re-cost, cache=False)
     caplog.set_level(logging.INFO, logger="hierremat")
     model, budget = _model_and_budget()
     reference = copy.deepcopy(model)
@@ -124,7 +124,7 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
 
 
 @pytest.mark.parametrize("scheduled", [False, True], ids=["recording", "scheduled"])
-def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles(monkeypatch, scheduled):
+def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles(monkeypatch, scheduled, fresh_session):
     """remat(..., defer_block_options=False) called and trained inside the caller's torch.profiler session: the
     shape is planned without block options (building them measures the CPU allocator with a session of its own,
     which would end the caller's), the caller's events kept, and they are built at the first step after it; bitwise
@@ -134,7 +134,6 @@ def test_block_options_to_be_built_at_once_are_put_off_while_the_caller_profiles
     traced = []
     trace_joint = menus.trace_joint
     monkeypatch.setattr(menus, "trace_joint", lambda *a, **k: traced.append(1) or trace_joint(*a, **k))
-    monkeypatch.setattr(menus, "_SOLVED_IN_PROCESS", {})
     model, budget = _model_and_budget()
     reference = copy.deepcopy(model)
     traces = []

@@ -70,8 +70,7 @@ def fresh_cache(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------ solvers
 
 
-def test_gurobi_license_error_falls_back_to_highs_with_one_warning(monkeypatch, caplog):
-    monkeypatch.setattr(solve_module, "_GUROBI_FAILURE", None)
+def test_gurobi_license_error_falls_back_to_highs_with_one_warning(monkeypatch, caplog, fresh_session):
     monkeypatch.setattr(solve_module, "_gurobi_available", lambda: True)
     calls = []
 
@@ -99,13 +98,12 @@ def test_gurobipy_missing_uses_highs_silently(monkeypatch, caplog):
     assert not _warnings(caplog, "hierremat")
 
 
-def test_a_failing_solver_leaves_the_blocks_with_autograds_option(monkeypatch, caplog, fresh_cache):
+def test_a_failing_solver_leaves_the_blocks_with_autograds_option(monkeypatch, caplog, fresh_cache, fresh_session):
     def broken(*args, **kwargs):
         raise RuntimeError("HiGHS failed on the block ILP: status 4, model error")
 
     monkeypatch.setattr(solve_module, "_solve_highs", broken)
     monkeypatch.setattr(solve_module, "_gurobi_available", lambda: False)
-    monkeypatch.setattr("hierremat.planning.menus._SOLVER_FAILURES", [])
     caplog.set_level(logging.INFO, logger="hierremat")
     model, x = _mlp(), torch.randn(32, 24, requires_grad=True)
     with pytest.raises(hr.InfeasibleBudgetError) as err:

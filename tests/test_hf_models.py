@@ -93,10 +93,8 @@ def test_hugging_face_model_trains_bitwise_within_budget(name, device):
     assert any(not p.chain.schedule.keeps_everything for p in module.plans)
 
 
-def test_decoder_in_training_gets_use_cache_false_with_one_log_line(caplog, monkeypatch):
-    from hierremat.blocks import hf
-
-    monkeypatch.setattr(hf, "_LOGGED", set())  # logged once per process and model class, as HF's warning_once
+def test_decoder_in_training_gets_use_cache_false_with_one_log_line(caplog, fresh_session):
+    # (logged once per planner session and model class, as HF's warning_once)
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Callable, Sequence
@@ -17,6 +18,7 @@ from ..device.autocast import AutocastState
 from ..runtime.executor import run_plainly
 from ..runtime.offload import Offloading, check_offload, offload_key, second_tier
 from ..runtime.profile import profile_chain
+from ..session import current_session
 from ..planning.chain_plan import PLAN_TIME_LIMIT, PlannedChain, check_block_options, plan_from_profile, resolve_compile
 
 log = logging.getLogger(__name__)
@@ -151,13 +153,17 @@ def check_slots(slots) -> None:
                          f"got {slots!r}")
 
 
+#: Plans a PlanCache keeps at once (the least recently used goes first).
+PLANS_KEPT = 256
+
+
 class PlanCache:
     """Plans per (stages, input shape/dtype/device, autocast setting, budget, slots, block options, variants,
-    compile, offloading);
-    ``hits``/``misses`` count lookups."""
+    compile, offloading), the latest PLANS_KEPT used; ``hits``/``misses`` count lookups. A plan holds its
+    stages, so the ids in a key stay theirs while it is kept."""
 
     def __init__(self):
-        self._plans: dict[tuple, PlannedChain] = {}
+        self._plans: collections.OrderedDict[tuple, PlannedChain] = collections.OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -187,13 +193,25 @@ class PlanCache:
             self.misses += 1
         else:
             self.hits += 1
+            self._plans.move_to_end(key)
         return entry
 
     def put(self, key: tuple, entry: PlannedChain) -> None:
         self._plans[key] = entry
+        self._plans.move_to_end(key)
+        while len(self._plans) > PLANS_KEPT:
+            self._plans.popitem(last=False)
 
 
-plan_cache = PlanCache()
+def _plan_cache() -> PlanCache:
+    """checkpoint_sequential's plans in the planner session (hierremat.session)."""
+    return current_session().opened("checkpoint_sequential plans", PlanCache)
+
+
+def __getattr__(name: str):
+    if name == "plan_cache":  # (``plan_cache``: the current session's, read when asked for)
+        return _plan_cache()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @torch.compiler.disable(reason="hierremat.checkpoint_sequential plans eagerly and runs its schedule with Python state")
@@ -247,7 +265,8 @@ def checkpoint_sequential(
     key = PlanCache.key(
         stages, input, budget_bytes, slots, block_options, variants, compile, offload_key(offload, offload_limit)
     )
-    entry = plan_cache.get(key)
+    plans = _plan_cache()
+    entry = plans.get(key)
     if entry is None:
         _check_options(block_options, slots, time_limit)
         entry = _plan(
@@ -256,5 +275,5 @@ def checkpoint_sequential(
             offloading=second_tier(offload, offload_limit, input.device, default_cache()),
         )
         log.debug("%s", entry.plan.summary())
-        plan_cache.put(key, entry)
+        plans.put(key, entry)
     return entry.run(input)

@@ -36,6 +36,8 @@ from typing import Iterator
 
 import torch
 
+from ..session import current_session
+
 log = logging.getLogger(__name__)
 
 
@@ -92,13 +94,9 @@ def call_kwargs(model: torch.nn.Module, kwargs: dict) -> dict:
     return {**kwargs, "use_cache": False}
 
 
-_LOGGED: set[tuple[str, object]] = set()
-
-
 def _log_use_cache_off(model_name: str, given) -> None:
-    if (model_name, given) in _LOGGED:
+    if not current_session().first_time(("use_cache off", model_name, given)):
         return
-    _LOGGED.add((model_name, given))
     if given is True:
         log.warning("%s: use_cache=True is incompatible with rematerialization in training; using use_cache=False "
                     "(as Hugging Face's gradient checkpointing does)", model_name)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plans.block_graph import BlockGraph
+from ..session import current_session
 from .formulation import (
     CompactGraph, Decisions, Evaluation, IlpModel, Structure, build_model, compact, evaluate, structure,
 )
@@ -38,14 +39,11 @@ log = logging.getLogger("hierremat.ilp")
 
 GUROBI_SIZE_LIMIT = 2000
 DEFAULT_TIME_LIMIT = 30.0
-_SOLVES = 0
-#: Why Gurobi failed in this process (it is then not tried again), or None.
-_GUROBI_FAILURE: str | None = None
 
 
 def solve_count() -> int:
-    """Number of solver invocations since the process started (any backend)."""
-    return _SOLVES
+    """Number of solver invocations in the current planner session (any backend; hierremat.session)."""
+    return current_session().ilp_solves
 
 
 @dataclass(frozen=True)
@@ -185,7 +183,7 @@ def solve_model(
     backend: 'auto' (Gurobi if installed and the model fits its license, else HiGHS),
     'highs' or 'gurobi' (falls back to HiGHS, logged, when Gurobi cannot solve it).
     """
-    global _SOLVES, _GUROBI_FAILURE
+    session = current_session()
     if backend not in ("auto", "highs", "gurobi"):
         raise ValueError(f"unknown backend {backend!r}")
     c = model.objective(objective)
@@ -197,8 +195,8 @@ def solve_model(
         if not _gurobi_available():
             if backend == "gurobi":
                 log.info("gurobipy is not installed; solving with HiGHS")
-        elif _GUROBI_FAILURE is not None:
-            log.debug("Gurobi failed earlier in this process (%s); solving with HiGHS", _GUROBI_FAILURE)
+        elif session.gurobi_failure is not None:
+            log.debug("Gurobi failed earlier in this session (%s); solving with HiGHS", session.gurobi_failure)
         elif model.n_vars > GUROBI_SIZE_LIMIT or _gurobi_rows(model) > GUROBI_SIZE_LIMIT:
             if backend == "gurobi":
                 log.info(
@@ -210,15 +208,15 @@ def solve_model(
         else:
             use = "gurobi"
     t0 = time.perf_counter()
-    _SOLVES += 1
+    session.ilp_solves += 1
     if use == "gurobi":
         try:
             with solver_output_to_log(log, "Gurobi"):
                 status, xs, gap = _solve_gurobi(model, c, lb, ub, time_limit, mip_rel_gap)
         except Exception as err:  # license / size errors are GurobiError; anything else too
-            _GUROBI_FAILURE = f"{type(err).__name__}: {err}"
+            session.gurobi_failure = f"{type(err).__name__}: {err}"
             log.warning("Gurobi could not solve the block ILP (%s); using HiGHS for every block ILP of this "
-                        "process", _GUROBI_FAILURE)
+                        "planner session", session.gurobi_failure)
             use = "highs"
             t0 = time.perf_counter()
     if use == "highs":

@@ -30,6 +30,9 @@ zeroed, or each reader in its own call (hierremat's stages), the sums are the sa
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..session import current_session
 
 
 def grad_to_add_into(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -47,16 +50,14 @@ def grad_to_add_into(weight: torch.Tensor | None) -> torch.Tensor | None:
     return grad
 
 
-#: id(weight) -> the graph task (one ``backward()`` call) its last stand-in gradient went to
-_STAND_IN_TASKS: dict[int, int] = {}
-
-
 def added_gradient(weight: torch.Tensor) -> torch.Tensor | None:
     """The gradient a backward returns for ``weight`` after adding it into ``weight.grad``:
     zeros of its shape that take one element of memory, or None where an earlier backward of
     the same ``backward()`` call returned them."""
     task = torch._C._current_graph_task_id()
-    if task >= 0 and _STAND_IN_TASKS.get(id(weight)) == task:
+    # weight -> the graph task (one ``backward()`` call) its last stand-in gradient went to
+    tasks = current_session().opened("stand-in gradient tasks", WeakIdKeyDictionary)
+    if task >= 0 and tasks.get(weight) == task:
         return None
-    _STAND_IN_TASKS[id(weight)] = task
+    tasks[weight] = task
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)

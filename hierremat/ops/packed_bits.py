@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from ..session import current_session
 from .bit_layout import packed_size
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,10 @@ _LIBRARY.define("masked_scale.out(Tensor x, Tensor bits, float scale, *, Tensor(
 _LIBRARY.define("where_bits.out(Tensor x, Tensor bits, *, Tensor(a!) out) -> Tensor(a!)")
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "packed_bits.cpp"
-_SHIFTS = {}
-
-
 def _shifts(device: torch.device) -> torch.Tensor:
-    if device not in _SHIFTS:
-        _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
-    return _SHIFTS[device]
+    """0..7 on ``device``, made once per planner session (hierremat.session)."""
+    return current_session().opened(("bit shifts", str(device)),
+                                    lambda: torch.arange(8, dtype=torch.uint8, device=device))
 
 
 def pack_mask_reference(mask: torch.Tensor) -> torch.Tensor:

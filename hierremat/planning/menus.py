@@ -45,7 +45,6 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -63,6 +62,7 @@ from ..store.cache import CacheKey, OptionsCache, canonical_json, default_cache
 from ..ilp.options import MENU_TIME_LIMIT, forward_only, recost_options, solve_menu
 from ..plans.block_options import BlockOption, ForwardOnly
 from ..ilp.solve import solve_count
+from ..session import current_session
 from .family_programs import FamilyPrograms
 from .output_stage import fused_head_option, fused_head_stage
 from .shape_fit import FIT_VERSION, ShapeFit
@@ -782,17 +782,14 @@ def _returns_several_tensors(stage) -> bool:
     return sum(isinstance(v.meta.get("val"), torch.Tensor) for v in values) > 1
 
 
-_SOLVER_FAILURES: list[str] = []
-
-
 def _warn_solver_failure(signature: str, err: Exception) -> None:
-    """One warning per process for a failing ILP solver; later failures are logged at INFO."""
-    what = f"{type(err).__name__}: {err}"
-    (log.info if _SOLVER_FAILURES else log.warning)(
+    """One warning per planner session for a failing ILP solver; later failures are logged at INFO."""
+    what, failures = f"{type(err).__name__}: {err}", current_session().solver_failures
+    (log.info if failures else log.warning)(
         "the block ILP for stage signature %s failed (%s): that block runs autograd's option only%s", signature,
-        what, "" if _SOLVER_FAILURES else " (further failures of this process are logged at INFO)",
+        what, "" if failures else " (further failures of this planner session are logged at INFO)",
     )
-    _SOLVER_FAILURES.append(what)
+    failures.append(what)
 
 
 def _executor_speeds(executors, forward, stage, stages, x, x0, shared, repeats: int = 3) -> ExecutorSpeeds:
@@ -853,11 +850,6 @@ def _graph_key(signature: str, graph: BlockGraph) -> str:
     return f"{signature}/{digest}"
 
 
-#: Without a cache (``cache=False``), the menu this process solved last for each block structure (by its
-#: any-shape key's digest), re-costed at new sizes. One entry per distinct block structure.
-_SOLVED_IN_PROCESS: dict[str, StageMenu] = {}
-
-
 def _family_key(graph: BlockGraph, recompute_across_dropouts: bool) -> str:
     """The cache signature of a block's menus at every size: a digest of its structure without bytes
     (:func:`graph_structure`); the entry names the key of the menu solved last, at whatever sizes."""
@@ -868,9 +860,9 @@ def _family_key(graph: BlockGraph, recompute_across_dropouts: bool) -> str:
 def _solved_at_other_sizes(cache: OptionsCache, family: CacheKey) -> dict | None:
     """The menu solved last for this block structure at any sizes (a StageMenu dict), or None: the one
     the cache's any-shape entry names (None where that menu was since evicted or is damaged), or
-    without a cache the one this process solved."""
+    without a cache the one the planner session solved (PlannerSession.solved_menus)."""
     if not cache.enabled:
-        solved = _SOLVED_IN_PROCESS.get(family.digest())
+        solved = current_session().solved_menus.get(family.digest())
         return solved.to_dict() if solved is not None else None
     pointer = cache.get(family)
     try:
@@ -879,23 +871,16 @@ def _solved_at_other_sizes(cache: OptionsCache, family: CacheKey) -> dict | None
         return None
 
 
-#: Menus solved at other sizes parsed lately (_parsed_menu), by their payload's canonical JSON.
-_PARSED_MENUS: OrderedDict[str, StageMenu] = OrderedDict()
-#: How many _PARSED_MENUS keeps (one per distinct block signature a model re-costs, typically two or three).
-PARSED_MENUS = 8
-
-
 def _parsed_menu(payload: dict) -> StageMenu:
     """``StageMenu.from_dict(payload)``, the same object for the same payload while it is among the last
-    PARSED_MENUS parsed: every shape whose block options are re-costed from it then shares its options' op lists
-    (recost_options replaces their costs alone), where each parsed its own (2 MiB a shape for a 4-layer GPT-2)."""
-    text = canonical_json(payload)
-    menu = _PARSED_MENUS.get(text)
+    hierremat.session.PARSED_MENUS parsed: every shape whose block options are re-costed from it then shares its
+    options' op lists (recost_options replaces their costs alone), where each parsed its own (2 MiB a shape for a
+    4-layer GPT-2)."""
+    text, parsed = canonical_json(payload), current_session().parsed_menus
+    menu = parsed.get(text)
     if menu is None:
-        menu = _PARSED_MENUS[text] = StageMenu.from_dict(payload)
-        while len(_PARSED_MENUS) > PARSED_MENUS:
-            _PARSED_MENUS.popitem(last=False)
-    _PARSED_MENUS.move_to_end(text)
+        menu = StageMenu.from_dict(payload)
+        parsed.put(text, menu)
     return menu
 
 
@@ -977,6 +962,6 @@ def _menu(
         cache.put(key, menu.to_dict())
         cache.put(family, {"menu_key": key.to_dict()})
         if not cache.enabled:
-            _SOLVED_IN_PROCESS[family.digest()] = menu
+            current_session().solved_menus.put(family.digest(), menu)
     log.info("stage signature %s: %d options from %d ILP solves in %.2f s", signature, len(menu.options), solved.n_solves, solved.solve_seconds)
     return menu

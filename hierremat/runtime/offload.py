@@ -11,8 +11,9 @@ limit larger than its free space is an error before training (OffloadError), and
 what the plans hold when they are bound to a model (pinning can fail there, before the first step).
 On a CUDA device a disk tier copies each value to the host synchronously before writing it: only the
 write and the read-ahead overlap the compute. Calls with the
-same arguments share one tier per process (a model's shapes, the chains of ``checkpoint_sequential``);
-its files and directory go when the process exits. A plan's tier peak is checked against the limit by
+same arguments share one tier per planner session (hierremat.session: a model's shapes, the chains of
+``checkpoint_sequential``); its files and directory go when the session closes, at the latest when the
+process exits. A plan's tier peak is checked against the limit by
 the planner (hierremat.planning.chain_plan), which then plans without offloading where it is over.
 """
 
@@ -29,6 +30,7 @@ from ..budget import format_bytes, parse_budget
 from ..errors import OffloadError
 from ..plans.costs import TierBandwidth
 from ..plans.transfers import TransferPlan
+from ..session import current_session
 from ..store.cache import OptionsCache
 from .second_tier import POOL_ALIGNMENT, DiskTier, HostMemoryTier, SecondTier
 from .tier_bandwidth import cached_bandwidth
@@ -108,6 +110,10 @@ class Offloading:
                 f"{format_bytes(self.limit_bytes)}: raise offload_limit, or plan again with this limit"
             )
 
+    def close(self) -> None:
+        """Close the tier (its files and pool go; hierremat.runtime.second_tier)."""
+        self._tier.close()
+
     def tier_for(self, transfers: TransferPlan, kept_values: int = 0) -> SecondTier:
         """The tier a step of a plan runs with (asked at each step: a runner never keeps a pool that a later,
         larger plan replaced). A host pool too small for the plan, or for it beside what steps still running
@@ -138,19 +144,14 @@ def offload_key(offload, offload_limit) -> tuple:
     return where, None if offload_limit is None else parse_budget(offload_limit, name="offload_limit")
 
 
-_OPEN: dict[tuple, Offloading] = {}
-
-
 def second_tier(offload, offload_limit, device: torch.device | str, cache: OptionsCache | None) -> Offloading | None:
     """The Offloading for these arguments on ``device`` (None for ``offload=False``), made on first use and
-    shared by later calls with the same arguments (module docstring)."""
+    shared by later calls with the same arguments in the planner session, closed with it (module docstring)."""
     check_offload(offload, offload_limit)
     if offload is False:
         return None
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (*offload_key(offload, offload_limit), str(device))
-    if key not in _OPEN:
-        _OPEN[key] = Offloading(offload, offload_limit, device, cache)
-    return _OPEN[key]
+    key = ("second tier", *offload_key(offload, offload_limit), str(device))
+    return current_session().opened(key, lambda: Offloading(offload, offload_limit, device, cache))

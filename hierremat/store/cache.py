@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ..budget import parse_budget
+from ..session import current_session
 
 __all__ = [
     "BUNDLE_FORMAT",
@@ -499,17 +500,10 @@ class OptionsCache:
         return count
 
 
-_defaults: dict[tuple[str, bool], OptionsCache] = {}
-_defaults_lock = threading.Lock()
-
-
 def default_cache(directory: str | os.PathLike | None = None, enabled: bool = True) -> OptionsCache:
-    """A process-wide :class:`OptionsCache` per (directory, enabled), so that repeated
-    planning calls share one memory layer. ``directory=None`` resolves
+    """The planner session's :class:`OptionsCache` per (directory, enabled), so that repeated
+    planning calls share one memory layer (hierremat.session). ``directory=None`` resolves
     :func:`default_directory` now (the environment variable is read on every call)."""
     d = Path(directory).expanduser() if directory is not None else default_directory()
-    k = (str(d.absolute()), bool(enabled))
-    with _defaults_lock:
-        if k not in _defaults:
-            _defaults[k] = OptionsCache(d, enabled=enabled)
-        return _defaults[k]
+    key = ("options cache", str(d.absolute()), bool(enabled))
+    return current_session().opened(key, lambda: OptionsCache(d, enabled=enabled))
