@@ -89,6 +89,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def run_seconds(samples) -> float:
+    """A stage's time from the seconds of its timed runs: their median (benchmarks/bench_busy_plans.py compares
+    it with their least on a busy host)."""
+    return statistics.median(samples)
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs (CUDA events on a GPU)."""
     samples = []
@@ -104,7 +110,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device)
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return run_seconds(samples)
 
 
 def _modules_state(stages: Sequence[Callable]):
@@ -610,8 +616,7 @@ def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: i
         if any(e is not None for e in edges):
             bwd_samples.append(median_seconds(functools.partial(backward_through, edges, grads), 1, device))
         del edges, grads
-    fwd_time = statistics.median(fwd_samples)
-    return nograd_time, fwd_time, statistics.median(bwd_samples) if bwd_samples else 0.0
+    return nograd_time, run_seconds(fwd_samples), run_seconds(bwd_samples) if bwd_samples else 0.0
 
 
 def _stage_name(i: int, stage: Callable) -> str:
