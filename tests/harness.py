@@ -39,29 +39,46 @@ def mean_square(out) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
+def model_loss(out) -> torch.Tensor:
+    """The loss of a model's output: a tensor's mean square, a tuple's first element, else its ``.loss`` (Hugging
+    Face's outputs)."""
+    if isinstance(out, torch.Tensor):
+        return mean_square(out)
+    if isinstance(out, tuple):
+        return out[0]
+    return out.loss
+
+
 def train_step(model: nn.Module, args: tuple, loss: Callable = mean_square, *, seed: int = 1,
-               grads_allocated: bool = True, input_grad: bool = False, warmup: int = 0) -> Step:
-    """One step of ``model(*args)`` under both meters, after ``warmup`` unmeasured ones (a
+               grads_allocated: bool = True, input_grad: bool = False, warmup: int = 0,
+               kwargs: dict | None = None, hold_output: bool = False) -> Step:
+    """One step of ``model(*args, **kwargs)`` under both meters, after ``warmup`` unmeasured ones (a
     RematModule plans its first shape at its first call, and times its stages in its first steps).
 
     grads_allocated: every ``.grad`` exists (zeroed) before the step, so the step's peak does not
     hold the parameter gradients; else they are None, as PyTorch's default ``zero_grad`` leaves them.
     input_grad: the first argument requires grad, and its gradient is returned.
+    hold_output: the model's output is held through the backward (``out = model(...); loss(out).backward()``),
+    else only the loss is.
     """
     if input_grad:
         args = (args[0].detach().requires_grad_(), *args[1:])
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if grads_allocated else None
+    kwargs = kwargs or {}
     for _ in range(warmup):
         torch.manual_seed(seed)
-        loss(model(*args)).backward()
+        loss(model(*args, **kwargs)).backward()
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if grads_allocated else None
     if input_grad:
         args[0].grad = None
     torch.manual_seed(seed)
     with CpuAllocatorMeter() as allocator, LiveTensorTracker() as tracker:
-        value = loss(model(*args))
+        out = model(*args, **kwargs)
+        value = loss(out)
+        if not hold_output:
+            del out
         value.backward()
     return Step(
         value.detach(),

@@ -34,6 +34,7 @@ from hierremat.blocks.capture import capture
 from hierremat.blocks.segment import build_chain_graph
 from hierremat.api.planned_shape import chain_inputs
 
+from harness import model_loss, train_step
 from models import TinyResNet, tiny_gpt2
 from stages import stage_of
 
@@ -187,15 +188,10 @@ def test_the_ilp_chooses_between_relu_outputs_and_their_packed_masks():
 
 
 def _step(model, args, kwargs, seed=1):
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(seed)
-    with LiveTensorTracker() as tracker:
-        out = model(*args, **kwargs)
-        loss = out.loss if hasattr(out, "loss") else out[0]
-        del out
-        loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()], tracker.peak_bytes
+    """(loss, gradients, the larger of the two meters' peaks) of one step, ``.grad`` allocated, the output released
+    before the backward."""
+    step = train_step(model, args, model_loss, seed=seed, kwargs=kwargs)
+    return step.loss, step.grads, max(step.tracker_peak, step.allocator_peak)
 
 
 def _whole_model(which: str):

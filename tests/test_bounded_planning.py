@@ -21,7 +21,8 @@ from torch import nn
 
 import hierremat as hr
 from hierremat.blocks import segment
-from hierremat.device import LiveTensorTracker
+
+from harness import train_step
 
 WIDTH, DEPTH = 8, 300  # ~2,000 ATen nodes per block (forward and backward)
 COARSE_DEPTH = 150  # (a block without cut points: ~1,000)
@@ -49,11 +50,9 @@ def _model(reads_input: bool) -> nn.Sequential:
 
 
 def _step(model, x):
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    with LiveTensorTracker() as tracker:
-        model(x).square().mean().backward()
-    return [p.grad.clone() for p in model.parameters()], tracker.peak_bytes
+    """(gradients, the larger of the two meters' peaks) of one step, ``.grad`` allocated."""
+    step = train_step(model, (x,))
+    return step.grads, max(step.tracker_peak, step.allocator_peak)
 
 
 @pytest.mark.parametrize("reads_input", [pytest.param(False, marks=pytest.mark.slow), True],

@@ -25,6 +25,7 @@ from hierremat.device import memory_meter
 from hierremat.plans.schedule import FCk, FNone, Loss
 from hierremat.runtime import executor
 
+from harness import train_step
 from models import TinyUNet, same_bits, seq2seq_call, tiny_bart, tiny_t5
 
 
@@ -49,16 +50,12 @@ MODELS = {"t5": _t5, "bart": _bart, "unet": _unet}
 
 
 def _step(model, args, kwargs, hold: bool = True):
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(3)
-    with memory_meter(torch.device("cpu")) as tracker:
-        out = model(*args, **kwargs)
-        loss = out if isinstance(out, torch.Tensor) else out.loss
-        if not hold:
-            del out
-        loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, tracker.peak_bytes, loss.detach()
+    """(gradients by parameter name, the larger of the two meters' peaks, loss) of one step, ``.grad`` allocated,
+    the output held through the backward where ``hold``."""
+    step = train_step(model, args, lambda out: out if isinstance(out, torch.Tensor) else out.loss, seed=3,
+                      kwargs=kwargs, hold_output=hold)
+    names = [n for n, _ in model.named_parameters()]
+    return dict(zip(names, step.grads, strict=True)), max(step.tracker_peak, step.allocator_peak), step.loss
 
 
 def _chain(model, args, kwargs):

@@ -12,6 +12,7 @@ from hierremat.device import LiveTensorTracker
 from hierremat.ops import cross_entropy
 from hierremat.ops.cross_entropy import row_blocked_cross_entropy
 
+from harness import assert_same_bits, train_step
 from models import tiny_gpt2
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -54,14 +55,6 @@ class LanguageModelHead(torch.nn.Module):
         return F.cross_entropy(self.linear(x), labels)
 
 
-def _step(module, args):
-    module.zero_grad(set_to_none=True)
-    with LiveTensorTracker() as tracker:
-        loss = module(*args)
-        loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}, tracker.peak_bytes
-
-
 def test_captured_cross_entropy_runs_as_the_variant_with_the_same_gradients_in_less_memory():
     torch.manual_seed(0)
     model = LanguageModelHead()
@@ -73,13 +66,10 @@ def test_captured_cross_entropy_runs_as_the_variant_with_the_same_gradients_in_l
     targets = lambda gm: {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert torch.ops.aten.cross_entropy_loss.default in targets(plain)
     assert row_blocked_cross_entropy in targets(lean) and torch.ops.aten.cross_entropy_loss.default not in targets(lean)
-    loss_a, grads_a, peak_a = _step(plain, args)
-    loss_b, grads_b, peak_b = _step(lean, args)
-    assert torch.equal(loss_a, loss_b)
-    for name in grads_a:
-        assert torch.equal(grads_a[name], grads_b[name]), name
+    steps = [train_step(m, args, lambda loss: loss, grads_allocated=False) for m in (plain, lean)]
+    assert_same_bits(steps[1], steps[0])
     dense = 256 * 1000 * 4  # one [N, C] fp32 tensor: the gradient of the log-probabilities, no longer whole
-    assert peak_b <= peak_a - dense * 0.9, (peak_a, peak_b)
+    assert steps[1].tracker_peak <= steps[0].tracker_peak - dense * 0.9, steps
 
 
 def test_cross_entropy_with_class_weights_or_smoothing_is_left_alone():

@@ -7,33 +7,21 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.device import LiveTensorTracker
 from hierremat.runtime import profile as profile_module
 
 from hierremat.plans.schedule import FCk
 
+from harness import model_loss, train_step
 from models import TinyResNet, random_mlp_chain, tiny_gpt2
 
 pytest.importorskip("transformers")
 MiB = 2**20
 
 
-def _loss(out):
-    if isinstance(out, torch.Tensor):
-        return out.float().pow(2).mean()
-    if isinstance(out, tuple):
-        return out[0]
-    return out.loss
-
-
 def _step(model, args, kwargs, seed=1):
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(seed)
-    with LiveTensorTracker() as tracker:
-        loss = _loss(model(*args, **kwargs))
-        loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()], tracker.peak_bytes
+    """(loss, gradients, the larger of the two meters' peaks) of one step, ``.grad`` allocated."""
+    step = train_step(model, args, model_loss, seed=seed, kwargs=kwargs)
+    return step.loss, step.grads, max(step.tracker_peak, step.allocator_peak)
 
 
 def _check(model, args, kwargs, **settings):
