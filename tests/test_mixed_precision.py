@@ -190,7 +190,8 @@ def test_block_options_are_refused_under_autocast_where_a_replay_is_not_known_bi
     assert fp32.stages[1].signature in fp32.menus
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)],
+                         ids=["bf16", "fp16"])
 def test_llama_held_in_low_precision_bitwise_within_budget(dtype):
     _check(tiny_llama, "fresh", None, fractions=(0.0, 0.5), model_dtype=dtype)
 

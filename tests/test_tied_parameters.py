@@ -62,7 +62,8 @@ def _steps(model, args, kwargs, hooked, steps: int = 2):
     return out
 
 
-@pytest.mark.parametrize("name, variants", [("gpt2", True), ("gpt2", False), ("t5", True)])
+@pytest.mark.parametrize("name, variants", [("gpt2", True), pytest.param("gpt2", False, marks=pytest.mark.slow),
+                                           ("t5", True)])
 def test_tied_weights_accumulate_once_per_step_with_plain_autograds_gradient(name, variants):
     model, args, kwargs = {"gpt2": _gpt2, "t5": _t5}[name]()
     reference = copy.deepcopy(model)
