@@ -18,7 +18,8 @@ from models import same_bits
 class Step:
     """What one forward and backward left: the loss, each parameter's gradient, each buffer
     (BatchNorm's running statistics), the input's gradient, and the peaks in bytes above the
-    step's start by the live-tensor tracker and by the CPU allocator."""
+    step's start by the live-tensor tracker and by the CPU allocator, and the model's output where it was held
+    through the backward and is a tensor (detached; else None)."""
 
     loss: torch.Tensor
     grads: tuple[torch.Tensor | None, ...]
@@ -26,6 +27,7 @@ class Step:
     input_grad: torch.Tensor | None
     tracker_peak: int
     allocator_peak: int
+    output: torch.Tensor | None = None
 
 
 def with_grads(model: nn.Module) -> nn.Module:
@@ -80,6 +82,7 @@ def train_step(model: nn.Module, args: tuple, loss: Callable = mean_square, *, s
         if not hold_output:
             del out
         value.backward()
+    output = out.detach() if hold_output and isinstance(out, torch.Tensor) else None
     return Step(
         value.detach(),
         tuple(None if p.grad is None else p.grad.clone() for p in model.parameters()),
@@ -87,6 +90,7 @@ def train_step(model: nn.Module, args: tuple, loss: Callable = mean_square, *, s
         args[0].grad if input_grad else None,
         tracker.peak_bytes,
         allocator.peak_bytes,
+        output,
     )
 
 

@@ -11,25 +11,30 @@ from hierremat.api import sequential
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter
 
+from harness import train_step
 from models import conv_chain, random_mlp_chain
 
 MiB = 2**20
 
 
-def _grads(model):
-    return [p.grad.clone() for p in model.parameters()]
+class _Checkpointed(nn.Module):
+    """``model`` run by hr.checkpoint_sequential at ``budget``."""
+
+    def __init__(self, model: nn.Sequential, budget):
+        super().__init__()
+        self.model, self.budget = model, budget
+
+    def forward(self, x):
+        return hr.checkpoint_sequential(self.model, self.budget, x)
 
 
 def _step(model, x, budget=None, seed=0):
-    """One training step; returns (output, input grad, param grads, measured peak bytes)."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+    """One training step (the output held through it); returns (output, input grad, param grads, the larger of the
+    tracker's and the allocator meter's peak bytes)."""
+    run = model if budget is None else _Checkpointed(model, budget)
     x = x.detach().clone().requires_grad_(x.requires_grad)
-    torch.manual_seed(seed)
-    with LiveTensorTracker() as tracker:
-        y = model(x) if budget is None else hr.checkpoint_sequential(model, budget, x)
-        y.sum().backward()
-    return y.detach(), x.grad, _grads(model), tracker.peak_bytes
+    step = train_step(run, (x,), lambda y: y.sum(), seed=seed, hold_output=True)
+    return step.output, x.grad, list(step.grads), max(step.tracker_peak, step.allocator_peak)
 
 
 def _grads_kept(model):
