@@ -185,6 +185,7 @@ def test_two_fsdp2_ranks_train_like_one_process_within_budget(tmp_path, model, b
                for report in reports), [hr.ModelPlan.from_json(report["plan"]).times for report in reports]
 
 
+@pytest.mark.slow
 def test_two_fsdp2_ranks_count_the_fp32_copies_accelerate_makes_of_the_outputs_after_fully_shard(tmp_path):
     """accelerate's mixed precision wraps the forward to copy its bf16 outputs to fp32 (convert_outputs_to_fp32), and
     accelerator.prepare does it after fully_shard, once remat planned: every rank's plan is re-made for the shards

@@ -61,7 +61,8 @@ def test_a_model_on_meta_is_planned_from_its_materialized_twins_memory():
     assert len(peaks) == len(on_meta.stages) and 0 < max(peaks) <= on_meta.chain.predicted_peak_bytes
 
 
-@pytest.mark.parametrize("make, autocast", [(_gpt2, False), (_llama, True)], ids=["gpt2-fp32", "llama-bf16"])
+@pytest.mark.parametrize("make, autocast", [(_gpt2, False), pytest.param(_llama, True, marks=pytest.mark.slow)],
+                         ids=["gpt2-fp32", "llama-bf16"])
 def test_a_model_planned_on_meta_trains_bitwise_within_budget_once_materialized(make, autocast):
     def context():
         return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()

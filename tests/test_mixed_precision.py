@@ -105,7 +105,7 @@ def test_gpt2_bf16_autocast_bitwise_within_budget(recipe):
     _check(lambda: tiny_gpt2(n_layer=2), recipe, torch.bfloat16)
 
 
-@pytest.mark.parametrize("recipe", ["fresh", "one-context"])
+@pytest.mark.parametrize("recipe", ["fresh", pytest.param("one-context", marks=pytest.mark.slow)])
 def test_gpt2_bf16_block_options_follow_the_recipe_seen_at_the_first_backward(recipe, caplog):
     """GPT-2's attention with dropout has a backward that autocast changes (SDPA's math path on CPU), so its blocks
     get no block options until the caller's recipe is known. The first backward shows it; the next call plans the

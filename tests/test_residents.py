@@ -98,6 +98,7 @@ def test_two_layer_t5_cuts_between_its_layers(padded):
     assert names == [f"{stack}.block.{k}" for stack in ("encoder", "decoder") for k in range(2)]
 
 
+@pytest.mark.slow
 def test_menus_of_stages_with_residents_name_ops_the_same_in_every_process():
     """A resident's gradient sum starts with hierremat's own function: its op name is its
     qualified name, not a repr with this process's address (a cached menu would never match)."""

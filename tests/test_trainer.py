@@ -190,6 +190,7 @@ def test_accelerate_prepare_and_loop_train_exactly_within_the_budget():
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_a_plan_made_before_accelerate_copies_the_outputs_to_fp32_is_made_again(caplog, mixed_precision_undone):
     """accelerate's mixed precision wraps the forward of a model remat planned already (here without moving it, as
     ``device_placement=False`` prepares it): the next call plans again with the fp32 copies counted; gradients stay

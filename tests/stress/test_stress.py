@@ -35,7 +35,7 @@ from hierremat.device import LiveTensorTracker
 
 pytestmark = pytest.mark.stress
 
-EXAMPLES = int(os.environ.get("HIERREMAT_STRESS_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("HIERREMAT_STRESS_EXAMPLES", "25"))
 STRESS = settings(
     max_examples=max(1, EXAMPLES * 4 // 5),
     deadline=None,
