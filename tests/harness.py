@@ -13,6 +13,9 @@ from hierremat.device.memory import CpuAllocatorMeter
 
 from models import same_bits
 
+#: A test's fp32 scalar loss and its seed gradient (4 B each): the caller's, beside a chain's predicted peak.
+CALLERS_LOSS_BYTES = 8
+
 
 @dataclass(frozen=True)
 class Step:

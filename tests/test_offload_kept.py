@@ -26,9 +26,9 @@ from hierremat.runtime.kept_offload import bring_back_kept, send_kept
 from hierremat.runtime.offload import Offloading
 from hierremat.runtime.second_tier import DiskTier
 
+from harness import CALLERS_LOSS_BYTES
+
 FREE = TierBandwidth("disk", 1e12, 1e12)  # transfers that cost nothing: the DP offloads wherever it saves time
-#: The test's scalar loss and its seed gradient (fp32, 4 B each): the caller's, beside the chain's predicted peak.
-CALLERS_LOSS_BYTES = 8
 
 
 def test_kept_views_of_one_storage_come_back_viewing_one_storage():

@@ -10,10 +10,10 @@ from hierremat.api.sequential import _plan
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter, allocator_transients_in_marks
 
+from harness import CALLERS_LOSS_BYTES
+
 PREFIX = "mark:"
 CPU = torch.autograd.DeviceType.CPU
-#: The test's scalar loss and its seed gradient (fp32, 4 B each): the caller's, beside the chain's predicted peak.
-CALLERS_LOSS_BYTES = 8
 
 
 class _Event:

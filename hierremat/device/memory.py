@@ -326,10 +326,11 @@ def allocator_transients_in_marks(events, prefix: str) -> dict[str, int]:
     changes = cpu_allocator_changes(events)
     marks = [(e.start_ns(), e.end_ns(), e.name()[len(prefix):], e.start_thread_id()) for e in events
              if e.name().startswith(prefix)]
+    innermost = {thread: _innermost_operators(events, thread) for *_, thread in marks}
     transients: dict[str, int] = {}
     for start, end, name, thread in marks:
         live, k, most = 0, 0, 0
-        for op_start, op_end in _innermost_operators(events, thread):
+        for op_start, op_end in innermost[thread]:
             if not start <= op_start <= end:
                 continue
             while k < len(changes) and changes[k][0] < op_start:

@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 
-from ..session import current_session
 from .bit_layout import packed_size
 
 log = logging.getLogger(__name__)
@@ -61,10 +60,12 @@ _LIBRARY.define("masked_scale.out(Tensor x, Tensor bits, float scale, *, Tensor(
 _LIBRARY.define("where_bits.out(Tensor x, Tensor bits, *, Tensor(a!) out) -> Tensor(a!)")
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "packed_bits.cpp"
+
+
+@functools.cache
 def _shifts(device: torch.device) -> torch.Tensor:
-    """0..7 on ``device``, made once per planner session (hierremat.session)."""
-    return current_session().opened(("bit shifts", str(device)),
-                                    lambda: torch.arange(8, dtype=torch.uint8, device=device))
+    """0..7 on ``device``, made once per device (a constant: every mask packed or unpacked reads it)."""
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def pack_mask_reference(mask: torch.Tensor) -> torch.Tensor:
