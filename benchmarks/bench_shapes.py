@@ -77,7 +77,8 @@ import torch
 
 import common as C
 import hierremat as hr
-from hierremat.api.whole_model import DEFAULT_MAX_SHAPES
+from hierremat.api.settings import DEFAULT_MAX_SHAPES
+from hierremat.api.step_retiming import STEP_SAMPLES, observed_times
 from hierremat.device import LiveTensorTracker
 from hierremat.plans.simulate import simulate
 
@@ -312,7 +313,7 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = AC
     runs, rows, fitted_ratios = {}, [], []
     for i, length in enumerate(order):
         batch = padded_batch(length, vocab, SEED + i)
-        before = {family: list(samples) for family, samples in module._samples.items()}  # (as this plan had them)
+        before = {family: list(samples) for family, samples in module._families.samples.items()}  # (as this plan had them)
         _, kwargs = module._orchestrator((), dict(batch))  # (the plan this length's first call gets)
         plan = module.plans[-1]
         compiled = next(reversed(module._planned.values()))
@@ -329,7 +330,7 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = AC
         peak = C.allocator_peak_bytes(step)
         recorder.wanted = wanted
         runs[length] = {"step": step, "plan": plan, "compiled": compiled, "seconds": seconds, "profiled": profiled,
-                        "peak": peak, "own": module._observed_times(compiled)}
+                        "peak": peak, "own": observed_times(compiled)}
     # phase 2: every length's stages timed afresh, over interleaved rounds
     for run in runs.values():
         planned = run["compiled"].chain_module.planned
@@ -340,7 +341,7 @@ def run_accuracy(count: int, cache: str, model: str = "gpt2-4", rounds: int = AC
     for _ in range(rounds):
         for length in rng.sample(order, len(order)):
             runs[length]["interleaved"] += _step_seconds(runs[length]["step"], 1)
-    quiet = {length: module._observed_times(run["compiled"]) for length, run in runs.items()}
+    quiet = {length: observed_times(run["compiled"]) for length, run in runs.items()}
     base.zero_grad()
     for i, length in enumerate(order):
         run = runs[length]
@@ -409,7 +410,6 @@ def _quiet_fit(profiled: list, before: list, compiled, costs):
     at most STEP_SAMPLES of them as there), its lengths' stage times those of the interleaved rounds (``before``:
     (PlannedShape, their stage times) of each length run before it); None where no fit takes the length (a length
     measured has no fit either: the caller skips those)."""
-    from hierremat.api.whole_model import STEP_SAMPLES
     from hierremat.planning.shape_fit import ShapeFit, ShapeSample, add_sample, chain_pattern
 
     if compiled.bindings is None:

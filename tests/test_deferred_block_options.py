@@ -85,23 +85,23 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
                                   "not built yet (they could save at most")
     assert "block options not built yet" in first.summary()
     deferred = next(iter(module._planned.values()))
-    assert deferred.build_estimate > 0 and module._recost_seconds == deferred.build_estimate
+    assert deferred.build_estimate > 0 and module._building.recost_seconds == deferred.build_estimate
     assert deferred.block_gain > 0
     assert all(peak <= budget for peak in _peaks(module, _batch(64)))
-    module._recost_seconds = 1e6  # (a build as dear as a million steps' gain: none while the second length comes)
+    module._building.recost_seconds = 1e6  # (a build as dear as a million steps' gain: none while the second length comes)
     for step, length in enumerate((64, 56)):
         _step(module, reference, model, _batch(length), step)
-    samples = next(iter(module._samples.values()))
+    samples = next(iter(module._families.samples.values()))
     assert all(s.times_measured and s.profile.repeats == 1 for s in samples)  # (64 and the shorter: one run each)
     assert "times from 4 shapes timed" in module.plans[-1].times  # (the shorter lengths' times in the fit)
     assert all(t is None for s in samples for t in s.node_times)
-    assert not traced and not module._blocks_built and "block options not re-costed" in module.plans[-1].times
+    assert not traced and not module._building.built and "block options not re-costed" in module.plans[-1].times
     assert all(peak <= budget for peak in _peaks(module, _batch(56)))
     # then as dear as 2.5 steps' gain at 64 (as solved again from its three steps timed: its gain with it): the steps
     # from now on lose that by the third run outside a profiler
-    module._retime(deferred)
+    module._retimer.retime(deferred)
     assert "times from its first 3 training steps" in deferred.plan.times
-    module._recost_seconds, module._lost_without_blocks = 2.5 * deferred.block_gain, 0.0
+    module._building.recost_seconds, module._building.lost_without = 2.5 * deferred.block_gain, 0.0
     # the third step under the caller's torch.profiler: building them measures the CPU allocator with a session of
     # its own, which would end the caller's (its events lost): put off until the session ends, the caller's kept
     for step in range(4):
@@ -109,16 +109,16 @@ def test_block_options_are_built_once_the_steps_without_them_have_lost_what_buil
             _step(module, reference, model, _batch(64), 10 + step)
         if step == 2:
             assert profile.key_averages() and "a torch.profiler session runs: block options are not" in caplog.text
-        assert bool(traced) == (step == 3) and module._blocks_built == (step == 3), step
+        assert bool(traced) == (step == 3) and module._building.built == (step == 3), step
     assert "block options built at this shape after steps without them lost" in caplog.text
     built = [p for p in module.plans if p.menus]
     assert len(built) == 1 and built[0].options_solves > 0 and "block options not built" not in built[0].times
     # built and solved: what re-costing them at a fitted shape takes is learnt again (as after a first shape planned
     # with them), so 56, planned without them before, re-costs them at its next call and sets it
-    assert module._recost_seconds is None
+    assert module._building.recost_seconds is None
     _step(module, reference, model, _batch(56), 20)
     assert any(m.get("recosted") for m in module.plans[-1].menus.values())
-    assert module._recost_seconds == module.plans[-1].options_seconds > 0
+    assert module._building.recost_seconds == module.plans[-1].options_seconds > 0
     for length in (64, 56):
         assert all(peak <= budget for peak in _peaks(module, _batch(length))), length
 
@@ -202,7 +202,7 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     # a second length near the first (fitted from 42 and 16, measured now): the cache has no menus at those, so
     # their samples measure no node times (a run whose cache an earlier one filled traces no block for fits alone)
     _step(warm, copy.deepcopy(model), warm_model, _batch(56), 3)
-    samples = next(iter(warm._samples.values()))
+    samples = next(iter(warm._families.samples.values()))
     shorter = [s for s in samples if s.times_measured and dict(s.bindings) and max(dict(s.bindings).values()) < 56]
     assert len(shorter) == 2 and all(t is None for s in shorter for t in s.node_times)
     assert [t is not None for t in next(s for s in samples if 64 in dict(s.bindings).values()).node_times].count(True)
@@ -223,7 +223,7 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     # built because the budget needs them: the shorter lengths measured at the second shape build them too (the
     # shapes fitted later re-cost them from node times fitted over those), the cache or not
     _step(module, copy.deepcopy(model), tight_model, _batch(56), 4)
-    shorter = [s for s in next(iter(module._samples.values()))
+    shorter = [s for s in next(iter(module._families.samples.values()))
                if s.times_measured and max(dict(s.bindings).values()) < 56]
     assert len(shorter) == 2 and all(any(t is not None for t in s.node_times) for s in shorter)
     assert max(_peaks(module, _batch(56))) <= tight
@@ -234,9 +234,9 @@ def test_block_options_are_built_at_once_where_the_cache_has_them_or_the_budget_
     padded["attention_mask"][1, -3:] = 0
     module = hr.remat(said_model, (), padded, budget=tight, settings=hr.Settings(cache=False))
     assert [(max(dict(s.bindings).values()), s.times_measured, s.cut)
-            for s in next(iter(module._samples.values()))] == [(64, True, False), (16, True, True)]
+            for s in next(iter(module._families.samples.values()))] == [(64, True, False), (16, True, True)]
     _step(module, copy.deepcopy(model), said_model, _batch(56), 5)
-    shorter = [s for s in next(iter(module._samples.values()))
+    shorter = [s for s in next(iter(module._families.samples.values()))
                if s.times_measured and max(dict(s.bindings).values()) < 56]
     assert len(shorter) == 2 and all(any(t is not None for t in s.node_times) for s in shorter)
     assert max(_peaks(module, _batch(56))) <= tight

@@ -215,14 +215,14 @@ def test_a_family_whose_last_plan_is_dropped_is_forgotten_with_its_generic_graph
     module = hr.remat(model, (), _batch(40, pad=3), budget="64GiB", settings=hr.Settings(cache=False, max_shapes=2))
     for length in (40, 17):
         module(**_batch(length, pad=1)).loss.backward()
-    (family,) = module._generic
-    sources = [key for generic in module._generic[family] for key in generic.sources]
+    (family,) = module._families.generic
+    sources = [key for generic in module._families.generic[family] for key in generic.sources]
     assert sources and all(key in _eval_cache() for key in sources)
     for length in (33, 21):  # calls of another family (no labels): the first family's two plans dropped
         unlabelled = {k: v for k, v in _batch(length, pad=1).items() if k != "labels"}
         module(**unlabelled).logits.sum().backward()
     assert all(c.family != family for c in module._planned.values())
-    assert family not in module._families_kept() and not any(key in _eval_cache() for key in sources)
+    assert family not in module._families.kept() and not any(key in _eval_cache() for key in sources)
     model.zero_grad()
     batch = _batch(29, pad=2, seed=3)  # (the first family again: captured again, as at its first shape)
     loss = module(**batch).loss

@@ -529,7 +529,7 @@ def test_fitted_memory_equals_the_measured_memory_at_unmeasured_lengths():
     module = hr.remat(model, (), _batch(64, pad=5), budget="1GiB", settings=hr.Settings(cache=False))
     for step, length in enumerate((64, 40, 23, 51)):
         module(**_batch(length, pad=step % 3)).loss.backward()
-    for sample in next(iter(module._samples.values())):  # a trace's largest candidates are the measured figures
+    for sample in next(iter(module._families.samples.values())):  # a trace's largest candidates are the measured figures
         costs = sample.profile.costs
         assert with_memory(costs, sample.profile.memory_trace.values())[0] == costs
     for length in (44, 30, 57):
@@ -628,7 +628,7 @@ def test_dynamic_padding_trains_every_length_from_one_capture_bitwise_within_the
     assert plans[0].times == "measured"
     assert "times from 3 shapes timed, memory from 4 shapes (1 with memory only)" in plans[1].times
     assert all("measured at this shape" not in p.times for p in plans[1:]), [p.times for p in plans]
-    samples = next(iter(module._samples.values()))
+    samples = next(iter(module._families.samples.values()))
     # (the sequence length alone: the batch, the same at both shapes the symbolic capture was made from, is static)
     assert {v for s in samples for _, v in s.bindings} == {40, 64, 16, 28}
     assert [v for s in samples if not s.times_measured for _, v in s.bindings] == [28]
@@ -717,9 +717,9 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
         if length == 60:
             monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 0.0)
         if length == 56 and step == 5:  # re-costing as dear as a million steps' gain: not at the first call
-            module._recost_seconds = 1e6
+            module._building.recost_seconds = 1e6
         if length == 56 and step == 6:  # then as dear as 1.5 steps' gain: at the third call, after two without
-            module._recost_seconds = 1.5 * next(reversed(module._planned.values())).block_gain
+            module._building.recost_seconds = 1.5 * next(reversed(module._planned.values())).block_gain
         before = len(traced)
         for m in (model, reference):
             for p in m.parameters():
@@ -795,9 +795,9 @@ def test_plans_kept_per_shape_are_bounded():
 
 
 def test_a_model_without_a_symbolic_capture_is_exported_per_shape(monkeypatch):
-    from hierremat.api import whole_model
+    from hierremat.api import shape_families
 
-    monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: None)
+    monkeypatch.setattr(shape_families, "capture_symbolic", lambda *a, **k: None)
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, vocab_size=VOCAB)
     module = hr.remat(model, (), _batch(32), budget="64GiB", settings=hr.Settings(cache=False))
@@ -854,7 +854,7 @@ def test_a_second_length_near_the_first_is_fitted_from_shorter_lengths():
     second = module.plans[-1]
     assert second.times.startswith("times and memory fitted"), second.times
     assert "times from 4 shapes timed, memory from 4 shapes (" in second.times and "=16 (one timed run)" in second.times
-    samples = next(iter(module._samples.values()))
+    samples = next(iter(module._families.samples.values()))
     lengths = {v for s in samples for k, v in s.bindings}  # (the sequence length alone: the batch is static)
     assert lengths == {64, 16, 32, 24} and all(s.times_measured and s.profile.repeats == 1 for s in samples)
     assert all(t is None for s in samples for t in s.node_times)  # (no block menu built for a sample)
@@ -875,9 +875,9 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     a fit through three, and the length planned from fewer is planned again then. Every step bitwise equal to plain
     autograd's, both meters' peaks within the budget (bf16: the tracker's, the one the budget counts on CPU), in fp32
     and under bf16 autocast."""
-    from hierremat.api import whole_model
+    from hierremat.api import length_sampling
 
-    monkeypatch.setattr(whole_model, "sample_at", lambda *a, **k: None)  # (as for a capture that takes no shorter one)
+    monkeypatch.setattr(length_sampling, "sample_at", lambda *a, **k: None)  # (as for a capture that takes no shorter one)
     caplog.set_level(logging.INFO, logger="hierremat")
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
@@ -919,9 +919,9 @@ def test_the_training_steps_time_every_length_and_plans_are_solved_again_from_th
     assert "times from 3 shapes timed (3 in the training steps)" in times[56][0]
     # (40, when called again for its peaks)
     assert caplog.text.count("planned again at this shape: its times were fitted from fewer shapes") == 1
-    samples = next(iter(module._samples.values()))
+    samples = next(iter(module._families.samples.values()))
     assert [[v for _, v in s.bindings] for s in samples if s.times_measured] == [[64], [48]]  # (the others: memory)
-    steps = next(iter(module._step_samples.values()))
+    steps = next(iter(module._families.step_samples.values()))
     assert sorted(v for s in steps for _, v in s.bindings) == [40, 48, 56, 64]
 
 
@@ -945,7 +945,7 @@ def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_t
     module = hr.remat(model, (), _batch(64), budget=budget, settings=hr.Settings(cache=False))
     for step, length in enumerate((64, 64, 64, 48)):
         if length == 48:  # (block options built at the fitted length: whatever they save pays)
-            module._recost_seconds = 0.0
+            module._building.recost_seconds = 0.0
             monkeypatch.setattr(shape_planning, "NOISE_MARGIN", 0.0)
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
@@ -956,7 +956,7 @@ def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_t
     compiled = next(c for c in module._planned.values() if c.skeleton[1]["input_ids"].shape[1] == 48)
     assert "in the training steps" in compiled.plan.times and compiled.plan.menus, compiled.plan.times
     signatures = [info.signature for info in compiled.chain.infos]
-    fit = ShapeFit.of([*module._samples[compiled.family], *module._step_samples[compiled.family]],
+    fit = ShapeFit.of([*module._families.samples[compiled.family], *module._families.step_samples[compiled.family]],
                       compiled.bindings, chain_pattern(signatures), reduced=True)
     assert all(r > 3 for r in fit.step_ratios), fit.step_ratios
     _, forward, backward = fit.step_ratios
@@ -990,7 +990,7 @@ def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them
     steps recorded at once; the sample later lengths are fitted from is the medians of every step recorded so far
     (fits from the medians of more steps miss less: bench_shapes.py --accuracy's "quiet fit"). Every step bitwise
     equal to plain autograd's, and both meters' peaks within the budget."""
-    from hierremat.api.whole_model import SAMPLED_STEPS, TIMED_STEPS
+    from hierremat.api.step_retiming import SAMPLED_STEPS, TIMED_STEPS, observed_times
 
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
@@ -1000,7 +1000,7 @@ def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them
     budget = int(0.6 * plain)
     batch = _batch(64, pad=1)  # (padded: captured symbolically at once, so its steps make samples)
     module = hr.remat(model, (), batch, budget=budget, settings=hr.Settings(cache=False))
-    module._recost_seconds = 1e6  # (no block options built in these steps: the plans made again here are the test's)
+    module._building.recost_seconds = 1e6  # (no block options built in these steps: the plans made again here are the test's)
     key = next(iter(module._planned))
     recorder = module._planned[key].chain_module.planned.step_times
     family = module._planned[key].family
@@ -1017,8 +1017,8 @@ def test_a_length_is_timed_over_its_first_nine_steps_and_its_sample_follows_them
         compiled = module._planned[key]
         assert compiled.chain_module.planned.step_times is recorder  # (one recorder across the plans made again)
         times.append(compiled.plan.times)
-        (sample,) = module._step_samples_of(family)  # the length's sample: the medians of its steps so far
-        assert sample.stage_times == module._observed_times(compiled), step
+        (sample,) = module._retimer.step_samples_of(family)  # the length's sample: the medians of its steps so far
+        assert sample.stage_times == observed_times(compiled), step
     assert recorder.steps == SAMPLED_STEPS and not recorder.recording
     # (the plan after each step: solved again after its first step, timed from one run each, after its third, at
     # once when made again after its fifth, and after its ninth)
@@ -1048,7 +1048,7 @@ def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept
     # the first shape planned again (as for another padding state, where plans are kept per padding state, or the
     # caller's autocast recipe): no size varies yet, so no capture is made (the next length makes it)
     module._plan_again(next(iter(module._planned)), (), _batch(64))
-    assert module._symbolic == {} and len(module.plans) == 1
+    assert module._families.symbolic == {} and len(module.plans) == 1
     captures = []
     for batch in (_batch(40), _batch(40, batch=1), _batch(40, batch=3)):
         for net in (module, reference):
@@ -1056,7 +1056,7 @@ def test_a_size_that_varies_later_is_made_symbolic_then_and_the_samples_are_kept
             torch.manual_seed(1)
             net(**batch).loss.backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
-        captures.append((next(iter(module._symbolic.values())), list(next(iter(module._samples.values())))))
+        captures.append((next(iter(module._families.symbolic.values())), list(next(iter(module._families.samples.values())))))
     # a batch of one row (export specializes a size of 1): not made symbolic, the capture and samples kept, the
     # shape exported on its own
     (seq_only, before), (kept, kept_samples), (both, after) = captures
@@ -1076,25 +1076,25 @@ def test_a_capture_that_does_not_take_the_shapes_before_does_not_replace_the_one
     """Where the capture made again for a shape that varies another size does not take the shapes the one before
     took (export kept a size fixed), the one before stays, with its samples, and the shape is exported on its
     own; the capture is not tried again for that size."""
-    from hierremat.api import whole_model
+    from hierremat.api import shape_families
 
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, vocab_size=VOCAB)
     module = hr.remat(model, (), _batch(64), budget="1GiB", settings=hr.Settings(cache=False))
     module(**_batch(40)).loss.backward()
-    seq_only, samples = next(iter(module._symbolic.values())), list(next(iter(module._samples.values())))
+    seq_only, samples = next(iter(module._families.symbolic.values())), list(next(iter(module._families.samples.values())))
     exports = []
 
     def batch_alone(model, args, kwargs, dims):  # (the sequence length left static: takes no shape before)
         exports.append(dims)
         return capture_symbolic(model, args, kwargs, frozenset(d for d in dims if d[1] == 0))
 
-    monkeypatch.setattr(whole_model, "capture_symbolic", batch_alone)
+    monkeypatch.setattr(shape_families, "capture_symbolic", batch_alone)
     for length in (40, 48):
         module(**_batch(length, batch=3)).loss.backward()
     assert len(exports) == 1  # (not tried again at the next shape of three rows)
-    assert next(iter(module._symbolic.values())) is seq_only
-    assert list(next(iter(module._samples.values())))[:len(samples)] == samples
+    assert next(iter(module._families.symbolic.values())) is seq_only
+    assert list(next(iter(module._families.samples.values())))[:len(samples)] == samples
     assert [p.capture_kind for p in module.plans][-2:] == ["exported", "exported"]
 
 
@@ -1166,7 +1166,7 @@ def test_a_first_batch_that_says_lengths_vary_is_captured_symbolically_at_once_a
     fitted from the four, and trains bitwise as plain, at a budget that makes it
     recompute, with the peaks within it (both meters in fp32; under bf16 autocast the tracker's, the one the budget
     counts on CPU)."""
-    from hierremat.api import whole_model
+    from hierremat.api import length_sampling, shape_families
 
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=2, n_embd=64, vocab_size=VOCAB)
@@ -1181,12 +1181,12 @@ def test_a_first_batch_that_says_lengths_vary_is_captured_symbolically_at_once_a
         module = hr.remat(model, (), first, budget=budget, settings=hr.Settings(cache=False, backward_autocast=False))
     assert module.plans[0].capture_kind == "specialized"
     assert bool(marked_dims((), first)) == (said == "marked")  # (the caller's marks kept: export deletes those it reads)
-    samples = next(iter(module._samples.values()))
+    samples = next(iter(module._families.samples.values()))
     assert sorted((v, s.times_measured) for s in samples for _, v in s.bindings[:1]) == [
         (16, True), (24, True), (32, True), (128, True)]
     measured = []
-    monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: measured.append("export"))
-    monkeypatch.setattr(whole_model, "sample_at", lambda *a, **k: measured.append("sample"))
+    monkeypatch.setattr(shape_families, "capture_symbolic", lambda *a, **k: measured.append("export"))
+    monkeypatch.setattr(length_sampling, "sample_at", lambda *a, **k: measured.append("sample"))
     batch = _batch(112, pad=2)
 
     def step(net):
@@ -1229,7 +1229,7 @@ def test_a_padded_attention_mask_or_dynamic_true_says_which_sizes_vary_at_the_fi
     reference = copy.deepcopy(model)
     module = hr.remat(model, (), _batch(64), budget="1GiB", settings=hr.Settings(cache=False, dynamic=True))
     assert module.plans[0].capture_kind == "specialized"
-    assert sorted(d for _, d in next(iter(module._symbolic.values())).symbolic_dims) == [0, 0, 0, 1, 1, 1]
+    assert sorted(d for _, d in next(iter(module._families.symbolic.values())).symbolic_dims) == [0, 0, 0, 1, 1, 1]
     for net in (module, reference):
         torch.manual_seed(1)
         net(**_batch(40, batch=3, pad=2)).loss.backward()
@@ -1237,7 +1237,7 @@ def test_a_padded_attention_mask_or_dynamic_true_says_which_sizes_vary_at_the_fi
     assert [p.capture_kind for p in module.plans] == ["specialized", "specialized"]
     static = hr.remat(model, (), padded, budget="1GiB", settings=hr.Settings(cache=False, dynamic=False))
     static(**_batch(40, pad=2))
-    assert static._symbolic == {} and [p.capture_kind for p in static.plans] == ["exported", "exported"]
+    assert static._families.symbolic == {} and [p.capture_kind for p in static.plans] == ["exported", "exported"]
     with pytest.raises(ValueError, match="dynamic must be None"):
         hr.remat(model, (), padded, budget="1GiB", settings=hr.Settings(cache=False, dynamic="yes"))
 
@@ -1274,10 +1274,10 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     marked batch that never varied; where the family's plans were all dropped since, its first shape comes again
     without that capture tried again; and a padded first batch's failed capture is not tried again at the second
     length, whose differing sizes are the ones it tried."""
-    from hierremat.api import whole_model
+    from hierremat.api import shape_families
 
     captured = []
-    monkeypatch.setattr(whole_model, "capture_symbolic", lambda *a, **k: captured.append(a[-1]))  # (fails)
+    monkeypatch.setattr(shape_families, "capture_symbolic", lambda *a, **k: captured.append(a[-1]))  # (fails)
     first = _batch(64)
     torch._dynamo.mark_dynamic(first["input_ids"], [0, 1])
     module = hr.remat(tiny_gpt2(n_layer=1, vocab_size=VOCAB), (), first, budget="1GiB",
@@ -1293,7 +1293,7 @@ def test_where_the_marked_capture_fails_the_second_shape_captures_the_sizes_that
     family = next(iter(module._planned.values())).family
     tried = len(captured)
     module(input_ids=first["input_ids"], labels=first["labels"])  # (another family: its own first-shape capture)
-    assert len(module._first_capture_failed) == 2 and all(c.family != family for c in module._planned.values())
+    assert len(module._families.first_capture_failed) == 2 and all(c.family != family for c in module._planned.values())
     module(**first)
     assert len(captured) == tried + 1 and len(module.plans) == 1
     # a padded first batch whose capture fails: the second length, varying the same sizes, does not try again
@@ -1339,9 +1339,9 @@ def test_a_second_shape_asks_for_shorter_lengths_and_narrowing_keeps_each_rows_p
     assert {v for s, v in symbolic.bindings((), kwargs).items() if str(s) in names} == {12}
     # the last row padded by 5: its first 12 tokens are not; its last 12 keep the padding, as RematModule cuts
     module = hr.remat(model, (), _batch(24, pad=3), budget="1GiB", settings=hr.Settings(cache=False))
-    _, suffix = module._narrowed(symbolic, (), batch, names, 12)
+    _, suffix = module._sampler.narrowed(symbolic, (), batch, names, 12)
     assert all(torch.equal(suffix[key], value[:, -12:]) for key, value in batch.items())
-    _, prefix = module._narrowed(symbolic, (), _batch(32), names, 12)  # no padding: the first tokens
+    _, prefix = module._sampler.narrowed(symbolic, (), _batch(32), names, 12)  # no padding: the first tokens
     assert all(torch.equal(prefix[key], value[:, :12]) for key, value in _batch(32).items())
     # a shorter length is only measured from the symbolic capture, never exported on its own
     with pytest.raises(ValueError, match="does not hold"):

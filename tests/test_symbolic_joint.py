@@ -146,7 +146,7 @@ def test_plans_re_costed_at_each_length_run_one_program_per_option_and_train_bit
     module = hr.remat(model, (), _batch(64, pad=3), budget=int(0.45 * plain),
                       settings=hr.Settings(cache=False, defer_block_options=False))
     for step, length in enumerate((64, 60, 62, 58, 63, 61)):
-        module._recost_seconds = 0.0  # (re-costing taken to be free: at each length's first call)
+        module._building.recost_seconds = 0.0  # (re-costing taken to be free: at each length's first call)
         batch = _batch(length, pad=1 + step % 3, seed=step)
         for m in (module, reference):
             torch.manual_seed(step)
@@ -162,11 +162,11 @@ def test_plans_re_costed_at_each_length_run_one_program_per_option_and_train_bit
     common = set(programs[0]) & set(programs[-1])
     assert common and all(programs[0][k] is programs[-1][k] for k in common)
     # forgotten with the family, their fx sources too
-    (shared,) = module._programs.values()
+    (shared,) = module._families.programs.values()
     held = [key for key in source_keys(shared.graph_modules()) if key in _eval_cache()]
     assert held
-    module._forget_family(family[0].family)
-    assert not module._programs and not any(key in _eval_cache() for key in held)
+    module._families.forget(family[0].family)
+    assert not module._families.programs and not any(key in _eval_cache() for key in held)
 
 
 def test_the_fused_head_is_made_once_for_every_shape_of_a_family(monkeypatch):

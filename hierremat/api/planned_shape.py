@@ -112,7 +112,7 @@ class PlannedShape:
         self.chain = chain
         self._plan = plan
         self.chain_module = chain_module
-        self.family: tuple = ()  # the inputs' _family_key, set by RematModule
+        self.family: tuple = ()  # the inputs' family_key (hierremat.api.shape_families), set by RematModule
         self.sample: ShapeSample | None = None  # its measured costs (None: fitted, or run from a saved plan)
         self.bindings: dict | None = None  # its sizes by symbol in the symbolic capture it was planned with
         self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
@@ -126,10 +126,10 @@ class PlannedShape:
         self.menus_from_cache = False  # ProfiledChain.menus_from_cache: block options built only as the cache had them
         self.steps_without = 1  # steps run without block options not re-costed (block_gain), the first included
         self.reduced_fit = False  # its times fitted from fewer shapes timed than the monomials (ShapeFit.reduced)
-        self.family_timed = 0  # its family's shapes timed when it was planned (RematModule._timed_count)
+        self.family_timed = 0  # its family's shapes timed when it was planned (StepRetimer.timed_count)
         self.one_run = False  # measured from one timed run each (ProfiledChain.one_run): also after its first step
-        self.retimed_steps = 0  # its steps whose times it was last solved from (RematModule._retime)
-        self.steps_sampled = 0  # its steps whose times are in its family's step samples (RematModule._step_samples)
+        self.retimed_steps = 0  # its steps whose times it was last solved from (StepRetimer.retime)
+        self.steps_sampled = 0  # its steps whose times are in its family's step samples (StepRetimer.step_samples_of)
         self.recipe_warned = False  # a saved plan run under the other autocast recipe: warned once
         self.copies_warned = False  # a saved plan run by a caller that copies the outputs to fp32: warned once
         self.dispatch: nn.Module | None = None  # running its family's size-generic graphs: their ChainDispatch
@@ -199,7 +199,7 @@ class PlannedShape:
     @property
     def times_note(self) -> str:
         """What its plan's ``times`` says of how its times are known besides the fit (ONE_RUN_NOTE, or the training
-        steps it was solved again from: RematModule._retime), or nothing."""
+        steps it was solved again from: StepRetimer.retime), or nothing."""
         if self.retimed_steps:
             return f"; times from its first {self.retimed_steps} training steps"
         return ONE_RUN_NOTE if self.one_run else ""

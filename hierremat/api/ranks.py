@@ -54,7 +54,7 @@ def ranks_plan(shape_key, plans: bool, refuses: bool = False, retime: bool | Non
     (rank 0's), as at the first call after fully_shard. Returns (whether any rank plans, whether any refuses to:
     ``refuses``, a new shape with ``on_new_shape="error"``, whether every rank solves its plan again from its training
     steps' times now: ``retime``, whether this rank's is due to be, None where it runs no sharded plan to solve
-    again; every rank then does where none plans and rank 0's is due, a collective: RematModule._retime)."""
+    again; every rank then does where none plans and rank 0's is due, a collective: StepRetimer.retime)."""
     import torch.distributed as dist
 
     if rank_count() == 1:

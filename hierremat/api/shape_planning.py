@@ -236,7 +236,7 @@ class ProfiledChain:
         fits), and builds no menu, not even the fused head's. one_run: a shape measured (not fitted) is timed from one
         run of each of its stages' no-grad forward, forward and backward after the memory runs, not the medians of
         PROFILE_REPEATS (two thirds of the timed runs, a third of a 4-layer GPT-2's profile, saved): where its
-        training steps time it (RematModule._times_from_steps), which solve its plan again from theirs. (The memory
+        training steps time it (StepRetimer.times_from_steps), which solve its plan again from theirs. (The memory
         runs' own times are no estimate: the allocator meter's recording made them up to 50% slower.) menus: False
         builds no menu, not even the fused head's (a shape measured to fit others from: sample_at's ``one_run``)."""
         started = time.perf_counter()
@@ -511,9 +511,9 @@ def plan_shape(
     """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
     samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
     span this shape, its times are fitted from them and only its memory is measured. steps_time: the training steps
-    time this shape (RematModule._times_from_steps): its times are fitted, where too few shapes are timed, from fewer
+    time this shape (StepRetimer.times_from_steps): its times are fitted, where too few shapes are timed, from fewer
     than a fit's monomials too (ShapeFit.of's ``reduced``), and where it is measured, it is timed from one run each;
-    its plan is solved again from its steps' times once they are recorded (RematModule._retime). shards: the model is
+    its plan is solved again from its steps' times once they are recorded (StepRetimer.retime). shards: the model is
     sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
     output_released: how the caller used the output at the inputs' other shapes (ProfiledChain.solve).
     recost_seconds: what re-costing block options at a fitted shape takes (profile_and_solve). upcasts: the caller

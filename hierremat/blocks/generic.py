@@ -6,8 +6,8 @@ orchestrator) with every SizeLiteral computed from the sizes of its own inputs a
 and integer arithmetic on them, as the symbolic program computes it), so that one copy runs at every shape
 of the capture. :func:`same_but_sizes` checks that the graph specialized at another shape is the same
 program: the same nodes, arguments and attributes, each SizeLiteral standing for the same size. Where it is,
-that shape runs the generic copy and keeps no graph of its own (hierremat.api.whole_model.RematModule.
-_share_graphs); where it is not (a pass that decided by a size, a slice whole at one length only), the shape
+that shape runs the generic copy and keeps no graph of its own (hierremat.api.shape_families.
+ShapeFamilies.share_graphs); where it is not (a pass that decided by a size, a slice whole at one length only), the shape
 keeps its own.
 """
 
