@@ -66,179 +66,220 @@ def simulate(costs: ChainCosts, schedule: ChainSchedule | tuple, *, output_grad_
     before its forward, a missing Loss, or an unfinished backward.
     """
     ops = schedule.ops if isinstance(schedule, ChainSchedule) else tuple(schedule)
-    L = costs.length
-    a = costs.activation_bytes
-    holders: dict[int, set] = {0: {"input"}}  # activation index -> who holds it
-    grad_alive: set[int] = set()
-    tapes: dict[int, int] = {}  # stage -> option index of its live F_all tape
-    done_backward: set[int] = set()
-    state = {"used": 0, "caller_part": 0}
-    made: set[int] = set()  # stages whose residents exist
-    clock = 0.0
-    loss_done = False
+    replay = _Replay(costs, output_grad_persists)
     timeline = []
-    copy_started: dict[int, float] = {}  # x_i -> when the F_ck(i) its offload copy runs beside began
-    offloaded: set[int] = set()
-    kept_away: dict[int, bool] = {}  # stage whose tape's kept values are in the second tier -> whether x_i is too
-
-    def hold(j: int, who) -> None:
-        if j not in holders:
-            holders[j] = set()
-            state["used"] += 0 if j == 0 else a[j]
-        holders[j].add(who)
-
-    def release(j: int, who) -> None:
-        if j in holders:
-            holders[j].discard(who)
-            if not holders[j]:
-                del holders[j]
-                state["used"] -= a[j] - (state["caller_part"] if j == L else 0)
-
-    def fail(idx: int, op, why: str):
-        raise InvalidScheduleError(f"op {idx} ({op}): {why}")
-
     for idx, op in enumerate(ops):
-        before = state["used"]
-        if isinstance(op, (FNone, FCk, FAll)):
-            i = op.stage
-            if not 0 <= i < L:
-                fail(idx, op, f"stage out of range 0..{L - 1}")
-            if i in done_backward:
-                fail(idx, op, "forward of a stage whose backward is done")
-            if i in tapes:
-                fail(idx, op, f"stage {i} already holds a tape")
-            if "chain" not in holders.get(i, ()) and i != 0:
-                fail(idx, op, f"its input x_{i} is not in memory (missing checkpoint)")
-            if (i + 1) in holders:
-                fail(idx, op, f"x_{i + 1} is already in memory")
-            if isinstance(op, FAll):
-                if not 0 <= op.option < len(costs.stages[i].options):
-                    fail(idx, op, "option out of range")
-                opt = costs.stages[i].options[op.option]
-                peak_op = before + opt.fwd_overhead_bytes
-                state["used"] += opt.kept_bytes
-                tapes[i] = op.option
-                clock += opt.fwd_time
-                if opt.pins_output:
-                    hold(i + 1, ("tape", i))
-                if opt.pins_input:
-                    hold(i, ("tape", i))
-            else:
-                peak_op = before + costs.stages[i].nograd_fwd_overhead_bytes
-                if isinstance(op, FCk):
-                    copy_started[i] = clock
-                clock += costs.stages[i].nograd_fwd_time
-            if i not in made:
-                made.add(i)
-                state["used"] += costs.resident_values_of(i)
-            if i + 1 == L:
-                hold(L, "caller")
-            elif (i + 1) not in grad_alive:
-                hold(i + 1, "chain")
-            if not isinstance(op, FCk) and i != 0:
-                release(i, "chain")
-        elif isinstance(op, Offload):
-            # x_i's copy out began with F_ck(i) and ran beside the compute since; what it did not finish
-            # is a stall, then x_i leaves the device (Beaumont, Eyraud-Dubois and Shilova, NeurIPS 2021)
-            i = op.stage
-            if costs.tier is None:
-                fail(idx, op, "the costs have no second tier")
-            if not 0 < i < L or holders.get(i) != {"chain"}:
-                fail(idx, op, f"x_{i} is not a checkpoint the chain alone holds")
-            hidden = clock - copy_started.get(i, clock)
-            clock += max(0.0, costs.tier.offload_seconds(a[i]) - hidden)
-            peak_op = before
-            release(i, "chain")
-            offloaded.add(i)
-        elif isinstance(op, Fetch):
-            i = op.stage
-            if i not in offloaded:
-                fail(idx, op, f"x_{i} was not offloaded")
-            offloaded.discard(i)
-            clock += costs.tier.fetch_seconds(a[i])
-            hold(i, "chain")
-            peak_op = state["used"]
-        elif isinstance(op, OffloadKept):
-            i = op.stage
-            if costs.tier is None:
-                fail(idx, op, "the costs have no second tier")
-            if i not in tapes or i in kept_away:
-                fail(idx, op, f"no tape of F_all({i}) with its kept values on the device")
-            opt = costs.stages[i].options[tapes[i]]
-            if not opt.kept_offloadable:
-                fail(idx, op, f"option {tapes[i]} of stage {i} keeps nothing that can be offloaded")
-            clock += costs.tier.offload_seconds(opt.kept_bytes)
-            peak_op = before
-            state["used"] -= opt.kept_bytes
-            kept_away[i] = False
-            if op.with_input:  # x_i goes with them
-                if not (opt.pins_input and i > 0 and holders.get(i) == {("tape", i)}):
-                    fail(idx, op, f"x_{i} is not held by the tape of F_all({i}) alone")
-                clock += costs.tier.offload_seconds(a[i])
-                release(i, ("tape", i))
-                kept_away[i] = True
-        elif isinstance(op, FetchKept):
-            i = op.stage
-            if i not in kept_away:
-                fail(idx, op, f"the kept values of stage {i} were not offloaded")
-            opt = costs.stages[i].options[tapes[i]]
-            clock += costs.tier.fetch_seconds(opt.kept_bytes)
-            state["used"] += opt.kept_bytes
-            if kept_away.pop(i):
-                clock += costs.tier.fetch_seconds(a[i])
-                hold(i, ("tape", i))
-            peak_op = state["used"]
-        elif isinstance(op, Loss):
-            if loss_done:
-                fail(idx, op, "second Loss")
-            if L not in holders:
-                fail(idx, op, f"the chain output x_{L} was not computed")
-            loss_done = True
-            state["used"] += costs.output_grad + sum(r.grad_bytes for r in costs.residents if r.exported)
-            grad_alive.add(L)
-            peak_op = state["used"]
-            if costs.held_output < a[L]:
-                # the caller keeps only part of x_L: it stays whole while a tape pins it
-                state["caller_part"] = costs.held_output
-                release(L, "caller")
-        elif isinstance(op, Backward):
-            i = op.stage
-            if not 0 <= i < L:
-                fail(idx, op, f"stage out of range 0..{L - 1}")
-            if i not in tapes:
-                fail(idx, op, f"no F_all({i}) ran before it")
-            if (i + 1) not in grad_alive:
-                fail(idx, op, f"gradient of x_{i + 1} not available")
-            if i in kept_away:
-                fail(idx, op, f"the kept values of stage {i} are in the second tier (no Fetch_kept({i}))")
-            opt = costs.stages[i].options[tapes.pop(i)]
-            peak_op = before + costs.bwd_overhead(i, opt)
-            clock += opt.bwd_time
-            state["used"] -= opt.kept_bytes
-            release(i, ("tape", i))
-            release(i + 1, ("tape", i))
-            if i + 1 < L or not output_grad_persists:
-                grad_alive.discard(i + 1)
-                state["used"] -= a[i + 1] if i + 1 < L else costs.output_grad
-            grad_alive.add(i)
-            state["used"] += costs.grad_bytes(i) + costs.step_grad(i)
-            for r in costs.residents:
-                if r.last_reader == i and r.readers and not r.exported:
-                    state["used"] += r.grad_bytes
-                if r.producer == i:
-                    state["used"] -= r.grad_bytes + (0 if r.exported else r.value_bytes)
-            done_backward.add(i)
-        else:
-            fail(idx, op, "unknown op type")
-        used = state["used"]
-        peak_op = max(peak_op, used)
-        timeline.append(MemoryEvent(idx, str(op), before, peak_op, used, clock))
-
-    if not loss_done:
-        raise InvalidScheduleError("schedule has no Loss op")
-    if len(done_backward) != L or tapes:
-        raise InvalidScheduleError(f"schedule ends before the backward of every stage (tapes left: {sorted(tapes)})")
-    if offloaded:
-        raise InvalidScheduleError(f"schedule ends with x_{min(offloaded)} offloaded and never fetched")
+        before = replay.used
+        step = replay.step_of(op)
+        if step is None:
+            raise InvalidScheduleError(f"op {idx} ({op}): unknown op type")
+        try:
+            peak_op = step(op)
+        except _Refused as refused:
+            raise InvalidScheduleError(f"op {idx} ({op}): {refused}") from None
+        timeline.append(MemoryEvent(idx, str(op), before, max(peak_op, replay.used), replay.used, replay.clock))
+    replay.check_finished()
     peak = max(event.peak_bytes for event in timeline)
-    return SimulationResult(time=clock, peak_bytes=peak, timeline=tuple(timeline))
+    return SimulationResult(time=replay.clock, peak_bytes=peak, timeline=tuple(timeline))
+
+
+class _Refused(Exception):
+    """An op the replay refuses (simulate names the op)."""
+
+
+class _Replay:
+    """The state of a replay: who holds each activation, the live tapes, the bytes in use and the clock (s).
+    Each op's method checks the op, applies it, and returns its peak (bytes)."""
+
+    def __init__(self, costs: ChainCosts, output_grad_persists: bool):
+        self.costs = costs
+        self.output_grad_persists = output_grad_persists
+        self.L = costs.length
+        self.a = costs.activation_bytes
+        self.holders: dict[int, set] = {0: {"input"}}  # activation index -> who holds it
+        self.grad_alive: set[int] = set()
+        self.tapes: dict[int, int] = {}  # stage -> option index of its live F_all tape
+        self.done_backward: set[int] = set()
+        self.used = 0
+        self.caller_part = 0  # the bytes of x_L the caller keeps after the Loss, where it keeps only part
+        self.made: set[int] = set()  # stages whose residents exist
+        self.clock = 0.0
+        self.loss_done = False
+        self.copy_started: dict[int, float] = {}  # x_i -> when the F_ck(i) its offload copy runs beside began
+        self.offloaded: set[int] = set()
+        self.kept_away: dict[int, bool] = {}  # stage whose tape's kept values are in the second tier -> x_i too
+
+    def step_of(self, op):
+        """The method that replays ``op``, or None for an unknown op."""
+        steps = {FNone: self.forward, FCk: self.forward, FAll: self.forward, Offload: self.offload,
+                 Fetch: self.fetch, OffloadKept: self.offload_kept, FetchKept: self.fetch_kept, Loss: self.loss,
+                 Backward: self.backward}
+        return next((step for kind, step in steps.items() if isinstance(op, kind)), None)
+
+    def hold(self, j: int, who) -> None:
+        if j not in self.holders:
+            self.holders[j] = set()
+            self.used += 0 if j == 0 else self.a[j]
+        self.holders[j].add(who)
+
+    def release(self, j: int, who) -> None:
+        if j in self.holders:
+            self.holders[j].discard(who)
+            if not self.holders[j]:
+                del self.holders[j]
+                self.used -= self.a[j] - (self.caller_part if j == self.L else 0)
+
+    def _check_forward(self, op) -> None:
+        i, L = op.stage, self.L
+        if not 0 <= i < L:
+            raise _Refused(f"stage out of range 0..{L - 1}")
+        if i in self.done_backward:
+            raise _Refused("forward of a stage whose backward is done")
+        if i in self.tapes:
+            raise _Refused(f"stage {i} already holds a tape")
+        if "chain" not in self.holders.get(i, ()) and i != 0:
+            raise _Refused(f"its input x_{i} is not in memory (missing checkpoint)")
+        if (i + 1) in self.holders:
+            raise _Refused(f"x_{i + 1} is already in memory")
+        if isinstance(op, FAll) and not 0 <= op.option < len(self.costs.stages[i].options):
+            raise _Refused("option out of range")
+
+    def forward(self, op) -> int:
+        self._check_forward(op)
+        i, stage = op.stage, self.costs.stages[op.stage]
+        if isinstance(op, FAll):
+            opt = stage.options[op.option]
+            peak_op = self.used + opt.fwd_overhead_bytes
+            self.used += opt.kept_bytes
+            self.tapes[i] = op.option
+            self.clock += opt.fwd_time
+            if opt.pins_output:
+                self.hold(i + 1, ("tape", i))
+            if opt.pins_input:
+                self.hold(i, ("tape", i))
+        else:
+            peak_op = self.used + stage.nograd_fwd_overhead_bytes
+            if isinstance(op, FCk):
+                self.copy_started[i] = self.clock
+            self.clock += stage.nograd_fwd_time
+        if i not in self.made:
+            self.made.add(i)
+            self.used += self.costs.resident_values_of(i)
+        if i + 1 == self.L:
+            self.hold(self.L, "caller")
+        elif (i + 1) not in self.grad_alive:
+            self.hold(i + 1, "chain")
+        if not isinstance(op, FCk) and i != 0:
+            self.release(i, "chain")
+        return peak_op
+
+    def offload(self, op) -> int:
+        # x_i's copy out began with F_ck(i) and ran beside the compute since; what it did not finish
+        # is a stall, then x_i leaves the device (Beaumont, Eyraud-Dubois and Shilova, NeurIPS 2021)
+        i = op.stage
+        if self.costs.tier is None:
+            raise _Refused("the costs have no second tier")
+        if not 0 < i < self.L or self.holders.get(i) != {"chain"}:
+            raise _Refused(f"x_{i} is not a checkpoint the chain alone holds")
+        hidden = self.clock - self.copy_started.get(i, self.clock)
+        self.clock += max(0.0, self.costs.tier.offload_seconds(self.a[i]) - hidden)
+        peak_op = self.used
+        self.release(i, "chain")
+        self.offloaded.add(i)
+        return peak_op
+
+    def fetch(self, op) -> int:
+        i = op.stage
+        if i not in self.offloaded:
+            raise _Refused(f"x_{i} was not offloaded")
+        self.offloaded.discard(i)
+        self.clock += self.costs.tier.fetch_seconds(self.a[i])
+        self.hold(i, "chain")
+        return self.used
+
+    def offload_kept(self, op) -> int:
+        i, tier = op.stage, self.costs.tier
+        if tier is None:
+            raise _Refused("the costs have no second tier")
+        if i not in self.tapes or i in self.kept_away:
+            raise _Refused(f"no tape of F_all({i}) with its kept values on the device")
+        opt = self.costs.stages[i].options[self.tapes[i]]
+        if not opt.kept_offloadable:
+            raise _Refused(f"option {self.tapes[i]} of stage {i} keeps nothing that can be offloaded")
+        self.clock += tier.offload_seconds(opt.kept_bytes)
+        peak_op = self.used
+        self.used -= opt.kept_bytes
+        self.kept_away[i] = False
+        if op.with_input:  # x_i goes with them
+            if not (opt.pins_input and i > 0 and self.holders.get(i) == {("tape", i)}):
+                raise _Refused(f"x_{i} is not held by the tape of F_all({i}) alone")
+            self.clock += tier.offload_seconds(self.a[i])
+            self.release(i, ("tape", i))
+            self.kept_away[i] = True
+        return peak_op
+
+    def fetch_kept(self, op) -> int:
+        i = op.stage
+        if i not in self.kept_away:
+            raise _Refused(f"the kept values of stage {i} were not offloaded")
+        opt = self.costs.stages[i].options[self.tapes[i]]
+        self.clock += self.costs.tier.fetch_seconds(opt.kept_bytes)
+        self.used += opt.kept_bytes
+        if self.kept_away.pop(i):
+            self.clock += self.costs.tier.fetch_seconds(self.a[i])
+            self.hold(i, ("tape", i))
+        return self.used
+
+    def loss(self, op) -> int:
+        costs, L = self.costs, self.L
+        if self.loss_done:
+            raise _Refused("second Loss")
+        if L not in self.holders:
+            raise _Refused(f"the chain output x_{L} was not computed")
+        self.loss_done = True
+        self.used += costs.output_grad + sum(r.grad_bytes for r in costs.residents if r.exported)
+        self.grad_alive.add(L)
+        peak_op = self.used
+        if costs.held_output < self.a[L]:
+            # the caller keeps only part of x_L: it stays whole while a tape pins it
+            self.caller_part = costs.held_output
+            self.release(L, "caller")
+        return peak_op
+
+    def backward(self, op) -> int:
+        i, costs, L = op.stage, self.costs, self.L
+        if not 0 <= i < L:
+            raise _Refused(f"stage out of range 0..{L - 1}")
+        if i not in self.tapes:
+            raise _Refused(f"no F_all({i}) ran before it")
+        if (i + 1) not in self.grad_alive:
+            raise _Refused(f"gradient of x_{i + 1} not available")
+        if i in self.kept_away:
+            raise _Refused(f"the kept values of stage {i} are in the second tier (no Fetch_kept({i}))")
+        opt = costs.stages[i].options[self.tapes.pop(i)]
+        peak_op = self.used + costs.bwd_overhead(i, opt)
+        self.clock += opt.bwd_time
+        self.used -= opt.kept_bytes
+        self.release(i, ("tape", i))
+        self.release(i + 1, ("tape", i))
+        if i + 1 < L or not self.output_grad_persists:
+            self.grad_alive.discard(i + 1)
+            self.used -= self.a[i + 1] if i + 1 < L else costs.output_grad
+        self.grad_alive.add(i)
+        self.used += costs.grad_bytes(i) + costs.step_grad(i)
+        for r in costs.residents:
+            if r.last_reader == i and r.readers and not r.exported:
+                self.used += r.grad_bytes
+            if r.producer == i:
+                self.used -= r.grad_bytes + (0 if r.exported else r.value_bytes)
+        self.done_backward.add(i)
+        return peak_op
+
+    def check_finished(self) -> None:
+        if not self.loss_done:
+            raise InvalidScheduleError("schedule has no Loss op")
+        if len(self.done_backward) != self.L or self.tapes:
+            raise InvalidScheduleError(
+                f"schedule ends before the backward of every stage (tapes left: {sorted(self.tapes)})")
+        if self.offloaded:
+            raise InvalidScheduleError(f"schedule ends with x_{min(self.offloaded)} offloaded and never fetched")
