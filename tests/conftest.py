@@ -76,6 +76,21 @@ def fresh_session():
         yield session
 
 
+#: Seconds a block ILP's solves and sweep get under ``unhurried_ilp``: enough for a small block on a loaded runner.
+UNHURRIED_SECONDS = 600.0
+
+
+@pytest.fixture
+def unhurried_ilp(monkeypatch):
+    """Block menus solved without their default wall-clock limits (MENU_TIME_LIMIT per solve, MENU_SWEEP_LIMIT per
+    sweep): a test of what the solver finds, not of how fast a loaded machine finds it."""
+    from hierremat.ilp import options
+    from hierremat.planning import menus
+
+    monkeypatch.setitem(options.solve_menu.__kwdefaults__, "sweep_limit", UNHURRIED_SECONDS)
+    monkeypatch.setitem(menus.build_menus.__kwdefaults__, "time_limit", UNHURRIED_SECONDS)
+
+
 @pytest.fixture
 def interpreted_triton_kernels(_interpreted_triton_module, monkeypatch):
     """hierremat.ops.triton_kernels built by Triton's interpreter, so that its launchers run

@@ -51,7 +51,7 @@ def test_gpt2_gradients_and_memory():
 
 
 @pytest.mark.parametrize("variants", [True, False])
-def test_whole_graph_segmentation_solves_everything_before_the_head_as_one_block(variants):
+def test_whole_graph_segmentation_solves_everything_before_the_head_as_one_block(variants, unhurried_ilp):
     torch.manual_seed(3)
     model = tiny_gpt2(n_layer=2)
     ids = torch.randint(0, 256, (2, 32))

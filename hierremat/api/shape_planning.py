@@ -501,30 +501,44 @@ def profile_and_solve(
     return profiled, chain_plan, compiled
 
 
-def plan_shape(
-    model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None, settings: PlanSettings,
-    symbolic: SymbolicCapture | None = None, samples: Sequence[ShapeSample] = (), shards: bool = False,
-    output_released: tuple[bool, ...] | None = None, recost_seconds: float | None = None, upcasts: bool = False,
-    defer: bool = False, steps_time: bool = False, profiling: bool = False,
-    programs_for: Callable[[ChainGraph], FamilyPrograms | None] | None = None,
-) -> PlannedShape:
-    """Capture (specialized from ``symbolic`` where it holds at these inputs), profile and plan, or run ``plan``.
-    samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they
-    span this shape, its times are fitted from them and only its memory is measured. steps_time: the training steps
-    time this shape (StepRetimer.times_from_steps): its times are fitted, where too few shapes are timed, from fewer
-    than a fit's monomials too (ShapeFit.of's ``reduced``), and where it is measured, it is timed from one run each;
-    its plan is solved again from its steps' times once they are recorded (StepRetimer.retime). shards: the model is
-    sharded with FSDP2 and planned here within hierremat.runtime.fsdp.without_weights (RematModule._add_sharded).
-    output_released: how the caller used the output at the inputs' other shapes (ProfiledChain.solve).
-    recost_seconds: what re-costing block options at a fitted shape takes (profile_and_solve). upcasts: the caller
-    copies the fp16/bf16 outputs to fp32 (hierremat.blocks.hf.upcasts_outputs): the copies are planned for.
-    defer: a measured shape may be planned without block options, none built yet (profile_and_solve). profiling:
-    the caller's torch.profiler session runs: block options are put off where the budget allows (profile_and_solve).
-    programs_for: the joint graphs and programs of the size-generic chain a chain specialized from ``symbolic`` runs
-    (hierremat.planning.family_programs; None where it runs none yet): its block options are costed and run on them."""
+@dataclass(frozen=True)
+class ShapeRequest:
+    """What RematModule knows about one input shape it asks plan_shape for, beside the model, inputs, budget and
+    settings (each field's default: a shape planned on its own, as hierremat.plan plans one).
+
+    symbolic: the family's symbolic capture (hierremat.blocks.symbolic); the shape is specialized from it where it
+    holds. samples: times measured at other shapes of these inputs (hierremat.planning.shape_fit): where they span
+    this shape, its times are fitted from them and only its memory is measured. shards: the model is sharded with
+    FSDP2 and planned within hierremat.runtime.fsdp.without_weights. output_released: how the caller used the output
+    at the inputs' other shapes (ProfiledChain.solve). recost_seconds: what re-costing block options at a fitted
+    shape takes (s; profile_and_solve). upcasts: the caller copies the fp16/bf16 outputs to fp32
+    (hierremat.blocks.hf.upcasts_outputs): the copies are planned for. defer: a measured shape may be planned without
+    block options, none built yet. steps_time: the training steps time this shape (StepRetimer.times_from_steps): its
+    times are fitted, where too few shapes are timed, from fewer than a fit's monomials too (ShapeFit.of's
+    ``reduced``), and where it is measured, it is timed from one run each. profiling: the caller's torch.profiler
+    session runs: block options are put off where the budget allows. programs_for: the joint graphs and programs of
+    the size-generic chain a chain specialized from ``symbolic`` runs (hierremat.planning.family_programs; None where
+    it runs none yet): its block options are costed and run on them."""
+
+    symbolic: SymbolicCapture | None = None
+    samples: tuple[ShapeSample, ...] = ()
+    shards: bool = False
+    output_released: tuple[bool, ...] | None = None
+    recost_seconds: float | None = None
+    upcasts: bool = False
+    defer: bool = False
+    steps_time: bool = False
+    profiling: bool = False
+    programs_for: Callable[[ChainGraph], FamilyPrograms | None] | None = None
+
+
+def plan_shape(model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | None, plan: ModelPlan | None,
+               settings: PlanSettings, request: ShapeRequest = ShapeRequest()) -> PlannedShape:
+    """Capture (specialized from ``request.symbolic`` where it holds at these inputs), profile and plan within
+    ``budget_bytes``, or run ``plan``, a saved plan; the shape's plan made runnable."""
     started = time.perf_counter()
     model = uncompiled(model)
-    if is_sharded(model) and not shards:
+    if is_sharded(model) and not request.shards:
         raise UnsupportedModelError(
             f"{type(model).__name__} is already sharded with fully_shard: hierremat plans the whole model first. Call "
             "hierremat.remat(model, ...) before fully_shard (as activation checkpointing is applied before it), then "
@@ -538,107 +552,142 @@ def plan_shape(
         if plan is not None:
             raise UnsupportedModelError("a saved plan runs on a materialized model: call remat(..., plan=) after "
                                         "to_empty and initialization, or plan the model on meta here")
-        symbolic = None  # (each shape of a model without weights is exported on meta)
+        request = replace(request, symbolic=None)  # (each shape of a model without weights is exported on meta)
         autocast = AutocastState.capture((lent_to.type,))
     chain, x0, shared, capture_seconds, specialized = captured_chain(
-        model, args, kwargs, settings, autocast, started, symbolic, lent_to
+        model, args, kwargs, settings, autocast, started, request.symbolic, lent_to
     )
-    signatures = [info.signature for info in chain.infos]
-    menus = None
-    fitted = None
+    symbolic = request.symbolic
     bindings = symbolic.bindings(args, kwargs) if symbolic is not None else None
-    if plan is None and bindings and specialized:
-        fitted = ShapeFit.of(samples, bindings, chain_pattern(signatures), reduced=steps_time)
-    sample = None
-    profiled = None
     if plan is None:
-        with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
-            profiled, chain_plan, compiled = profile_and_solve(
-                chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
-                output_released, recost_seconds, chain.half_outputs_in_fp32_bytes if upcasts else 0, defer,
-                one_run=steps_time and fitted is None, profiling=profiling,
-                programs=programs_for(chain) if programs_for is not None and specialized and lent_to is None else None,
-            )
-        if fitted is None:
-            sample = profiled.sample()
-        elif fitted.unfitted_memory is None and profiled.profile.memory_trace is not None:
-            sample = profiled.sample(times_measured=False)  # its memory measured in full: for memory fits
+        fitted = (ShapeFit.of(request.samples, bindings, chain_pattern([info.signature for info in chain.infos]),
+                              reduced=request.steps_time) if bindings and specialized else None)
+        profiled, plan, sample = _profiled_plan(model, chain, x0, shared, settings, started, fitted, budget_bytes,
+                                                request, lent_to, capture_seconds, specialized)
         menus = profiled.menus
-        plan = replace(profiled.model_plan(chain_plan, capture_seconds, compiled, specialized), lent_weight_bytes=lent)
-        log.info(
-            "planned %s: %d stages, predicted peak %s, step %.1f ms", type(model).__name__, len(plan.stages),
-            format_bytes(plan.predicted_peak_bytes), plan.predicted_step_time * 1e3,
-        )
-        if log.isEnabledFor(logging.DEBUG):  # (a summary replays the plan: not on every new shape unasked)
-            log.debug("%s", plan.summary())
     else:
-        if plan.chain.autocast != autocast.describe():
-            raise ValueError(
-                f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "
-                "call hierremat.plan/remat under the autocast context you train with"
-            )
-        if plan.signatures != tuple(signatures):
-            raise ValueError(
-                "plan does not match this model and input: its stages have other signatures "
-                f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
-            )
-        if plan.cost_model != cost_model_version():
-            log.warning(
-                "the saved plan's costs were measured by %s and this hierremat measures as %s: its predicted peak and "
-                "times may differ from what it would plan now; plan again (hierremat.plan) and save the new plan",
-                f"the cost model {plan.cost_model}" if plan.cost_model else "a hierremat that did not record its cost model",
-                cost_model_version(),
-            )
-        if plan.menus or options_used(plan.chain.schedule):  # (a fused head alone is an option with no menu stored)
-            stored = {sig: m.menu if isinstance(m, PlanMenu) else StageMenu.from_dict(m)  # (one made here: its menu)
-                      for sig, m in plan.menus.items()}
-            menus = build_menus(
-                chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents,
-                backward_autocast=plan.backward_autocast,
-            )
-            if plan.compiled:  # its costs are those of compiled options and forwards: run them so
-                if computes_in_low_precision(chain.stages, x0.device, x0):
-                    log.warning(
-                        "the saved plan runs its block options compiled by Inductor, and the model computes in bf16 or "
-                        "fp16 here: their gradients then differ from plain autograd's by an ulp or more (Inductor keeps "
-                        "fp32 between the operations it fuses); plan again with compile='auto' or False for eager block "
-                        "options, whose gradients are plain autograd's"
-                    )
-                offer_compiled(menus)
-                compile_options(
-                    menus, options_used(plan.chain.schedule), chain.stages, x0, shared, settings.inductor_cache(),
-                    measure=False,
-                )
-                compiled_forwards = {i for i, st in enumerate(plan.chain.costs.stages) if st.nograd_form == "compiled"}
-                if compiled_forwards:
-                    compile_forwards(
-                        menus, chain.stages, x0, shared, settings.inductor_cache(), wanted=compiled_forwards,
-                        measure=False,
-                    )
+        fitted = profiled = sample = None
+        menus = _saved_plan_menus(plan, chain, x0, shared, settings, autocast)
+    shape = _runnable(chain, plan, menus, settings, x0)
+    shape.sample, shape.saved = sample, profiled is None
+    if lent_to is not None:  # other forms (the fused head) were made while weights were lent: give them back
+        bind_to_model(shape.graphs(), model)
+        shape.lent = True
+    shape.bindings = bindings
+    shape.reduced_fit = fitted is not None and fitted.reduced
+    if profiled is not None:
+        _take_profile(shape, profiled)
+    shape.skeleton = pytree.tree_map(
+        lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
+    )
+    return shape
+
+
+def _profiled_plan(model: nn.Module, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings,
+                   started: float, fitted: ShapeFit | None, budget_bytes: int | None, request: ShapeRequest,
+                   lent_to: torch.device | None, capture_seconds: float,
+                   specialized: bool) -> tuple[ProfiledChain, ModelPlan, ShapeSample | None]:
+    """Profile the chain (its weights lent on ``lent_to`` where the model is on meta) and solve its plan: the
+    profiled chain, the plan, and the shape's sample (where measured; its memory alone where fitted and measured in
+    full, for memory fits)."""
+    signatures = [info.signature for info in chain.infos]
+    programs = (request.programs_for(chain) if request.programs_for is not None and specialized and lent_to is None
+                else None)
+    with lent_weights(chain.stages, signatures, lent_to) if lent_to is not None else contextlib.nullcontext(0) as lent:
+        profiled, chain_plan, compiled = profile_and_solve(
+            chain, x0, shared, settings, started, fitted, budget_bytes, model if lent_to is not None else None,
+            request.output_released, request.recost_seconds,
+            chain.half_outputs_in_fp32_bytes if request.upcasts else 0, request.defer,
+            one_run=request.steps_time and fitted is None, profiling=request.profiling, programs=programs,
+        )
+    sample = None
+    if fitted is None:
+        sample = profiled.sample()
+    elif fitted.unfitted_memory is None and profiled.profile.memory_trace is not None:
+        sample = profiled.sample(times_measured=False)
+    plan = replace(profiled.model_plan(chain_plan, capture_seconds, compiled, specialized), lent_weight_bytes=lent)
+    log.info(
+        "planned %s: %d stages, predicted peak %s, step %.1f ms", type(model).__name__, len(plan.stages),
+        format_bytes(plan.predicted_peak_bytes), plan.predicted_step_time * 1e3,
+    )
+    if log.isEnabledFor(logging.DEBUG):  # (a summary replays the plan: not on every new shape unasked)
+        log.debug("%s", plan.summary())
+    return profiled, plan, sample
+
+
+def _check_saved_plan(plan: ModelPlan, autocast: AutocastState, signatures: list) -> None:
+    """Raise where a saved plan does not fit this model, inputs and autocast; warn where another cost model made it."""
+    if plan.chain.autocast != autocast.describe():
+        raise ValueError(
+            f"plan was made with autocast {plan.chain.autocast!r} and is used with autocast {autocast.describe()!r}: "
+            "call hierremat.plan/remat under the autocast context you train with"
+        )
+    if plan.signatures != tuple(signatures):
+        raise ValueError(
+            "plan does not match this model and input: its stages have other signatures "
+            f"({len(plan.signatures)} planned, {len(signatures)} captured); make a new plan with hierremat.plan"
+        )
+    if plan.cost_model != cost_model_version():
+        log.warning(
+            "the saved plan's costs were measured by %s and this hierremat measures as %s: its predicted peak and "
+            "times may differ from what it would plan now; plan again (hierremat.plan) and save the new plan",
+            f"the cost model {plan.cost_model}" if plan.cost_model else "a hierremat that did not record its cost model",
+            cost_model_version(),
+        )
+
+
+def _saved_plan_menus(plan: ModelPlan, chain: ChainGraph, x0: torch.Tensor, shared: tuple, settings: PlanSettings,
+                      autocast: AutocastState):
+    """The block menus a saved plan runs, rebuilt from the menus it stored (compiled where it ran them compiled),
+    or None where it runs no block option; the plan checked against the chain first."""
+    signatures = [info.signature for info in chain.infos]
+    _check_saved_plan(plan, autocast, signatures)
+    if not (plan.menus or options_used(plan.chain.schedule)):  # (a fused head alone is an option with no menu stored)
+        return None
+    stored = {sig: m.menu if isinstance(m, PlanMenu) else StageMenu.from_dict(m)  # (one made here: its menu)
+              for sig, m in plan.menus.items()}
+    menus = build_menus(
+        chain.stages, x0, shared, signatures, stored=stored, variants=settings.variants, residents=chain.residents,
+        backward_autocast=plan.backward_autocast,
+    )
+    if not plan.compiled:
+        return menus
+    if computes_in_low_precision(chain.stages, x0.device, x0):  # its costs are those of compiled options: run so
+        log.warning(
+            "the saved plan runs its block options compiled by Inductor, and the model computes in bf16 or "
+            "fp16 here: their gradients then differ from plain autograd's by an ulp or more (Inductor keeps "
+            "fp32 between the operations it fuses); plan again with compile='auto' or False for eager block "
+            "options, whose gradients are plain autograd's"
+        )
+    offer_compiled(menus)
+    compile_options(menus, options_used(plan.chain.schedule), chain.stages, x0, shared, settings.inductor_cache(),
+                    measure=False)
+    compiled_forwards = {i for i, st in enumerate(plan.chain.costs.stages) if st.nograd_form == "compiled"}
+    if compiled_forwards:
+        compile_forwards(menus, chain.stages, x0, shared, settings.inductor_cache(), wanted=compiled_forwards,
+                         measure=False)
+    return menus
+
+
+def _runnable(chain: ChainGraph, plan: ModelPlan, menus, settings: PlanSettings, x0: torch.Tensor) -> PlannedShape:
+    """``plan`` made runnable on ``chain``: its runner set as the orchestrator's chain."""
+    signatures = [info.signature for info in chain.infos]
     planned = PlannedChain(
         chain.stages, plan.chain, slots=settings.slots, strategy=settings.strategy, signatures=signatures, menus=menus,
         residents=chain.residents, offloading=settings.offloading(x0.device),
     )
     chain_module = ChainModule(chain.stages, planned)
     setattr(chain.orchestrator, CHAIN_ATTRIBUTE, chain_module)
-    shape = PlannedShape(chain, plan, chain_module)
-    if lent_to is not None:  # other forms (the fused head) were made while weights were lent: give them back
-        bind_to_model(shape.graphs(), model)
-        shape.lent = True
-    shape.sample = sample
-    shape.saved = profiled is None
-    shape.bindings = bindings
-    shape.reduced_fit = fitted is not None and fitted.reduced
-    shape.one_run = profiled is not None and profiled.one_run
-    if profiled is not None:
-        shape.least_held = least_held_bytes(profiled.profile)
-        shape.block_gain = profiled.block_gain
-        shape.build_estimate = profiled.build_estimate
-        shape.menus_from_cache = profiled.menus_from_cache
-    shape.skeleton = pytree.tree_map(
-        lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
-    )
-    return shape
+    return PlannedShape(chain, plan, chain_module)
+
+
+def _take_profile(shape: PlannedShape, profiled: ProfiledChain) -> None:
+    """The figures of its profile a shape planned here keeps, that RematModule decides from."""
+    shape.one_run = profiled.one_run
+    shape.least_held = least_held_bytes(profiled.profile)
+    shape.block_gain = profiled.block_gain
+    shape.build_estimate = profiled.build_estimate
+    shape.menus_from_cache = profiled.menus_from_cache
 
 
 def sample_at(model: nn.Module, args: tuple, kwargs: dict, settings: PlanSettings, symbolic: SymbolicCapture,

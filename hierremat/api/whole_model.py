@@ -43,7 +43,7 @@ from .ranks import UNBOUNDED_BYTES, ranks_plan
 from .sequential import check_devices
 from .settings import DEFAULT_MAX_SHAPES, Settings, settings_from
 from .shape_families import ShapeFamilies, family_key
-from .shape_planning import PlanSettings, device_types, lending_device, plan_shape
+from .shape_planning import PlanSettings, ShapeRequest, device_types, lending_device, plan_shape
 from .step_retiming import SAMPLED_STEPS, StepRetimer
 
 log = logging.getLogger(__name__)
@@ -169,14 +169,16 @@ class RematModule(nn.Module):
         sources: list[str] = []
         try:
             with recorded_sources() as sources, collector_paused() if pause else contextlib.nullcontext():
-                planned = plan_shape(
-                    self.model, args, kwargs, budget_bytes if budget_bytes is not None else self.budget_bytes, plan,
-                    settings, symbolic, [*samples, *self._retimer.step_samples_of(family)], shards,
+                request = ShapeRequest(
+                    symbolic, (*samples, *self._retimer.step_samples_of(family)), shards,
                     output_released=self._released_output(family), upcasts=upcasts_outputs(self),
                     recost_seconds=self._building.recost_seconds if defer_blocks else None,
                     defer=defer_blocks and self._building.deferring(settings), steps_time=from_steps,
                     profiling=profiler_active(),
                     programs_for=lambda chain: self._families.programs_for(family, chain, matched))
+                planned = plan_shape(self.model, args, kwargs,
+                                     budget_bytes if budget_bytes is not None else self.budget_bytes, plan, settings,
+                                     request)
         except BaseException:  # (an infeasible budget, an unsupported model: nothing of it is kept)
             forget_sources(sources)
             raise
