@@ -257,14 +257,8 @@ def solve_menu(
     t0 = time.perf_counter()
     solves0 = solve_count()
     st = ilp.structure if ilp is not None else structure(compact(graph), recompute_across_dropouts)
-    cands: list[BlockOption] = []
-    keep_all = make_option(st, keep_all_decisions(st), "keep_all", optimal=False)
-    cands.append(keep_all)
-    try:
-        cands.append(make_option(st, recompute_all_decisions(st), "recompute_all", optimal=False))
-    except ValueError as err:
-        log.info("recompute_all option skipped: %s", err)
-    cands += heuristic_options(st)
+    cands = _fixed_options(st)
+    keep_all = cands[0]
     variables = _ilp_variables(st)
     coarse, cut = "", False
     if ilp is None and variables > MAX_ILP_VARIABLES:
@@ -283,12 +277,7 @@ def solve_menu(
     if coarse:
         log.info("block %s: heuristic options%s, because %s", label or "(unnamed)",
                  " and what the ILP found in time" if ilp is not None else "", coarse)
-    most_ops = MAX_OPS_PER_NODE * len(graph.nodes)
-    long = [o.name for o in cands if o is not keep_all and len(o.fwd_ops) + len(o.bwd_ops) > most_ops]
-    if long:
-        log.debug("block %s: options %s recompute too much (over %d ops): not offered", label, long, most_ops)
-        cands = [o for o in cands if o.name not in long]
-    options = _prune(cands)
+    options = _prune(_offered(cands, keep_all, len(graph.nodes), label))
     seconds, solves = time.perf_counter() - t0, solve_count() - solves0
     n_vars, n_constraints = (ilp.model.n_vars, ilp.model.n_constraints) if ilp is not None else (0, 0)
     log.debug(
@@ -300,6 +289,25 @@ def solve_menu(
 
 class _DeadlineReached(Exception):
     pass
+
+
+def _fixed_options(st) -> list[BlockOption]:
+    """Keep-all (first), recompute-all where it replays, and the heuristic options: every menu holds them."""
+    cands = [make_option(st, keep_all_decisions(st), "keep_all", optimal=False)]
+    try:
+        cands.append(make_option(st, recompute_all_decisions(st), "recompute_all", optimal=False))
+    except ValueError as err:
+        log.info("recompute_all option skipped: %s", err)
+    return cands + heuristic_options(st)
+
+
+def _offered(cands: list[BlockOption], keep_all: BlockOption, n_nodes: int, label: str) -> list[BlockOption]:
+    """The candidates but those (keep-all aside) whose op lists are over MAX_OPS_PER_NODE per node of the graph."""
+    most_ops = MAX_OPS_PER_NODE * n_nodes
+    long = [o.name for o in cands if o is not keep_all and len(o.fwd_ops) + len(o.bwd_ops) > most_ops]
+    if long:
+        log.debug("block %s: options %s recompute too much (over %d ops): not offered", label, long, most_ops)
+    return [o for o in cands if o.name not in long]
 
 
 def _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, backend, progress, label,
