@@ -40,6 +40,7 @@ test-fast: setup
 
 # The ends of the torch range pyproject.toml declares (hierremat/_torch_version.py), each in a venv of its own
 # (CUDA builds from PyPI: several GB each): the fast tier and the capture, planning and training tests.
+# Where a pip config caps torch below the range's newest (a constraints file), run it with PIP_CONFIG_FILE=/dev/null.
 COMPAT_TORCH ?= 2.11.0 2.15.0
 COMPAT_TESTS = $(FAST_TESTS) tests/test_whole_model.py tests/test_sequential.py tests/test_hf_models.py \
 	tests/test_meta.py tests/test_boundary_writes.py tests/test_shapes.py tests/test_torch_version.py
