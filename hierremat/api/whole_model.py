@@ -307,7 +307,7 @@ class RematModule(nn.Module):
         refuses = planned is None and not variant and self.on_new_shape == "error"
         others_plan = self._agree_across_ranks(key, planned, refuses) if sharded else False
         if refuses and not sharded:
-            _refuse(refuses)
+            _refuse(here=True)
         if planned is None or not planned.sharded or others_plan:  # has fully_shard been applied since the plan?
             if is_fsdp_module(self):
                 raise UnsupportedModelError(
@@ -345,8 +345,8 @@ class RematModule(nn.Module):
             key[:2] + key[3:], planned is None or copies is not None, refuses, due is not None if retimes else None,
         )
         if others_refuse:
-            _refuse(refuses)
-        if rank0_retimes and not (planned is None or not planned.sharded or others_plan):
+            _refuse(here=refuses)
+        if rank0_retimes and planned is not None and planned.sharded and not others_plan:
             self._retimer.retime(planned, due or [st.option_0_times for st in planned.plan.chain.costs.stages])
         return others_plan
 

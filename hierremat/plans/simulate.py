@@ -108,13 +108,13 @@ class _Replay:
         self.copy_started: dict[int, float] = {}  # x_i -> when the F_ck(i) its offload copy runs beside began
         self.offloaded: set[int] = set()
         self.kept_away: dict[int, bool] = {}  # stage whose tape's kept values are in the second tier -> x_i too
+        self._steps = ((FNone, self.forward), (FCk, self.forward), (FAll, self.forward), (Offload, self.offload),
+                       (Fetch, self.fetch), (OffloadKept, self.offload_kept), (FetchKept, self.fetch_kept),
+                       (Loss, self.loss), (Backward, self.backward))
 
     def step_of(self, op):
-        """The method that replays ``op``, or None for an unknown op."""
-        steps = {FNone: self.forward, FCk: self.forward, FAll: self.forward, Offload: self.offload,
-                 Fetch: self.fetch, OffloadKept: self.offload_kept, FetchKept: self.fetch_kept, Loss: self.loss,
-                 Backward: self.backward}
-        return next((step for kind, step in steps.items() if isinstance(op, kind)), None)
+        """The method that replays ``op`` (the first kind it is an instance of), or None for an unknown op."""
+        return next((step for kind, step in self._steps if isinstance(op, kind)), None)
 
     def hold(self, j: int, who) -> None:
         if j not in self.holders:
