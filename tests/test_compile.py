@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.device import LiveTensorTracker
-from hierremat.device.memory import CpuAllocatorMeter
 from hierremat.ops import packed_bits  # noqa: F401  (defines the hierremat:: ops)
 from hierremat.ops.cross_entropy import row_blocked_cross_entropy
 
+from harness import model_loss, train_step
 from models import random_mlp_chain, tiny_gpt2
 
 
@@ -74,19 +73,13 @@ def test_dynamo_traces_the_operators_into_one_graph():
     assert torch.equal(got, expected) and torch.equal(grad, grad_expected)
 
 
-def _step(module, ids, seed=1, meter="tracker"):
-    for p in module.parameters():
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(seed)
-    if meter == "tracker":
-        with LiveTensorTracker() as tracker:
-            loss = module(ids, labels=ids, use_cache=False).loss
-            loss.backward()
-        return loss.detach(), [p.grad.clone() for p in module.parameters()], tracker.peak_bytes
-    with CpuAllocatorMeter() as allocator:  # the tracker is a dispatch mode, under which Dynamo does not compile
-        loss = module(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-    return loss.detach(), [p.grad.clone() for p in module.parameters()], allocator.peak_bytes
+def _step(module, ids, meters="cpu"):
+    """(loss, gradients, peak) of one step, ``.grad`` allocated: the tracker's peak under both CPU meters, the
+    allocator meter's alone (a compiled module: the tracker is a dispatch mode, under which Dynamo does not
+    compile)."""
+    step = train_step(module, (ids,), model_loss, kwargs={"labels": ids, "use_cache": False}, meters=meters)
+    peak = step.tracker_peak if meters == "cpu" else step.allocator_peak
+    return step.loss, list(step.grads), peak
 
 
 def test_compiled_remat_model_trains_like_eager_hierremat_within_budget():
@@ -102,10 +95,10 @@ def test_compiled_remat_model_trains_like_eager_hierremat_within_budget():
     eager_copy = copy.deepcopy(module)
     _, _, tracked_peak = _step(eager_copy, ids)
     assert tracked_peak <= budget
-    loss_ref, grads_ref, eager_peak = _step(eager_copy, ids, meter="allocator")
+    loss_ref, grads_ref, eager_peak = _step(eager_copy, ids, meters="allocator")
     compiled = torch.compile(module)  # Inductor
     for _ in range(2):
-        loss, grads, peak = _step(compiled, ids, meter="allocator")
+        loss, grads, peak = _step(compiled, ids, meters="allocator")
         torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
         for a, b in zip(grads, grads_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -132,7 +125,7 @@ def test_compiled_training_step_with_backward_inside_is_exact(autocast):
     assert not module.plans[0].chain.schedule.keeps_everything  # recomputes (stages or within blocks)
     eager_copy = copy.deepcopy(module)
 
-    def train_step(m):
+    def training_step(m):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = m(ids, labels=ids).loss
         loss.backward()
@@ -145,8 +138,8 @@ def test_compiled_training_step_with_backward_inside_is_exact(autocast):
         loss = step(m)
         return [loss] + [p.grad.clone() for p in m.parameters()]
 
-    expected = grads(eager_copy, train_step)
-    compiled = torch.compile(train_step, backend="aot_eager")
+    expected = grads(eager_copy, training_step)
+    compiled = torch.compile(training_step, backend="aot_eager")
     for _ in range(2):
         assert all(same_bits(a, b) for a, b in zip(grads(module, compiled), expected))
 
@@ -157,11 +150,11 @@ def test_checkpoint_sequential_in_a_compiled_function_is_one_graph_break():
     reference = copy.deepcopy(chain)
     x = torch.randn(128, 96, requires_grad=True)
 
-    def train_step(model, x):
+    def training_step(model, x):
         y = hr.checkpoint_sequential(model, "2MiB", x * 2)
         return y.pow(2).mean()
 
-    for m, fn in ((reference, lambda m, x: m(x * 2).pow(2).mean()), (chain, torch.compile(train_step, backend="aot_eager"))):
+    for m, fn in ((reference, lambda m, x: m(x * 2).pow(2).mean()), (chain, torch.compile(training_step, backend="aot_eager"))):
         torch.manual_seed(6)
         fn(m, x).backward()
     for p, q in zip(chain.parameters(), reference.parameters()):
@@ -248,8 +241,8 @@ def test_compiled_remat_model_trains_at_every_length_within_budget():
     lengths = (48, 32, 40, 24, 36, 20, 44, 28, 30, 26)
     for length in lengths:
         ids = torch.randint(0, 256, (2, length))
-        loss_ref, grads_ref, _ = _step(eager, ids, meter="allocator")
-        loss, grads, peak = _step(compiled, ids, meter="allocator")
+        loss_ref, grads_ref, _ = _step(eager, ids, meters="allocator")
+        loss, grads, peak = _step(compiled, ids, meters="allocator")
         torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
         for a, b in zip(grads, grads_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

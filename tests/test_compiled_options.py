@@ -36,12 +36,12 @@ from hierremat.runtime.compiled_option import (
     CompiledCosts, CompiledForward, CompiledForwardExecutor, CompiledOptionExecutor, CompiledProgram,
 )
 from hierremat.runtime.option_codegen import StageBinding
-from hierremat.device.memory import CpuAllocatorMeter, CudaPeakMeter
 from hierremat.api.sequential import plan_cache
 from hierremat.planning.chain_plan import computes_in_low_precision, resolve_compile
 from hierremat.planning import compiled
 from hierremat.planning.compiled import options_used
 
+from harness import model_loss, train_step
 from models import tiny_gpt2
 from stages import stage_of
 
@@ -109,13 +109,10 @@ def test_compiled_forward_without_grad_matches_the_generated_one(tmp_path):
     assert seconds > 0 and peak >= y.untyped_storage().nbytes()
 
 
-def _step(model, ids, meter):
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(1)
-    with meter as m:
-        model(ids, labels=ids, use_cache=False).loss.backward()
-    return [p.grad.clone() for p in model.parameters()], m.peak_bytes
+def _step(model, ids, meters: str):
+    """(gradients, peak) of one step under ``meters`` (harness.train_step), ``.grad`` allocated."""
+    step = train_step(model, (ids,), model_loss, kwargs={"labels": ids, "use_cache": False}, meters=meters)
+    return list(step.grads), step.peak
 
 
 def _prefer_compiled(monkeypatch):
@@ -138,21 +135,21 @@ def _prefer_compiled(monkeypatch):
     monkeypatch.setattr(CompiledForwardExecutor, "measure", faster_forward)
 
 
-def _trained_exactly_within(module, reference, model, ids, meter, budget, plan):
+def _trained_exactly_within(module, reference, model, ids, meters, budget, plan):
     """One warm-up step of ``module``, then one step of it and of ``reference`` (given the
     model's weights): gradients equal to compile's tolerance and the peak within ``budget``;
     returns (gradients, peak)."""
-    _step(module, ids, meter())
+    _step(module, ids, meters)
     reference.load_state_dict(model.state_dict())
-    grads_ref, _ = _step(reference, ids, meter())
-    grads, peak = _step(module, ids, meter())
+    grads_ref, _ = _step(reference, ids, meters)
+    grads, peak = _step(module, ids, meters)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert peak <= budget, (budget, peak, plan.summary())
     return grads, peak
 
 
-def _check_whole_model(device, tmp_path, monkeypatch, meter):
+def _check_whole_model(device, tmp_path, monkeypatch, meters: str):
     """compile=True on a tiny GPT-2 with outputs="loss": the output stage's fused head (option 1, no menu of its own)
     beside compiled block options (planning once raised a KeyError taking the fused head for a compiled form)."""
     _prefer_compiled(monkeypatch)
@@ -160,7 +157,7 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
     model = tiny_gpt2(n_layer=3, vocab_size=2048).to(device)
     ids = torch.randint(0, 2048, (2, 64), device=device)
     reference = copy.deepcopy(model)
-    _, plain_peak = _step(reference, ids, meter())
+    _, plain_peak = _step(reference, ids, meters)
     kwargs = {"labels": ids, "use_cache": False}
     cache = str(tmp_path)
     with pytest.raises(hr.InfeasibleBudgetError) as err:
@@ -185,7 +182,7 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
             assert compiled_options or any("+" in action for action in plan.chain.stage_actions()), plan.summary()
         else:
             assert compiled_options, plan.summary()
-        grads, peak = _trained_exactly_within(module, reference, model, ids, meter, budget, plan)
+        grads, peak = _trained_exactly_within(module, reference, model, ids, meters, budget, plan)
         # the plan that ran (the first step may re-plan: .grad None at its start, where the plan assumed it
         # allocated; with the costs measured under this run's load, not always the schedule before)
         (ran,) = module.plans
@@ -194,7 +191,7 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
     again = hr.ModelPlan.from_json(plan.to_json())
     assert again.compiled and again.compile_seconds == plan.compile_seconds
     saved = hr.remat(model, (ids,), kwargs, plan=again, outputs="loss", settings=hr.Settings(cache=cache))
-    grads_saved, peak_saved = _step(saved, ids, meter())
+    grads_saved, peak_saved = _step(saved, ids, meters)
     for a, b in zip(grads_saved, grads):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert peak_saved <= again.budget_bytes
@@ -202,13 +199,13 @@ def _check_whole_model(device, tmp_path, monkeypatch, meter):
 
 @pytest.mark.slow
 def test_whole_model_compiled_with_the_fused_head_within_budget_and_exact(tmp_path, monkeypatch):
-    _check_whole_model(torch.device("cpu"), tmp_path, monkeypatch, CpuAllocatorMeter)
+    _check_whole_model(torch.device("cpu"), tmp_path, monkeypatch, "allocator")
 
 
 @pytest.mark.cuda
 def test_whole_model_compiled_with_the_fused_head_within_budget_and_exact_cuda(tmp_path, monkeypatch):
     device = torch.device("cuda")
-    _check_whole_model(device, tmp_path, monkeypatch, lambda: CudaPeakMeter(device))
+    _check_whole_model(device, tmp_path, monkeypatch, "device")
 
 
 def test_checkpoint_sequential_compiled_keeps_dropout_exact(tmp_path, monkeypatch, caplog):

@@ -9,20 +9,17 @@ import hierremat as hr
 from hierremat.device import CudaPeakMeter
 from hierremat.device.memory import memory_meter
 
+from harness import Checkpointed, model_loss, train_step
 from models import conv_chain, random_mlp_chain
 
 pytestmark = pytest.mark.cuda
 
 
 def _step(model, x, budget=None, seed=0):
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    x = x.detach().clone().requires_grad_()
-    torch.manual_seed(seed)
-    with CudaPeakMeter(x.device) as meter:
-        y = model(x) if budget is None else hr.checkpoint_sequential(model, budget, x)
-        y.sum().backward()
-    return x.grad, [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+    """(input gradient, parameter gradients, the CUDA meter's peak) of one step, the output held through it."""
+    run = model if budget is None else Checkpointed(model, budget)
+    step = train_step(run, (x,), lambda y: y.sum(), seed=seed, input_grad=True, hold_output=True, meters="device")
+    return step.input_grad, list(step.grads), step.device_peak
 
 
 @pytest.mark.parametrize("make, shape", [(lambda: random_mlp_chain(0, width=256), (512, 256)), (conv_chain, (32, 3, 32, 32))])
@@ -96,12 +93,8 @@ def test_cuda_whole_gpt2_with_ilp_options(tmp_path):
     assert module.plans[0].menus
 
     def step(m):
-        for p in m.parameters():
-            p.grad = torch.zeros_like(p)
-        torch.manual_seed(1)
-        with CudaPeakMeter(device) as meter:
-            m(ids, **kwargs).loss.backward()
-        return [p.grad.clone() for p in m.parameters()], meter.peak_bytes
+        taken = train_step(m, (ids,), model_loss, kwargs=kwargs, meters="device")
+        return list(taken.grads), taken.device_peak
 
     step(module)  # the first step tells the plan how the output is used
     grads, peak = step(module)

@@ -18,11 +18,11 @@ import torch
 
 import hierremat as hr
 from hierremat.api import shape_planning
-from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter, profiler_active
 from hierremat.errors import InfeasibleBudgetError
 from hierremat.planning import menus
 
+from harness import model_loss, train_step
 from models import tiny_gpt2
 
 VOCAB = 512
@@ -45,23 +45,14 @@ def _model_and_budget():
 def _step(module, reference, model, batch: dict, seed: int) -> None:
     """One step of each (``.grad`` None at its start, PyTorch's default), gradients compared bitwise."""
     for m in (module, reference):
-        for p in m.parameters():
-            p.grad = None
-        torch.manual_seed(seed)
-        m(**batch).loss.backward()
+        train_step(m, (), model_loss, seed=seed, grads_allocated=False, kwargs=batch, meters="none")
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 def _peaks(module, batch: dict) -> tuple[int, int]:
     """The peak of a step of ``module`` (planned before), by the live-tensor tracker and the CPU allocator meter."""
-    peaks = []
-    for meter in (LiveTensorTracker(), CpuAllocatorMeter()):
-        for p in module.parameters():
-            p.grad = None
-        with meter:
-            module(**batch).loss.backward()
-        peaks.append(meter.peak_bytes)
-    return tuple(peaks)
+    return tuple(getattr(train_step(module, (), model_loss, grads_allocated=False, kwargs=batch, meters=meter),
+                         f"{meter}_peak") for meter in ("tracker", "allocator"))
 
 
 def test_block_options_are_built_once_the_steps_without_them_have_lost_what_building_them_costs(

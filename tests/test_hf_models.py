@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import hierremat as hr
-from hierremat.device import LiveTensorTracker, memory_meter
+from hierremat.device import LiveTensorTracker
 
+from harness import train_step
 from models import same_bits, tiny_bert, tiny_gpt2, tiny_llama, tiny_qwen2, tiny_vit
 
 pytest.importorskip("transformers")
@@ -50,18 +51,15 @@ MODELS = {
 def _step(model, inputs, hold_outputs: bool, seed=3):
     """One step as Hugging Face's docs write it (``outputs = model(**inputs); outputs.loss.backward()``,
     the outputs held through the backward) or as its Trainer does (the loss alone is kept)."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    torch.manual_seed(seed)
-    device = next(iter(inputs.values())).device
-    with memory_meter(device) as tracker:
-        outputs = model(**inputs)
-        loss, cache = outputs.loss, getattr(outputs, "past_key_values", None)
-        if not hold_outputs:
-            del outputs
-        loss.backward()
-    return cache, {n: p.grad for n, p in model.named_parameters()}, tracker.peak_bytes
+    caches = []  # (the cache the outputs return is held through the backward, as a caller holds it)
+
+    def loss(outputs):
+        caches.append(getattr(outputs, "past_key_values", None))
+        return outputs.loss
+
+    step = train_step(model, (), loss, seed=seed, kwargs=inputs, hold_output=hold_outputs, meters="device")
+    names = [n for n, _ in model.named_parameters()]
+    return caches[0], dict(zip(names, step.grads, strict=True)), step.device_peak
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -20,30 +20,21 @@ import torch
 from torch import nn
 
 import hierremat as hr
-from hierremat.device import LiveTensorTracker, memory_meter
+from hierremat.device import LiveTensorTracker
 from hierremat.planning import menus
 
+from harness import model_loss, train_step
 from models import random_mlp_chain, same_bits, tiny_gpt2, tiny_llama
 
 pytest.importorskip("transformers")
 
 
 def _step(model, ids, recipe: str, dtype: torch.dtype | None):
-    """One training step; returns (loss, grads, peak). dtype None: no autocast."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(7)
-    autocast = torch.autocast(ids.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-    with memory_meter(ids.device) as meter:
-        if recipe == "fresh":
-            with autocast:
-                loss = model(ids, labels=ids, use_cache=False).loss
-            loss.backward()
-        else:
-            with autocast:
-                loss = model(ids, labels=ids, use_cache=False).loss
-                loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+    """One training step; returns (loss, grads, peak). dtype None: no autocast. recipe "fresh": the backward after
+    the autocast context closed; else inside it."""
+    step = train_step(model, (ids,), model_loss, seed=7, kwargs={"labels": ids, "use_cache": False}, meters="device",
+                      autocast=dtype, backward_under_autocast=recipe != "fresh")
+    return step.loss, list(step.grads), step.device_peak
 
 
 def _check(

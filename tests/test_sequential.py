@@ -11,27 +11,16 @@ from hierremat.api import sequential
 from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter
 
-from harness import train_step
+from harness import Checkpointed, train_step
 from models import conv_chain, random_mlp_chain
 
 MiB = 2**20
 
 
-class _Checkpointed(nn.Module):
-    """``model`` run by hr.checkpoint_sequential at ``budget``."""
-
-    def __init__(self, model: nn.Sequential, budget):
-        super().__init__()
-        self.model, self.budget = model, budget
-
-    def forward(self, x):
-        return hr.checkpoint_sequential(self.model, self.budget, x)
-
-
 def _step(model, x, budget=None, seed=0):
     """One training step (the output held through it); returns (output, input grad, param grads, the larger of the
     tracker's and the allocator meter's peak bytes)."""
-    run = model if budget is None else _Checkpointed(model, budget)
+    run = model if budget is None else Checkpointed(model, budget)
     x = x.detach().clone().requires_grad_(x.requires_grad)
     step = train_step(run, (x,), lambda y: y.sum(), seed=seed, hold_output=True)
     return step.output, x.grad, list(step.grads), max(step.tracker_peak, step.allocator_peak)

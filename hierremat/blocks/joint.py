@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import sympy
@@ -251,11 +252,52 @@ def trace_joint(
     """
     if aot_export_joint_with_descriptors is None:  # pragma: no cover
         raise RuntimeError("hierremat.blocks.joint needs torch >= 2.9 (aot_export_joint_with_descriptors)")
-    shared = tuple(shared)
+    resident_grads = tuple(resident_grads)
+    autocast = autocast if autocast is not None else AutocastState.off((x.device.type,))
+    gm, prefix = _exported_joint(stage, x, tuple(shared), input_requires_grad, autocast, backward_under_autocast,
+                                 resident_grads)
+
+    def own(target: str) -> str:  # the stage's name of a parameter or buffer of the traced module
+        return target.removeprefix(prefix)
+
+    params, buffers, plain, tangents = _joint_inputs(gm, own)
+    outputs, param_grads, shared_grads, input_grad, mutations = _joint_outputs(gm, own, resident_grads)
+    seeds = {}
+    if resident_grads:
+        seeds = {j: tangents.pop(1 + k) for k, j in enumerate(resident_grads)}
+        taps = {j: outputs.pop(1 + k) for k, j in enumerate(resident_grads)}
+        shared_grads = _seed_resident_grads(gm, seeds, taps, shared_grads)
+    phase = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            phase[node.name] = BACKWARD if node.meta.get("partitioner_tag") == "is_backward" else FORWARD
+    _check_phase_order(gm, phase, set(tangents.values()) | set(seeds.values()))
+    return JointGraph(
+        module=gm,
+        stage=stage,
+        param_inputs=params,
+        buffer_inputs=buffers,
+        input_name=plain[0],
+        shared_names=tuple(plain[i] for i in sorted(plain) if i != 0),
+        tangent_names=dict(sorted(tangents.items())),
+        output_names=tuple(outputs[i] for i in sorted(outputs)),
+        input_grad_name=input_grad,
+        param_grad_names=param_grads,
+        mutations=tuple(mutations),
+        phase=phase,
+        resident_seeds=seeds,
+        resident_grads=shared_grads,
+    )
+
+
+def _exported_joint(stage: nn.Module, x: torch.Tensor, shared: tuple, input_requires_grad: bool | None,
+                    autocast: AutocastState, backward_under_autocast: bool,
+                    resident_grads: tuple[int, ...]) -> tuple[fx.GraphModule, str]:
+    """``stage``'s joint graph as AOTAutograd exports it (with descriptors), and the prefix its wrappers put on
+    the stage's parameter and buffer names (trace_joint says what the arguments mean)."""
     if input_requires_grad is None:
         input_requires_grad = x.is_floating_point() or x.is_complex()
     x_in = x.detach().requires_grad_(input_requires_grad)
-    resident_grads = tuple(resident_grads)
     shared_in = tuple(
         (s.detach().requires_grad_(j in resident_grads) if isinstance(s, torch.Tensor) else s)
         for j, s in enumerate(shared)
@@ -263,7 +305,6 @@ def trace_joint(
     for j in resident_grads:
         if not (isinstance(shared_in[j], torch.Tensor) and shared_in[j].is_floating_point()):
             raise ValueError(f"shared value {j} is read with a gradient but is not a floating tensor")
-    autocast = autocast if autocast is not None else AutocastState.off((x.device.type,))
     wrapped = autocast.enabled and not backward_under_autocast
     traced = _ForwardUnderAutocast(stage, autocast) if wrapped else stage
     if resident_grads:
@@ -273,11 +314,12 @@ def trace_joint(
     with contextlib.ExitStack() as stack:
         stack.enter_context(ambient.applied())
         exported = aot_export_joint_with_descriptors(stack, traced, (x_in, *shared_in))
-        gm = exported.graph_module
+        return exported.graph_module, prefix
 
-    def own(target: str) -> str:  # the stage's name of a parameter or buffer of the traced module
-        return target.removeprefix(prefix)
 
+def _joint_inputs(gm: fx.GraphModule, own: Callable[[str], str]):
+    """The joint graph's placeholders by their descriptors: parameters and buffers (node name -> the stage's name),
+    plain inputs (position -> node name: x is 0) and tangents (output position -> node name)."""
     params, buffers, tangents = {}, {}, {}
     plain: dict[int, str] = {}
     for node in gm.graph.nodes:
@@ -298,7 +340,13 @@ def trace_joint(
             )
     if 0 not in plain:
         raise ValueError("the traced stage does not read its input x")
+    return params, buffers, plain, tangents
 
+
+def _joint_outputs(gm: fx.GraphModule, own: Callable[[str], str], resident_grads: tuple[int, ...]):
+    """The joint graph's outputs by their descriptors: plain outputs (position -> node name), parameter gradients
+    (the stage's name -> node name), residents' gradients (shared position -> node name), the input's gradient
+    ("" where it has none) and buffer mutations ((node name, buffer name) pairs)."""
     out_node = _output_node(gm)
     outs = list(out_node.args[0])
     descs = out_node.meta.get("desc") or [None] * len(outs)
@@ -327,33 +375,7 @@ def trace_joint(
             # gradients of other shared values are dropped: they are grad-free by contract
         else:
             raise NotImplementedError(f"joint graph output {value.name} has a descriptor hierremat does not handle: {desc!r}")
-
-    seeds = {}
-    if resident_grads:
-        seeds = {j: tangents.pop(1 + k) for k, j in enumerate(resident_grads)}
-        taps = {j: outputs.pop(1 + k) for k, j in enumerate(resident_grads)}
-        shared_grads = _seed_resident_grads(gm, seeds, taps, shared_grads)
-    phase = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            phase[node.name] = BACKWARD if node.meta.get("partitioner_tag") == "is_backward" else FORWARD
-    _check_phase_order(gm, phase, set(tangents.values()) | set(seeds.values()))
-    return JointGraph(
-        module=gm,
-        stage=stage,
-        param_inputs=params,
-        buffer_inputs=buffers,
-        input_name=plain[0],
-        shared_names=tuple(plain[i] for i in sorted(plain) if i != 0),
-        tangent_names=dict(sorted(tangents.items())),
-        output_names=tuple(outputs[i] for i in sorted(outputs)),
-        input_grad_name=input_grad,
-        param_grad_names=param_grads,
-        mutations=tuple(mutations),
-        phase=phase,
-        resident_seeds=seeds,
-        resident_grads=shared_grads,
-    )
+    return outputs, param_grads, shared_grads, input_grad, mutations
 
 
 def _seed_resident_grads(gm: fx.GraphModule, seeds: dict[int, str], taps: dict[int, str],

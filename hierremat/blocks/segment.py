@@ -398,22 +398,10 @@ def check_segmentation(segmentation: str) -> None:
         )
 
 
-def build_chain_graph(
-    captured: CapturedModel, model: nn.Module, segmentation: str = "blocks", context: str = ""
-) -> ChainGraph:
-    """Cut the captured model into a chain of stages.
-
-    context: what else the stages' traced graphs depend on (the autocast setting), hashed
-    into every stage signature.
-
-    segmentation: 'blocks' cuts at the boundaries of repeated child modules; 'none' keeps
-    every stage before the last as ONE stage, so its block options come from one ILP over
-    that whole graph (Checkmate on the full graph; the optimality reference of the
-    hierarchical plan). The last stage (the head and loss, whose several outputs a
-    BlockGraph does not model) stays a stage of its own, as in 'blocks'.
-    """
-    check_segmentation(segmentation)
-    gm = captured.module
+def _cut(gm: fx.GraphModule, model: nn.Module, segmentation: str):
+    """The captured graph's stages (their nodes, in order) and names, the nodes computed before the chain
+    (``_precompute``), and the stages' carries, residents and which stage makes each node
+    (``_carries_and_residents``)."""
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     compute = [n for n in nodes if n.op == "call_function"]
@@ -450,6 +438,41 @@ def build_chain_graph(
     stages, rewritten = functionalize_boundary_writes(gm.graph, stages)
     if moved or rewritten:  # other carries; later readers of an overwritten value read the stage's new result
         inner_carries, residents, stage_of = _carries_and_residents(stages, output, with_residents)
+    return stages, names, pre, inner_carries, residents, stage_of
+
+
+def _resident_layout(residents: list, stage_of: dict, exported: list, shared_count: int) -> ResidentLayout | None:
+    """Which stage makes each resident, which later stages read it, which the model returns (None: none)."""
+    if not residents:
+        return None
+    return ResidentLayout(
+        producers=tuple(stage_of[r] for r in residents),
+        readers=tuple(tuple(sorted({stage_of[u] for u in r.users if u in stage_of and stage_of[u] != stage_of[r]}))
+                      for r in residents),
+        exported=tuple(residents.index(r) for r in exported),
+        shared_count=shared_count,
+    )
+
+
+def build_chain_graph(
+    captured: CapturedModel, model: nn.Module, segmentation: str = "blocks", context: str = ""
+) -> ChainGraph:
+    """Cut the captured model into a chain of stages.
+
+    context: what else the stages' traced graphs depend on (the autocast setting), hashed
+    into every stage signature.
+
+    segmentation: 'blocks' cuts at the boundaries of repeated child modules; 'none' keeps
+    every stage before the last as ONE stage, so its block options come from one ILP over
+    that whole graph (Checkmate on the full graph; the optimality reference of the
+    hierarchical plan). The last stage (the head and loss, whose several outputs a
+    BlockGraph does not model) stays a stage of its own, as in 'blocks'.
+    """
+    check_segmentation(segmentation)
+    gm = captured.module
+    nodes = list(gm.graph.nodes)
+    output = next(n for n in nodes if n.op == "output")
+    stages, names, pre, inner_carries, residents, stage_of = _cut(gm, model, segmentation)
 
     stage_set = [set(s) for s in stages]
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -483,15 +506,7 @@ def build_chain_graph(
         stage_modules.append(GraphStage(sub, indices, names[k]))
         infos.append(StageInfo(names[k], signature_of(sub, context), len(nodes_k)))
 
-    layout = None
-    if residents:
-        layout = ResidentLayout(
-            producers=tuple(stage_of[r] for r in residents),
-            readers=tuple(tuple(sorted({stage_of[u] for u in r.users if u in stage_of and stage_of[u] != stage_of[r]}))
-                          for r in residents),
-            exported=tuple(residents.index(r) for r in exported),
-            shared_count=len(shared_nodes),
-        )
+    layout = _resident_layout(residents, stage_of, exported, len(shared_nodes))
     orchestrator = _orchestrator(gm, placeholders, pre, carries[0], shared_nodes, final_outputs + exported, output)
     return ChainGraph(stage_modules, infos, orchestrator, layout)
 

@@ -33,13 +33,16 @@ interpreter on CPU, and on CUDA under ``pytest.mark.cuda``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import hashlib
+import json
 import logging
 import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -60,6 +63,10 @@ _LIBRARY.define("masked_scale.out(Tensor x, Tensor bits, float scale, *, Tensor(
 _LIBRARY.define("where_bits.out(Tensor x, Tensor bits, *, Tensor(a!) out) -> Tensor(a!)")
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "packed_bits.cpp"
+# OpenMP: ATen's parallel_for runs serially in an extension built without it
+_CFLAGS, _LDFLAGS = ("-O3", "-fopenmp"), ("-fopenmp",)
+#: seconds a first build of the kernels may take before the pure-torch kernels are used instead
+BUILD_TIMEOUT_SECONDS = 1800
 
 
 @functools.cache
@@ -285,9 +292,10 @@ STALE_LOCK_SECONDS = 600
 
 
 def extension_name() -> str:
-    """The kernels' build name, one per torch release: a library built against another torch's headers is
-    never loaded (torch's build cache keys on the sources and flags alone)."""
-    return "hierremat_packed_bits_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
+    """The kernels' build name, one per torch release, source and flags: a library built against another torch's
+    headers, or from another source, is never loaded."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + repr((_CFLAGS, _LDFLAGS)).encode()).hexdigest()[:12]
+    return f"hierremat_packed_bits_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
 
 
 def _remove_stale_lock(lock: Path) -> None:
@@ -300,22 +308,22 @@ def _remove_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def _ninja_on_path():
-    """pip's ninja (a dependency) on PATH while in the block, where it is not already: it sits beside this
-    interpreter's scripts, which an interpreter run by path need not have on PATH."""
-    if shutil.which("ninja") is not None:
-        yield
-        return
-    before = os.environ.get("PATH")
-    os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + (before or "")
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
+def _build(name: str) -> None:
+    """Build the kernels as ``name`` (torch.utils.cpp_extension.load) in a child process. Where ninja is not on
+    PATH, the child's PATH starts with this interpreter's scripts, where pip put ninja (a dependency): an
+    interpreter run by path need not have them on PATH. Raises RuntimeError with the line that says what failed."""
+    env = dict(os.environ)
+    if shutil.which("ninja") is None:
+        env["PATH"] = sysconfig.get_path("scripts") + os.pathsep + env.get("PATH", "")
+    code = ("import json, sys; from torch.utils import cpp_extension; name, source, cflags, ldflags = sys.argv[1:]; "
+            "cpp_extension.load(name=name, sources=[source], is_python_module=False, verbose=False, "
+            "extra_cflags=json.loads(cflags), extra_ldflags=json.loads(ldflags))")
+    args = [sys.executable, "-c", code, name, str(_SOURCE), json.dumps(_CFLAGS), json.dumps(_LDFLAGS)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS)
+    if done.returncode != 0:  # (the line before ninja's last says what failed: a compiler error, say)
+        lines = [line for line in (done.stderr + done.stdout).splitlines()
+                 if line.strip() and not line.startswith("ninja: build stopped")]
+        raise RuntimeError(f"building {name} failed: {lines[-1] if lines else f'exit status {done.returncode}'}")
 
 
 @functools.cache
@@ -332,13 +340,12 @@ def load_cpu_kernels() -> bool:
         from torch.utils import cpp_extension
 
         name = extension_name()
-        _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
-        with _ninja_on_path():
-            cpp_extension.load(
-                name=name, sources=[str(_SOURCE)], is_python_module=False, verbose=False,
-                # OpenMP: ATen's parallel_for runs serially in an extension built without it
-                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            )
+        build = Path(cpp_extension._get_build_directory(name, verbose=False))
+        _remove_stale_lock(build / "lock")
+        library = build / f"{name}{cpp_extension.LIB_EXT}"
+        if not library.exists() or (build / "lock").exists():  # (a lock: another process is building it)
+            _build(name)
+        torch.ops.load_library(str(library))
     except Exception as err:  # no compiler, no ninja, a header mismatch: the reference kernels still work
         log.warning("could not build hierremat's C++ kernels (%s: %s); packed masks use the pure-torch kernels",
                     type(err).__name__, str(err).strip().splitlines()[-1][:200] if str(err).strip() else "")

@@ -630,140 +630,209 @@ def build_menus(
     costs its options on it and runs its programs (traced nowhere here); one whose family has none traces its own
     here, and gives the family one where it gets a menu.
     """
-    started = time.perf_counter()
-    cache = cache if cache is not None else default_cache()
-    cost_cache = StageCostCache(cache)
-    L = len(stages)
-    xs, shareds = arguments or stage_arguments(stages, x0, shared, residents, signatures)
-    if signatures is None:
-        signatures = [module_signature(stage, x) for stage, x in zip(stages, xs)]
-    if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own
-        signatures = [f"{signatures[0]}-no-input-grad", *signatures[1:]]
-    menus: dict[str, StageMenu] = {}
-    joints: dict[str, JointGraph] = {}
-    graph_keys: dict[str, str] = {}
-    executors: list[list] = [[None] for _ in range(L)]
-    generated: dict[str, list[GeneratedOption]] = {}  # one program per (signature, option), made when first run
-    forwards: dict[str, ForwardOnly] = {}  # one no-grad forward per signature
-    generated_forwards: dict[str, GeneratedForward] = {}  # its program, made when first run
-    family_keys: dict[str, tuple] = {}  # signature -> its stage's key in ``programs``
-    shared_code: set[str] = set()  # signatures whose joint graph and programs are their family's (``programs``)
-    forward_executors: list = [None] * L
-    speeds: dict[str, ExecutorSpeeds] = {}
-    solves_before = solve_count()
-    recipe_dependent: list[str] = []
-    autocast = AutocastState.capture((x0.device.type,))
-    # (a device's alone: its stages are refused before they are traced)
-    replay_inexact = autocast.enabled and x0.device.type not in AUTOCAST_EXACT_DEVICE_TYPES
-    output_option = None
-    output_shared = False  # (the fused head is the family's: made once from its generic last stage)
-    if variants and not (residents is not None and residents.touches(L - 1)):
+    request = _MenuRequest(cache if cache is not None else default_cache(), stored, time_limit, deadline, variants,
+                           residents, recompute_across_dropouts, fitted, backward_autocast, programs)
+    return _ChainMenuBuild(request, stages, x0, shared, signatures, arguments).run(blocks)
+
+
+@dataclass(frozen=True)
+class _MenuRequest:
+    """What :func:`build_menus` was asked, beside the stages and their inputs (its docstring says what each means)."""
+
+    cache: OptionsCache
+    stored: dict[str, StageMenu] | None
+    time_limit: float
+    deadline: float | None
+    variants: bool
+    residents: object
+    recompute_across_dropouts: bool
+    fitted: "ShapeFit | None"
+    backward_autocast: bool | None
+    programs: FamilyPrograms | None
+
+
+class _ChainMenuBuild:
+    """One :func:`build_menus` call: the chain's stages, and the menus, graphs and executors made for them so far."""
+
+    def __init__(self, request: _MenuRequest, stages, x0: torch.Tensor, shared: tuple, signatures, arguments):
+        self.started = time.perf_counter()
+        self.request, self.stages, self.x0, self.shared = request, stages, x0, shared
+        self.cost_cache = StageCostCache(request.cache)
+        self.xs, self.shareds = arguments or stage_arguments(stages, x0, shared, request.residents, signatures)
+        if signatures is None:
+            signatures = [module_signature(stage, x) for stage, x in zip(stages, self.xs)]
+        if not x0.requires_grad:  # the first stage's graph has no input gradient: a menu of its own
+            signatures = [f"{signatures[0]}-no-input-grad", *signatures[1:]]
+        self.signatures = list(signatures)
+        self.menus: dict[str, StageMenu] = {}
+        self.joints: dict[str, JointGraph | None] = {}
+        self.graph_keys: dict[str, str] = {}
+        self.executors: list[list] = [[None] for _ in stages]
+        self.generated: dict[str, list[GeneratedOption]] = {}  # one program per (signature, option), made when first run
+        self.forwards: dict[str, ForwardOnly] = {}  # one no-grad forward per signature
+        self.generated_forwards: dict[str, GeneratedForward] = {}  # its program, made when first run
+        self.family_keys: dict[str, tuple] = {}  # signature -> its stage's key in ``programs``
+        self.shared_code: set[str] = set()  # signatures whose joint graph and programs are their family's
+        self.forward_executors: list = [None] * len(stages)
+        self.speeds: dict[str, ExecutorSpeeds] = {}
+        self.recipe_dependent: list[str] = []
+        self.autocast = AutocastState.capture((x0.device.type,))
+        # (a device's alone: its stages are refused before they are traced)
+        self.replay_inexact = self.autocast.enabled and x0.device.type not in AUTOCAST_EXACT_DEVICE_TYPES
+        self.output_option = None
+        self.output_shared = False  # (the fused head is the family's: made once from its generic last stage)
+
+    def run(self, blocks: bool) -> ChainMenus:
+        """Every stage's menu and executors (the fused head's alone where ``blocks`` is False)."""
+        solves_before = solve_count()
+        self._fused_head()
+        # the last stage gets a menu too where it returns one tensor and has no fused head (a
+        # chain of identical blocks: the last block's menu is the others')
+        menu_stages = (self.stages if self.output_option is None else self.stages[:-1]) if blocks else []
+        for i, (stage, signature) in enumerate(zip(menu_stages, self.signatures)):
+            self._stage(i, stage, signature)
+        request = self.request
+        return ChainMenus(
+            self.menus, self.executors, tuple(self.signatures), solve_count() - solves_before,
+            time.perf_counter() - self.started, self.speeds,
+            forwards=self.forwards, forward_executors=self.forward_executors,
+            output_option=self.output_option, residents=request.residents,
+            recipe_dependent=tuple(self.recipe_dependent),
+            backward_autocast=request.backward_autocast if self.autocast.enabled else None,
+            shared_code=frozenset(self.shared_code), output_shared=self.output_shared,
+        )
+
+    def _fused_head(self) -> None:
+        """The output stage's fused head, where the variants are on and it touches no residents."""
+        request, last = self.request, len(self.stages) - 1
+        if not request.variants or (request.residents is not None and request.residents.touches(last)):
+            return
+        programs = request.programs
         make = fused_head_stage if programs is None else lambda _: programs.fused_head()
-        fused = fused_head_option(stages, xs[-1], shared, signatures[-1], cost_cache, make)
+        fused = fused_head_option(self.stages, self.xs[-1], self.shared, self.signatures[-1], self.cost_cache, make)
         if fused is not None:
-            output_option, executors[-1] = fused[:2], [None, fused[2]]
-            output_shared = programs is not None
-    # the last stage gets a menu too where it returns one tensor and has no fused head (a
-    # chain of identical blocks: the last block's menu is the others')
-    menu_stages = (stages if output_option is None else stages[:-1]) if blocks else []
-    for i, (stage, signature) in enumerate(zip(menu_stages, signatures)):
+            self.output_option, self.executors[-1] = fused[:2], [None, fused[2]]
+            self.output_shared = programs is not None
+
+    def _stage(self, i: int, stage, signature: str) -> None:
+        """Stage ``i``'s menu (traced and solved once per signature), its executors and their speeds."""
+        residents = self.request.residents
         if residents is not None and residents.produced_by(i):
             log.info("stage %d (%s): no block options: it makes values carried beside the chain", i, signature)
-            continue
-        reads = resident_positions(residents, i, shareds[i])
+            return
         if isinstance(getattr(stage, "graph_module", None), fx.GraphModule) and has_value_branch(stage.graph_module):
             log.info("stage %d (%s): no block options: it branches on tensor values (an attention mask)", i, signature)
-            continue
-        if signature not in joints and _returns_several_tensors(stage):  # (known without tracing it)
+            return
+        if signature not in self.joints and _returns_several_tensors(stage):  # (known without tracing it)
             log.info("stage %d (%s): no block options: the stage returns several tensors", i, signature)
-            joints[signature] = None
-            continue
-        if signature not in joints:
-            try:
-                if not isinstance(stage, torch.nn.Module):
-                    raise TypeError("it is a plain callable, not an nn.Module")
-                if replay_inexact:
-                    raise ValueError(f"under autocast on {x0.device.type}, a replayed graph is not known to give eager "
-                                     "autocast's gradients bitwise (AUTOCAST_EXACT_DEVICE_TYPES)")
-                input_grad = i > 0 or x0.requires_grad
-                trace_options = dict(input_requires_grad=input_grad, autocast=autocast, resident_grads=reads,
-                                     backward_under_autocast=bool(backward_autocast))
-                family_keys[signature] = (i, input_grad, reads, autocast.describe(), backward_autocast, variants)
-                joint = programs.joint_at(family_keys[signature], xs[i], shareds[i]) if programs is not None else None
-                if joint is None:
-                    joint = trace_joint(stage, xs[i], shareds[i], **trace_options)
-                    if autocast.enabled:
-                        exact_under_autocast(joint, stage, xs[i], shareds[i], input_grad, autocast, reads,
-                                             backward_autocast)
-                    if variants:
-                        joint = _with_variants(joint)
-                else:
-                    shared_code.add(signature)
-                if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
-                    raise ValueError("the stage returns several tensors")
-                graph = to_block_graph(joint)
-                output = graph.node(joint.output_names[0])
-                if output.op == "getitem" and output.alias_of:
-                    # the output shares one value with the op's other results (a lone dropout's
-                    # mask): the chain's model of a stage output as a value of its own breaks
-                    raise ValueError("the stage's output is one result of a multi-output operator")
-            except Exception as err:  # tracing failures leave the stage with option 0
-                if isinstance(err, BackwardRecipeUnknown):
-                    recipe_dependent.append(signature)
-                log.info("stage %d (%s): no block options: %s", i, signature, err)
-                joints[signature] = None
-                continue
-            joints[signature] = joint
-            graph_keys[signature] = _graph_key(signature, graph)  # menus and executor speeds of the traced graph
-            menu_key = graph_keys[signature] if recompute_across_dropouts else f"{graph_keys[signature]}+cut-at-dropouts"
-            name = getattr(stage, "stage_name", type(stage).__name__)
-            node_costs = fitted.node_costs(i, joint) if fitted is not None and x0.device.type == "cpu" else None
-            menu = _menu(joint, xs[i], shareds[i], signature, menu_key, cache, stored, time_limit, deadline, name,
-                         recompute_across_dropouts, node_costs)
-            if menu is not None:
-                menus[signature] = menu
-                if programs is not None and signature not in shared_code:  # (the family's graph for every shape)
-                    programs.adopt(family_keys[signature], joint, xs[i], shareds[i],
-                                   _with_variants if variants else lambda j: j, graph_structure, **trace_options)
-        joint, menu = joints.get(signature), menus.get(signature)
-        if joint is None or menu is None:
-            continue
-        shared = signature in shared_code
-        bound = rebind(joint, programs.stages[i] if shared else stage)  # (the family's: the same parameters)
-        if signature not in generated:
+            self.joints[signature] = None
+            return
+        if signature not in self.joints:
+            self._solve(i, stage, signature)
+        joint, menu = self.joints.get(signature), self.menus.get(signature)
+        if joint is not None and menu is not None:
+            self._bind(i, stage, signature, joint, menu)
+            self._time_executors(i, stage, signature)
+
+    def _trace(self, i: int, stage, signature: str, trace_options: dict) -> tuple[JointGraph, BlockGraph]:
+        """Stage ``i``'s joint graph (its family's where it has one) and block graph; raises where it has none."""
+        if not isinstance(stage, torch.nn.Module):
+            raise TypeError("it is a plain callable, not an nn.Module")
+        if self.replay_inexact:
+            raise ValueError(f"under autocast on {self.x0.device.type}, a replayed graph is not known to give eager "
+                             "autocast's gradients bitwise (AUTOCAST_EXACT_DEVICE_TYPES)")
+        request, x, shared = self.request, self.xs[i], self.shareds[i]
+        programs = request.programs
+        joint = programs.joint_at(self.family_keys[signature], x, shared) if programs is not None else None
+        if joint is None:
+            joint = trace_joint(stage, x, shared, **trace_options)
+            if self.autocast.enabled:
+                exact_under_autocast(joint, stage, x, shared, trace_options["input_requires_grad"], self.autocast,
+                                     trace_options["resident_grads"], request.backward_autocast)
+            if request.variants:
+                joint = _with_variants(joint)
+        else:
+            self.shared_code.add(signature)
+        if len(joint.output_names) != 1 or len(joint.tangent_names) != 1:
+            raise ValueError("the stage returns several tensors")
+        graph = to_block_graph(joint)
+        output = graph.node(joint.output_names[0])
+        if output.op == "getitem" and output.alias_of:
+            # the output shares one value with the op's other results (a lone dropout's
+            # mask): the chain's model of a stage output as a value of its own breaks
+            raise ValueError("the stage's output is one result of a multi-output operator")
+        return joint, graph
+
+    def _solve(self, i: int, stage, signature: str) -> None:
+        """Trace stage ``i`` and solve (or load) its menu; a stage that cannot be traced keeps option 0."""
+        request, x, shared = self.request, self.xs[i], self.shareds[i]
+        input_grad = i > 0 or self.x0.requires_grad
+        reads = resident_positions(request.residents, i, shared)
+        trace_options = dict(input_requires_grad=input_grad, autocast=self.autocast, resident_grads=reads,
+                             backward_under_autocast=bool(request.backward_autocast))
+        self.family_keys[signature] = (i, input_grad, reads, self.autocast.describe(), request.backward_autocast,
+                                       request.variants)
+        try:
+            joint, graph = self._trace(i, stage, signature, trace_options)
+        except Exception as err:  # tracing failures leave the stage with option 0
+            if isinstance(err, BackwardRecipeUnknown):
+                self.recipe_dependent.append(signature)
+            log.info("stage %d (%s): no block options: %s", i, signature, err)
+            self.joints[signature] = None
+            return
+        self.joints[signature] = joint
+        self.graph_keys[signature] = key = _graph_key(signature, graph)  # menus and speeds of the traced graph
+        menu_key = key if request.recompute_across_dropouts else f"{key}+cut-at-dropouts"
+        name = getattr(stage, "stage_name", type(stage).__name__)
+        fitted = request.fitted
+        node_costs = fitted.node_costs(i, joint) if fitted is not None and self.x0.device.type == "cpu" else None
+        menu = _menu(joint, x, shared, signature, menu_key, request.cache, request.stored, request.time_limit,
+                     request.deadline, name, request.recompute_across_dropouts, node_costs)
+        if menu is None:
+            return
+        self.menus[signature] = menu
+        if request.programs is not None and signature not in self.shared_code:  # (the family's graph for every shape)
+            request.programs.adopt(self.family_keys[signature], joint, x, shared,
+                                   _with_variants if request.variants else lambda j: j, graph_structure,
+                                   **trace_options)
+
+    def _bind(self, i: int, stage, signature: str, joint: JointGraph, menu: StageMenu) -> None:
+        """Stage ``i``'s option executors and no-grad forward, over programs made once per signature."""
+        family_code = signature in self.shared_code
+        programs = self.request.programs
+        bound = rebind(joint, programs.stages[i] if family_code else stage)  # (the family's: the same parameters)
+        if signature not in self.generated:
             mutations = frozenset(node for node, _ in joint.mutations)
-            forwards[signature] = forward_only(menu.graph, also=mutations)
-            if shared:
-                key = family_keys[signature]
-                generated[signature] = [programs.option(key, joint, option) for option in menu.options]
-                generated_forwards[signature] = programs.forward(key, joint, forwards[signature])
+            self.forwards[signature] = forward_only(menu.graph, also=mutations)
+            if family_code:
+                key = self.family_keys[signature]
+                self.generated[signature] = [programs.option(key, joint, option) for option in menu.options]
+                self.generated_forwards[signature] = programs.forward(key, joint, self.forwards[signature])
             else:
-                generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
-                generated_forwards[signature] = GeneratedForward(joint, forwards[signature])
+                self.generated[signature] = [GeneratedOption(joint, option) for option in menu.options]
+                self.generated_forwards[signature] = GeneratedForward(joint, self.forwards[signature])
         binding = StageBinding(bound)
-        executors[i] = [None] + [
-            OptionExecutor(bound, option, program, binding) for option, program in zip(menu.options, generated[signature])
+        self.executors[i] = [None] + [
+            OptionExecutor(bound, option, program, binding)
+            for option, program in zip(menu.options, self.generated[signature])
         ]
-        forward_executors[i] = ForwardExecutor(generated_forwards[signature], binding)
-        if signature not in speeds and fitted is not None:
-            fitted_speeds = fitted.speeds(i)
+        self.forward_executors[i] = ForwardExecutor(self.generated_forwards[signature], binding)
+
+    def _time_executors(self, i: int, stage, signature: str) -> None:
+        """The speeds of stage ``i``'s executors, once per signature: fitted, cached, or measured."""
+        if signature not in self.speeds and self.request.fitted is not None:
+            fitted_speeds = self.request.fitted.speeds(i)
             if fitted_speeds is not None:
-                speeds[signature] = fitted_speeds
-        if signature not in speeds:
-            speeds[signature] = cost_cache.get_speeds(graph_keys[signature], xs[i])
-            if speeds[signature] is None:
-                speeds[signature] = _executor_speeds(
-                    executors[i][1:], forward_executors[i], stage, stages, xs[i], x0, shareds[i]
-                )
-                cost_cache.put_speeds(graph_keys[signature], xs[i], speeds[signature])
-    solves = solve_count() - solves_before
-    return ChainMenus(
-        menus, executors, tuple(signatures), solves, time.perf_counter() - started, speeds,
-        forwards=forwards, forward_executors=forward_executors,
-        output_option=output_option, residents=residents, recipe_dependent=tuple(recipe_dependent),
-        backward_autocast=backward_autocast if autocast.enabled else None, shared_code=frozenset(shared_code),
-        output_shared=output_shared,
-    )
+                self.speeds[signature] = fitted_speeds
+        if signature in self.speeds:
+            return
+        key, x = self.graph_keys[signature], self.xs[i]
+        speeds = self.cost_cache.get_speeds(key, x)
+        if speeds is None:
+            speeds = _executor_speeds(self.executors[i][1:], self.forward_executors[i], stage, self.stages, x,
+                                      self.x0, self.shareds[i])
+            self.cost_cache.put_speeds(key, x, speeds)
+        self.speeds[signature] = speeds
 
 
 def _with_variants(joint: JointGraph) -> JointGraph:

@@ -212,103 +212,154 @@ def profile_chain(
     take their costs and buffer updates from ``known`` (fitted: hierremat.planning.shape_fit) and are
     only run without grad, for the next stage's input. The chain's sizes are measured.
     """
-    cost_cache = cost_cache or StageCostCache(None)
-    device = x0.device
-    autocast = AutocastState.capture((device.type,))
-    activation_bytes = [storage_bytes(x0)]
-    stage_costs, mutated, traces = [], [], []
-    fewest = PROFILE_REPEATS  # (the fewest timed runs of a stage profiled here)
-    measured: dict[tuple[str | None, bool], int] = {}  # (signature, x_i requires grad) -> the first stage measured so
-    outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the next input of the others)
-    values: dict[int, torch.Tensor] = {}
-
-    def _next_input(i: int, cost: StageCosts, names: tuple, trace: MemoryTrace | None, y):
-        """Record stage i's costs; returns its output's activation: the next stage's input."""
-        stage_costs.append(cost)
-        traces.append(trace)
-        mutated.append(names)
-        y, made = split_output(y, residents, i)
-        keep_made(values, residents, i, made)
-        activation_bytes.append(storage_bytes(y))
-        return y
-
+    run = _ChainProfiling(stages, x0, shared, signatures, output_grad_mask, cost_cache or StageCostCache(None),
+                          residents)
     with no_side_effects(stages, x0):
         x = x0.detach()
         for i, stage in enumerate(stages):
-            last = i == len(stages) - 1
-            produced = len(residents.produced_by(i)) if residents is not None else 0
-            stage_inputs = stage_shared(shared, values, residents)
-            call = functools.partial(
-                _call_stage, stage, stage_inputs, last or produced > 0, i, autocast, residents=residents,
-            )
-            signature = signatures[i] if signatures is not None else None
-            requires_grad = i > 0 or x0.requires_grad
-            measured_as = (signature, requires_grad)  # (a first stage without an input gradient costs less)
-            wanted_mask = output_grad_mask if last else None
-            cached = None
             if known is not None and i not in measure:
-                with torch.no_grad():
-                    y = call(x)
-                cost, names, trace = known.costs.stages[i], known.mutated_buffers[i], None
-                if last:
-                    output_grad_mask = known.output_grad_mask
-                x = _next_input(i, cost, names, trace, y)
-                continue
-            if signature is None or measured_as not in measured:
-                if device.type == "cuda":  # measured or cached, this process' threads need the kernels warm
-                    with scratch_grads(stage):
-                        in_backward_thread(
-                            functools.partial(_run_forward_and_backward, call, x, requires_grad, wanted_mask), device
-                        )
-                if signature is not None:
-                    cached = cost_cache.get_stage(signature, x, requires_grad, wanted_mask)
-            if signature is not None and (measured_as in measured or cached is not None):
-                first = measured.get(measured_as)
-                if first is not None and not produced and not mutated[first] and signature in outputs_of:
-                    y, names = outputs_of[signature], ()  # an identical stage: its first one's output will do
-                else:
-                    outputs = []
-                    with torch.no_grad():
-                        names = _mutated_buffer_names(stage, lambda: outputs.append(call(x)))
-                    y = outputs[0]
-                if measured_as in measured:
-                    cost = replace(stage_costs[measured[measured_as]], name=_stage_name(i, stage))
-                    trace = traces[measured[measured_as]]
-                else:
-                    cost, mask, trace = cached
-                    cost = replace(cost, name=_stage_name(i, stage))
-                    if last:
-                        output_grad_mask = mask
-                    measured[measured_as] = i
+                x = run.take_known(run.stage_run(i, stage), x, known)
             else:
-                with scratch_grads(stage):
-                    cost, names, y, mask, trace = _profile_stage(
-                        i, stage, call, x, requires_grad, repeats, device, wanted_mask, produced, timed, stage_inputs
-                    )
-                fewest = min(fewest, repeats if timed else 0)
-                if last:
-                    output_grad_mask = mask
-                if signature is not None:
-                    measured[measured_as] = i
-                    if timed and repeats >= PROFILE_REPEATS:  # (costs timed in full alone are cached)
-                        cost_cache.put_stage(
-                            signature, x, requires_grad, wanted_mask, cost, mask if last else None, trace
-                        )
-            if signature is not None:
-                outputs_of.setdefault(signature, y)
-            x = _next_input(i, cost, names, trace, y)
-    if output_grad_mask is None:  # the last stage shared a signature with an earlier one: one output
-        output_grad_mask = (True,)
-    with_grad = [o for o, m in zip(as_tuple(x), output_grad_mask) if m]
-    losses = tuple(o for o in with_grad if o.numel() == 1)
-    costs = ChainCosts(
-        tuple(activation_bytes), tuple(stage_costs), input_requires_grad=x0.requires_grad,
-        output_grad_bytes=storage_bytes(tuple(with_grad)), residents=_resident_costs(residents, values),
-    )
-    loss_bytes = storage_bytes(losses) if losses else 0
-    return ChainProfile(
-        costs, tuple(mutated), output_grad_mask, loss_bytes, _chain_trace(costs, traces, loss_bytes), fewest,
-    )
+                x = run.profile(run.stage_run(i, stage), x, repeats, timed)
+    return run.result(x)
+
+
+@dataclass(frozen=True)
+class _StageRun:
+    """One stage of a chain being profiled, with how it is called and what it is measured as."""
+
+    i: int
+    stage: Callable
+    call: Callable  # the stage on its input, with its shared values and residents (_call_stage)
+    inputs: tuple  # the values it is called with beside its input
+    signature: str | None
+    requires_grad: bool  # whether its input requires a gradient
+    wanted_mask: tuple[bool, ...] | None  # which outputs get a gradient (the last stage's; None elsewhere)
+    produced: int  # how many residents it makes
+    last: bool
+
+    @property
+    def measured_as(self) -> tuple[str | None, bool]:
+        return (self.signature, self.requires_grad)  # (a first stage without an input gradient costs less)
+
+
+class _ChainProfiling:
+    """One :func:`profile_chain` call: the costs, traces and buffer updates of the stages profiled so far."""
+
+    def __init__(self, stages, x0: torch.Tensor, shared: tuple, signatures, output_grad_mask,
+                 cost_cache: StageCostCache, residents):
+        self.stages, self.x0, self.shared, self.signatures = stages, x0, shared, signatures
+        self.output_grad_mask, self.cost_cache, self.residents = output_grad_mask, cost_cache, residents
+        self.autocast = AutocastState.capture((x0.device.type,))
+        self.activation_bytes = [storage_bytes(x0)]
+        self.stage_costs: list[StageCosts] = []
+        self.mutated: list[tuple] = []
+        self.traces: list[MemoryTrace | None] = []
+        self.fewest = PROFILE_REPEATS  # (the fewest timed runs of a stage profiled here)
+        self.measured: dict[tuple[str | None, bool], int] = {}  # StageRun.measured_as -> the first stage measured so
+        self.outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the others' next input)
+        self.values: dict[int, torch.Tensor] = {}
+
+    def stage_run(self, i: int, stage) -> _StageRun:
+        last = i == len(self.stages) - 1
+        produced = len(self.residents.produced_by(i)) if self.residents is not None else 0
+        inputs = stage_shared(self.shared, self.values, self.residents)
+        call = functools.partial(_call_stage, stage, inputs, last or produced > 0, i, self.autocast,
+                                 residents=self.residents)
+        signature = self.signatures[i] if self.signatures is not None else None
+        return _StageRun(i, stage, call, inputs, signature, i > 0 or self.x0.requires_grad,
+                         self.output_grad_mask if last else None, produced, last)
+
+    def take_known(self, run: _StageRun, x, known: ChainProfile):
+        """Stage ``run.i``'s costs and buffer updates from ``known``, run without grad; returns its output."""
+        with torch.no_grad():
+            y = run.call(x)
+        if run.last:
+            self.output_grad_mask = known.output_grad_mask
+        return self._record(run.i, known.costs.stages[run.i], known.mutated_buffers[run.i], None, y)
+
+    def profile(self, run: _StageRun, x, repeats: int, timed: bool):
+        """Stage ``run.i``'s costs, measured or taken from an identical stage or the cache; returns its output."""
+        cached = None
+        if run.signature is None or run.measured_as not in self.measured:
+            if self.x0.device.type == "cuda":  # measured or cached, this process' threads need the kernels warm
+                with scratch_grads(run.stage):
+                    in_backward_thread(functools.partial(
+                        _run_forward_and_backward, run.call, x, run.requires_grad, run.wanted_mask), self.x0.device)
+            if run.signature is not None:
+                cached = self.cost_cache.get_stage(run.signature, x, run.requires_grad, run.wanted_mask)
+        if run.signature is not None and (run.measured_as in self.measured or cached is not None):
+            cost, names, y, trace = self._reuse(run, x, cached)
+        else:
+            cost, names, y, trace = self._measure(run, x, repeats, timed)
+        if run.signature is not None:
+            self.outputs_of.setdefault(run.signature, y)
+        return self._record(run.i, cost, names, trace, y)
+
+    def _reuse(self, run: _StageRun, x, cached):
+        """Costs of the first stage measured with ``run``'s signature, or ``cached`` ones; the stage runs
+        without grad, or passes on the first one's output where it makes no residents and updates no buffers."""
+        first = self.measured.get(run.measured_as)
+        if first is not None and not run.produced and not self.mutated[first] and run.signature in self.outputs_of:
+            y, names = self.outputs_of[run.signature], ()  # an identical stage: its first one's output will do
+        else:
+            outputs = []
+            with torch.no_grad():
+                names = _mutated_buffer_names(run.stage, lambda: outputs.append(run.call(x)))
+            y = outputs[0]
+        if first is not None:
+            return replace(self.stage_costs[first], name=_stage_name(run.i, run.stage)), names, y, self.traces[first]
+        cost, mask, trace = cached
+        if run.last:
+            self.output_grad_mask = mask
+        self.measured[run.measured_as] = run.i
+        return replace(cost, name=_stage_name(run.i, run.stage)), names, y, trace
+
+    def _measure(self, run: _StageRun, x, repeats: int, timed: bool):
+        """Measure the stage (:func:`_profile_stage`) and cache costs timed in full."""
+        with scratch_grads(run.stage):
+            cost, names, y, mask, trace = _profile_stage(
+                run.i, run.stage, run.call, x, run.requires_grad, repeats, self.x0.device, run.wanted_mask, run.produced,
+                timed, run.inputs,
+            )
+        self.fewest = min(self.fewest, repeats if timed else 0)
+        if run.last:
+            self.output_grad_mask = mask
+        if run.signature is not None:
+            self.measured[run.measured_as] = run.i
+            if timed and repeats >= PROFILE_REPEATS:  # (costs timed in full alone are cached)
+                self.cost_cache.put_stage(
+                    run.signature, x, run.requires_grad, run.wanted_mask, cost, mask if run.last else None, trace
+                )
+        return cost, names, y, trace
+
+    def _record(self, i: int, cost: StageCosts, names: tuple, trace: MemoryTrace | None, y):
+        """Record stage i's costs; returns its output's activation: the next stage's input."""
+        self.stage_costs.append(cost)
+        self.traces.append(trace)
+        self.mutated.append(names)
+        y, made = split_output(y, self.residents, i)
+        keep_made(self.values, self.residents, i, made)
+        self.activation_bytes.append(storage_bytes(y))
+        return y
+
+    def result(self, x) -> ChainProfile:
+        """The chain's profile, ``x`` the last stage's output."""
+        output_grad_mask = self.output_grad_mask
+        if output_grad_mask is None:  # the last stage shared a signature with an earlier one: one output
+            output_grad_mask = (True,)
+        with_grad = [o for o, m in zip(as_tuple(x), output_grad_mask) if m]
+        losses = tuple(o for o in with_grad if o.numel() == 1)
+        costs = ChainCosts(
+            tuple(self.activation_bytes), tuple(self.stage_costs), input_requires_grad=self.x0.requires_grad,
+            output_grad_bytes=storage_bytes(tuple(with_grad)),
+            residents=_resident_costs(self.residents, self.values),
+        )
+        loss_bytes = storage_bytes(losses) if losses else 0
+        return ChainProfile(
+            costs, tuple(self.mutated), output_grad_mask, loss_bytes, _chain_trace(costs, self.traces, loss_bytes),
+            self.fewest,
+        )
 
 
 def _chain_trace(costs: ChainCosts, traces: list[MemoryTrace | None], loss_bytes: int) -> MemoryTrace | None:
@@ -474,93 +525,125 @@ def _profile_stage(
     meter = memory_meter(device, record_allocations=True)
     allocator = MarkedAllocatorPeaks(device)  # (the tracker does not see the kernels' scratch: CPU allocator)
     with allocator.recording(), meter:
-        run = _PeakRun(meter, allocator, "nograd")
+        nograd = _PeakRun(meter, allocator, "nograd")
         started = time.perf_counter()
         with tapeless():  # as the runner runs F_none / F_ck of the stage itself
             y = detach_output(call(x))
         _sync(device)
         nograd_time = time.perf_counter() - started
-        slow = nograd_time > SLOW_STAGE_SECONDS
-        nograd_peak, nograd_run = run.end(), run
+        nograd_peak = nograd.end()
         out_bytes = storage_bytes(y[0] if produced else y)
-
-        anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
-        x_copy = x.detach().clone()  # a storage of its own, to see whether the tape keeps it
-        inp, sink = tap_input(x_copy, anchor)
-        run = _PeakRun(meter, allocator, "forward")
-        started = time.perf_counter()
-        with torch.enable_grad():
-            out = call(inp)
-        _sync(device)
-        fwd_time = time.perf_counter() - started
-        fwd_peak, fwd_run = run.end(), run
-        grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
-        held = meter.live_bytes - run.base  # what the forward left: its output, residents and tape
-        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
-        made = _residents_made(out, produced)
-        resident_storages = _storages(made)
-        if produced:  # the residents it made are the plan's resident reserve (ChainCosts.resident_values_of), not kept
-            out = out[0]
-            before = _storages((out, x_copy, *params, *buffers, *as_tuple(existing)))
-            held -= sum(n for ptr, n in resident_storages.items() if ptr not in before)
-        kept = max(0, held - out_bytes)
-        # pins: storages the tape keeps of x_i and x_{i+1}, those a resident holds left out (its reserve's)
-        input_freed, input_watched = watch_storages(
-            () if x_copy.untyped_storage().data_ptr() in resident_storages else x_copy)
-        outputs_freed, output_storage_bytes = watch_storages(
-            tuple(t for t in as_tuple(out) if t.untyped_storage().data_ptr() not in resident_storages))
-        del out, inp, x_copy
-        _sync(device)
-        pins_input, pins_output = sum(input_freed) < input_watched, sum(outputs_freed) < output_storage_bytes
-        bwd_peak, bwd_time, bwd_run = 0, 0.0, None
-        if any(e is not None for e in edges):
-            run = _PeakRun(meter, allocator, "backward")
-            started = time.perf_counter()
-            backward_through(edges, grads)
-            _sync(device)
-            bwd_time = time.perf_counter() - started
-            bwd_peak, bwd_run = run.end(), run
-        del edges, grads, sink, made
-        new_grads_run = _bwd_run_with_new_grads(call, x, requires_grad, grad_mask, params, meter, produced, allocator)
-    scratch = {  # (the kernels' scratch, on top of each figure: hierremat.plans.memory_trace.SCRATCH)
-        "nograd_fwd_overhead_bytes": nograd_run.scratch(), "fwd_overhead_bytes": fwd_run.scratch(),
-        "bwd_overhead_bytes": bwd_run.scratch() if bwd_run is not None else 0,
-        "bwd_overhead_new_grads_bytes": new_grads_run.scratch() if new_grads_run is not None else 0,
-    }
-    if timed and not slow:  # (a slow stage keeps the times of the runs above: one-off costs are a small share)
-        nograd_time, fwd_time, bwd_time = _timed_runs(call, x, requires_grad, repeats, device, grad_mask)
-
+        tape = _tape_runs(meter, allocator, call, x, requires_grad, grad_mask, produced, (*params, *buffers),
+                          existing, out_bytes, device)
+        new_grads = _bwd_run_with_new_grads(call, x, requires_grad, tape.grad_mask, params, meter, produced, allocator)
+    times = (nograd_time, tape.fwd_time, tape.bwd_time)
+    if timed and nograd_time <= SLOW_STAGE_SECONDS:  # (a slow stage keeps the single runs' times: one-offs are a small share)
+        times = _timed_runs(call, x, requires_grad, repeats, device, tape.grad_mask)
     grad_bytes = storage_bytes(x) if requires_grad else 0
-    bwd_new_grads_peak = None if new_grads_run is None else new_grads_run.peak
+    cost, trace = _stage_costs(_stage_name(i, stage), times, casts.bytes, nograd, nograd_peak, tape, new_grads,
+                               out_bytes, grad_bytes)
+    return cost, mutated, y, tape.grad_mask, trace
+
+
+@dataclass(frozen=True)
+class _TapeRuns:
+    """A stage's forward under autograd and its backward, as :func:`_tape_runs` measured them."""
+
+    grad_mask: tuple[bool, ...]
+    fwd_time: float  # seconds
+    fwd_peak: int  # bytes over the run's base
+    fwd_run: "_PeakRun"
+    held: int  # bytes the forward left: its output and tape
+    kept: int  # bytes of tape (held less the output)
+    pins_input: bool
+    pins_output: bool
+    bwd_time: float = 0.0
+    bwd_peak: int = 0
+    bwd_run: "_PeakRun | None" = None
+
+
+def _tape_runs(meter, allocator, call, x, requires_grad, grad_mask, produced, state, existing, out_bytes,
+               device) -> _TapeRuns:
+    """Run the stage's forward under autograd on a copy of ``x``, then its backward, under ``meter``: their times,
+    peaks, the tape kept and whether it pins the stage's input or output storages. ``state``: its parameters and
+    buffers (a resident made as a view of one allocated nothing)."""
+    anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
+    x_copy = x.detach().clone()  # a storage of its own, to see whether the tape keeps it
+    inp, sink = tap_input(x_copy, anchor)
+    run = _PeakRun(meter, allocator, "forward")
+    started = time.perf_counter()
+    with torch.enable_grad():
+        out = call(inp)
+    _sync(device)
+    fwd_time = time.perf_counter() - started
+    fwd_peak, fwd_run = run.end(), run
+    grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
+    held = meter.live_bytes - run.base  # what the forward left: its output, residents and tape
+    edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+    made = _residents_made(out, produced)
+    resident_storages = _storages(made)
+    if produced:  # the residents it made are the plan's resident reserve (ChainCosts.resident_values_of), not kept
+        out = out[0]
+        before = _storages((out, x_copy, *state, *as_tuple(existing)))
+        held -= sum(n for ptr, n in resident_storages.items() if ptr not in before)
+    # pins: storages the tape keeps of x_i and x_{i+1}, those a resident holds left out (its reserve's)
+    input_freed, input_watched = watch_storages(
+        () if x_copy.untyped_storage().data_ptr() in resident_storages else x_copy)
+    outputs_freed, output_storage_bytes = watch_storages(
+        tuple(t for t in as_tuple(out) if t.untyped_storage().data_ptr() not in resident_storages))
+    del out, inp, x_copy
+    _sync(device)
+    runs = _TapeRuns(grad_mask, fwd_time, fwd_peak, fwd_run, held, max(0, held - out_bytes),
+                     sum(input_freed) < input_watched, sum(outputs_freed) < output_storage_bytes)
+    if any(e is not None for e in edges):
+        run = _PeakRun(meter, allocator, "backward")
+        started = time.perf_counter()
+        backward_through(edges, grads)
+        _sync(device)
+        runs = replace(runs, bwd_time=time.perf_counter() - started, bwd_peak=run.end(), bwd_run=run)
+    del edges, grads, sink, made
+    return runs
+
+
+def _stage_costs(name: str, times: tuple[float, float, float], cast_bytes: int, nograd: "_PeakRun", nograd_peak: int,
+                 tape: _TapeRuns, new_grads: "_PeakRun | None", out_bytes: int, grad_bytes: int):
+    """The StageCosts of a stage's measured runs (``times``: its no-grad forward, forward and backward, seconds)
+    and their MemoryTrace (None where the meter records no allocations)."""
+    scratch = {  # (the kernels' scratch, on top of each figure: hierremat.plans.memory_trace.SCRATCH)
+        "nograd_fwd_overhead_bytes": nograd.scratch(), "fwd_overhead_bytes": tape.fwd_run.scratch(),
+        "bwd_overhead_bytes": tape.bwd_run.scratch() if tape.bwd_run is not None else 0,
+        "bwd_overhead_new_grads_bytes": new_grads.scratch() if new_grads is not None else 0,
+    }
+    nograd_time, fwd_time, bwd_time = times
     option = OptionCosts(
         fwd_time=fwd_time,
         bwd_time=bwd_time,
-        kept_bytes=kept,
-        fwd_overhead_bytes=max(fwd_peak, kept + out_bytes) + scratch["fwd_overhead_bytes"],
-        bwd_overhead_bytes=max(bwd_peak, grad_bytes) + scratch["bwd_overhead_bytes"],
-        pins_output=pins_output,
-        pins_input=pins_input,
-        bwd_overhead_new_grads_bytes=None if bwd_new_grads_peak is None
-        else max(bwd_new_grads_peak, grad_bytes) + scratch["bwd_overhead_new_grads_bytes"],
+        kept_bytes=tape.kept,
+        fwd_overhead_bytes=max(tape.fwd_peak, tape.kept + out_bytes) + scratch["fwd_overhead_bytes"],
+        bwd_overhead_bytes=max(tape.bwd_peak, grad_bytes) + scratch["bwd_overhead_bytes"],
+        pins_output=tape.pins_output,
+        pins_input=tape.pins_input,
+        bwd_overhead_new_grads_bytes=None if new_grads is None
+        else max(new_grads.peak, grad_bytes) + scratch["bwd_overhead_new_grads_bytes"],
     )
     cost = StageCosts(
         nograd_fwd_time=nograd_time,
         nograd_fwd_overhead_bytes=max(nograd_peak, out_bytes) + scratch["nograd_fwd_overhead_bytes"],
         options=(option,),
-        name=_stage_name(i, stage),
-        weight_cast_bytes=casts.bytes,
+        name=name,
+        weight_cast_bytes=cast_bytes,
     )
     trace = None
-    if nograd_run.candidates is not None:  # kept + out_bytes = max(out_bytes, held)
+    if nograd.candidates is not None:  # kept + out_bytes = max(out_bytes, held)
         trace = stage_trace(
-            nograd_fwd_overhead_bytes=_with_floor(nograd_run, out_bytes),
-            kept_bytes=(0, held - out_bytes),
-            fwd_overhead_bytes=_with_floor(fwd_run, out_bytes, held),
-            bwd_overhead_bytes=_with_floor(bwd_run, grad_bytes),
-            bwd_overhead_new_grads_bytes=None if new_grads_run is None else _with_floor(new_grads_run, grad_bytes),
+            nograd_fwd_overhead_bytes=_with_floor(nograd, out_bytes),
+            kept_bytes=(0, tape.held - out_bytes),
+            fwd_overhead_bytes=_with_floor(tape.fwd_run, out_bytes, tape.held),
+            bwd_overhead_bytes=_with_floor(tape.bwd_run, grad_bytes),
+            bwd_overhead_new_grads_bytes=None if new_grads is None else _with_floor(new_grads, grad_bytes),
             scratch=scratch,
         )
-    return cost, mutated, y, grad_mask, trace
+    return cost, trace
 
 
 def _residents_made(out, produced: int) -> tuple:

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hierremat as hr
-from hierremat.device import LiveTensorTracker
+
+from harness import Checkpointed, mean_square, train_step
 
 pytestmark = pytest.mark.stress
 
@@ -213,17 +214,12 @@ def _build_chain(specs, seed: int) -> nn.Sequential:
     return nn.Sequential(*[make_stage(s) for s in specs]).train()
 
 
-def _step(run, model: nn.Module, x: torch.Tensor, seed: int):
-    """One training step through ``run(x)``; (output, input grad, param grads, buffers, tracker peak)."""
-    for p in model.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(x.requires_grad)
-    torch.manual_seed(seed)
-    with LiveTensorTracker() as tracker:
-        y = run(x)
-        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
-    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    return y.detach(), x.grad, grads, [b.clone() for b in model.buffers()], tracker.peak_bytes
+def _step(run: nn.Module, x: torch.Tensor, seed: int):
+    """One training step of ``run(x)``, ``.grad`` None at its start (harness.train_step);
+    (output, input grad, param grads, buffers, tracker peak)."""
+    step = train_step(run, (x,), lambda y: (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum(), seed=seed,
+                      grads_allocated=False, input_grad=x.requires_grad, hold_output=True, meters="tracker")
+    return step.output, step.input_grad, list(step.grads), list(step.buffers), step.tracker_peak
 
 
 def _assert_equal_steps(got, want, context: str):
@@ -251,7 +247,7 @@ def _run_sequential(model: nn.Sequential, budget: int, x: torch.Tensor, want, se
     with torch.no_grad():
         for b_t, b_m in zip(trained.buffers(), model.buffers()):
             b_t.copy_(b_m)  # that call ran a forward: start from the same running statistics
-    got = _step(lambda v: hr.checkpoint_sequential(trained, f"{budget}B", v), trained, x, seed)
+    got = _step(Checkpointed(trained, f"{budget}B"), x, seed)
     _assert_equal_steps(got, want, context)
     assert got[4] <= budget, f"{context}: measured peak {got[4]} B > budget {budget} B\n{plan.summary()}"
 
@@ -264,7 +260,7 @@ def test_random_chain_at_random_budget(case, fraction):
     x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(seed))
     x.requires_grad_(input_grad)
     reference = copy.deepcopy(model)
-    want = _step(reference, reference, x, seed + 1)
+    want = _step(reference, x, seed + 1)
     context = f"stages={specs}, rows={rows}, input_grad={input_grad}, seed={seed}"
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan_sequential(model, "1KiB", x)
@@ -312,15 +308,11 @@ def side_input_models(draw):
     return specs, draw(st.integers(4, 32)), draw(st.integers(0, 2**16))
 
 
-def _model_step(module, params_of: nn.Module, x: torch.Tensor, seed: int):
-    for p in params_of.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    with LiveTensorTracker() as tracker:
-        out = module(x)
-        out.float().pow(2).mean().backward()
-    grads = [None if p.grad is None else p.grad.clone() for p in params_of.parameters()]
-    return out.detach(), None, grads, [b.clone() for b in params_of.buffers()], tracker.peak_bytes
+def _model_step(module: nn.Module, x: torch.Tensor, seed: int):
+    """As :func:`_step`, with the output's mean square as the loss and no input gradient."""
+    step = train_step(module, (x,), mean_square, seed=seed, grads_allocated=False, hold_output=True,
+                      meters="tracker")
+    return step.output, None, list(step.grads), list(step.buffers), step.tracker_peak
 
 
 @MODEL_STRESS
@@ -331,7 +323,7 @@ def test_random_model_with_shared_side_input(case, fraction):
     model = SideInputModel(specs).train()
     x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(seed))
     reference = copy.deepcopy(model)
-    want = _model_step(reference, reference, x, seed + 1)
+    want = _model_step(reference, x, seed + 1)
     context = f"blocks={specs}, rows={rows}, seed={seed}"
     with pytest.raises(hr.InfeasibleBudgetError) as err:
         hr.plan(model, (x,), budget="1KiB")
@@ -344,6 +336,6 @@ def test_random_model_with_shared_side_input(case, fraction):
         simulated = plan.chain.simulate()
         assert simulated.peak_bytes == plan.chain.schedule.predicted_peak_bytes, context
         assert simulated.time == pytest.approx(plan.chain.schedule.predicted_time, rel=1e-9), context
-        got = _model_step(module, trained, x, seed + 1)
+        got = _model_step(module, x, seed + 1)
         _assert_equal_steps(got, want, f"{context}, budget {b} B")
         assert got[4] <= b, f"{context}: measured peak {got[4]} B > budget {b} B\n{plan.summary()}"
