@@ -8,12 +8,16 @@
   exactly within the budget.
 - A planning deadline reached before a block's ILP sweep leaves it the heuristic menu, says so
   in the summary, and caches nothing of it; a later plan with time solves it.
+- On an injected clock, the time limit bounds the profile and the node costs too: what comes after it is timed
+  from one run and modelled, the summary says so, nothing cut is cached, and the plan still trains exactly within
+  its budget.
 - ``time_limit=`` is checked.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -21,8 +25,13 @@ from torch import nn
 
 import hierremat as hr
 from hierremat.blocks import segment
+from hierremat.planning import menus
+from hierremat.plans import clock as planning_clock
+from hierremat.runtime import profile as profile_module
+from hierremat.runtime.profile import PROFILE_REPEATS
 
-from harness import train_step
+from harness import assert_same_bits, model_loss, train_step
+from models import tiny_gpt2
 
 WIDTH, DEPTH = 8, 300  # ~2,000 ATen nodes per block (forward and backward)
 COARSE_DEPTH = 150  # (a block without cut points: ~1,000)
@@ -91,6 +100,64 @@ def test_a_deadline_before_the_sweep_leaves_the_heuristic_menu_uncached(tmp_path
     assert rushed.options_solves == 0 and "deadline" in rushed.summary()
     again = hr.plan(model, (x,), budget="64MiB", settings=hr.Settings(cache=cache))
     assert again.options_solves > 0 and "heuristic" not in again.summary()
+
+
+class _SlowPlanning:
+    """The planning clock moved ``seconds`` on by each stage profile and each measured node profile (so that the
+    machine's load cannot decide what fits before the deadline): the calls, with the clock's lead when each began."""
+
+    def __init__(self, monkeypatch, seconds: float):
+        self.lead, self.stages, self.node_methods = 0.0, [], []
+        real_stage, real_nodes = profile_module._profile_stage, menus.profile_nodes
+
+        def stage(*args, **kwargs):
+            self.stages.append((self.lead, args[5]))  # (its repeats)
+            self.lead += seconds
+            return real_stage(*args, **kwargs)
+
+        def nodes(joint, x, shared, *, method="measure", **kwargs):
+            self.node_methods.append((self.lead, method))
+            self.lead += seconds if method == "measure" else 0.0
+            return real_nodes(joint, x, shared, method=method, **kwargs)
+
+        monkeypatch.setattr(planning_clock, "now", lambda: time.perf_counter() + self.lead)
+        monkeypatch.setattr(profile_module, "_profile_stage", stage)
+        monkeypatch.setattr(menus, "profile_nodes", nodes)
+
+
+def test_the_time_limit_bounds_the_profile_and_the_node_costs_on_an_injected_clock(monkeypatch, tmp_path):
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.randint(0, 256, (2, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+    reference = copy.deepcopy(model)
+    plain = train_step(reference, (ids,), model_loss, kwargs=kwargs)
+    budget = plain.peak * 3 // 4
+    limit = 1500.0  # (each stage profile takes 1000 s on the clock: the second one ends past the limit)
+    slow = _SlowPlanning(monkeypatch, 1000.0)
+    settings = hr.Settings(cache=str(tmp_path), time_limit=limit)
+    plan = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", settings=settings)
+    assert len(slow.stages) >= 3, slow.stages
+    assert all(repeats == (PROFILE_REPEATS if lead < limit else 1) for lead, repeats in slow.stages), slow.stages
+    assert slow.node_methods and all(method == "flops" for _, method in slow.node_methods), slow.node_methods
+    cut = sum(lead >= limit for lead, _ in slow.stages)
+    assert plan.time_limit_cuts[0] == f"{cut} stage(s) timed from one run, not {PROFILE_REPEATS}", plan.time_limit_cuts
+    assert "modelled from FLOPs" in plan.time_limit_cuts[1]
+    summary = plan.summary()
+    assert "the time limit ran out while planning" in summary and "heuristic block options" in summary, summary
+    assert hr.ModelPlan.from_json(plan.to_json()).time_limit_cuts == plan.time_limit_cuts
+    # the plan keeps the promises: exact gradients, the peak within the budget
+    module = hr.remat(model, (ids,), kwargs, plan=plan, settings=hr.Settings(cache=str(tmp_path)))
+    step = train_step(module, (ids,), model_loss, kwargs=kwargs, warmup=1)
+    assert_same_bits(step, plain)
+    assert step.peak <= budget, (step.peak, budget, summary)
+    # nothing cut was cached: a plan with time measures the stages cut and the blocks' nodes, and cuts nothing
+    monkeypatch.setattr(planning_clock, "now", time.perf_counter)
+    slow.stages.clear(), slow.node_methods.clear()
+    again = hr.plan(model, (ids,), kwargs, budget=f"{budget}B", settings=hr.Settings(cache=str(tmp_path)))
+    assert len(slow.stages) == cut and all(repeats == PROFILE_REPEATS for _, repeats in slow.stages), slow.stages
+    assert slow.node_methods and all(method == "measure" for _, method in slow.node_methods)
+    assert again.time_limit_cuts == () and "heuristic" not in again.summary()
 
 
 def test_time_limit_is_checked():

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from hierremat.plans import clock as planning_clock
 from hierremat.plans.block_graph import BlockGraph, GraphNode
 from hierremat.plans.costs import ChainCosts, StageCosts
 from hierremat.ilp import BlockIlp, simulate_option, solve_count, solve_menu
@@ -576,7 +577,7 @@ def test_a_sweep_stopped_by_the_deadline_keeps_what_it_found(monkeypatch):
     how many solves fit): two solves, a third with the 5 s left as its limit, then the deadline; the menu says
     so and keeps the ILP's options."""
     clock = [1000.0]
-    monkeypatch.setattr(options_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(planning_clock, "now", lambda: clock[0])
     texts = []
 
     def solved(text):
@@ -598,7 +599,7 @@ def test_a_sweep_keeps_to_its_own_time_and_solves_every_rows_fastest_schedule_fi
     solved before any peak budget. On a clock each solve moves 1 s on (the machine's load cannot
     decide how many solves fit): a 6.5 s sweep stops after its seventh solve."""
     clock = [1000.0]
-    monkeypatch.setattr(options_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(planning_clock, "now", lambda: clock[0])
     texts = []
 
     def solved(text):

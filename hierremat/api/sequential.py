@@ -13,6 +13,7 @@ from ..budget import parse_budget
 from ..dp.solve import DEFAULT_SLOTS
 from ..errors import UnsupportedModelError
 from ..store.cache import default_cache
+from ..plans import clock
 from ..plans.sequential_plan import SequentialPlan
 from ..device.autocast import AutocastState
 from ..runtime.executor import run_plainly
@@ -86,8 +87,8 @@ def _plan(
     _check_options(block_options, slots, time_limit)
     compiled = resolve_compile(compile, input.device, stages, input)
     started = time.perf_counter()
-    deadline = None if time_limit is None else started + time_limit
-    profile = profile_chain(stages, input, repeats=repeats)
+    deadline = clock.deadline_after(time_limit, started)
+    profile = profile_chain(stages, input, repeats=repeats, deadline=deadline)
     profile_seconds = time.perf_counter() - started
     menus = None
     if block_options == "ilp" and strategy == "optimal" and torch.is_grad_enabled():

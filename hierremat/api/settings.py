@@ -48,9 +48,11 @@ class Settings:
     compile: whether block options run compiled by Inductor (hierremat.planning.compiled): True, False, or
         "auto" (None's default: True on CUDA where the model computes in fp32). Compiled options are priced from
         their compiled form; their gradients agree with eager ones to the rounding of fused arithmetic.
-    time_limit: seconds the block ILP solves and compiles may take in one plan (None: no bound). A block left
-        without time gets the coarser heuristic menu, as does a block whose ILP would be too large; the summary
-        says which. Every solve has a limit of its own too.
+    time_limit: seconds one plan may take from the start of its capture (None: no bound). Once they have passed,
+        the stages measured next are timed from one run (their memory still in full), blocks get node costs
+        modelled from FLOPs and bytes and the coarser heuristic menu (as does a block whose ILP would be too
+        large), and nothing more is compiled; the summary says what was cut, and nothing cut is cached. Every
+        solve has a limit of its own too.
     offload: False (None's default); True: checkpointed activations and a block option's kept values may go to
         a second tier where that is faster than recomputing them (the chain DP chooses per value, with the
         tier's bandwidths measured on this machine): pinned host memory on CUDA, a temporary directory on CPU;

@@ -30,6 +30,7 @@ from ..blocks.segment import CHAIN_ATTRIBUTE, ChainGraph, build_chain_graph, che
 from ..budget import format_bytes
 from ..dp.solve import DEFAULT_SLOTS
 from ..errors import InfeasibleBudgetError, UnsupportedModelError
+from ..plans import clock
 from ..plans.model_plan import ModelPlan
 from ..plans.sequential_plan import SequentialPlan
 from ..device import is_abstract
@@ -115,7 +116,7 @@ class PlanSettings:
 
     def deadline(self, started: float) -> float | None:
         """When planning that began at ``started`` (``time.perf_counter()``) must be done."""
-        return None if self.time_limit is None else started + self.time_limit
+        return clock.deadline_after(self.time_limit, started)
 
     def inductor_cache(self) -> Path | None:
         """Where compiled block options are cached (Inductor's caches): under the options cache."""
@@ -228,7 +229,8 @@ class ProfiledChain:
         fitted: ShapeFit | None = None, weights_of: nn.Module | None = None, blocks: bool = True, timed: bool = True,
         one_run: bool = False, menus: bool = True, programs: FamilyPrograms | None = None,
     ) -> "ProfiledChain":
-        """deadline: when building the block menus must be done (``time.perf_counter()``).
+        """deadline: when profiling and building the block menus must be done (hierremat.plans.clock): the
+        stages measured after it are timed from one run, the blocks' node costs modelled (ModelPlan.time_limit_cuts).
         fitted: this shape's costs fitted from shapes measured before (hierremat.planning.shape_fit):
         its times, and its memory where the fit is exact (else measured). weights_of: see the field.
         blocks: False leaves the stages without block menus (the output's fused head only: with_block_menus
@@ -249,7 +251,7 @@ class ProfiledChain:
                 chain.stages, x0, shared=shared, signatures=signatures,
                 cost_cache=StageCostCache(settings.options_cache()), residents=chain.residents,
                 timed=timed and fitted is None, repeats=1 if one_run and fitted is None else PROFILE_REPEATS,
-                known=known, measure=measure,
+                known=known, measure=measure, deadline=deadline,
             )
         ratios = None
         if fitted is not None:
@@ -422,7 +424,19 @@ class ProfiledChain:
             backward_autocast=menus.backward_autocast if menus else None,
             output_copies_bytes=self.output_copies_bytes,
             cost_model=cost_model_version(),
+            time_limit_cuts=self._time_limit_cuts(),
         )
+
+    def _time_limit_cuts(self) -> tuple[str, ...]:
+        """What this chain's profile and menus left out because the planning deadline had passed."""
+        cuts, menus = [], self.menus
+        if self.profile.timed_once:
+            cuts.append(f"{self.profile.timed_once} stage(s) timed from one run, not {PROFILE_REPEATS}")
+        if menus is not None and menus.modelled:
+            cuts.append(f"node costs of {', '.join(menus.modelled)} modelled from FLOPs and bytes, not measured")
+        if menus is not None and menus.timed_once:
+            cuts.append(f"generated code of {', '.join(menus.timed_once)} timed from one run")
+        return tuple(cuts)
 
 
 def profile_and_solve(

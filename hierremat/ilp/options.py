@@ -11,11 +11,11 @@ independently of the ILP, to check its predicted times and peaks.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..plans import clock
 from ..plans.block_graph import BlockGraph
 from ..plans.block_options import COMPUTE
 from .formulation import Decisions, Evaluation, Structure, compact, evaluate, op_lists, structure
@@ -241,7 +241,7 @@ def solve_menu(
 
     Bounded: each solve is limited to ``time_limit`` seconds (a stopped solve keeps its
     incumbent, marked ``optimal=False`` with its MIP gap), the sweep to ``sweep_limit``
-    seconds in all, and none runs past ``deadline`` (a ``time.perf_counter()`` value): the
+    seconds in all, and none runs past ``deadline`` (a ``hierremat.plans.clock.now()`` value): the
     sweep stops there with what it found. A block
     whose ILP would exceed MAX_ILP_VARIABLES is not solved at all. Either way the menu
     says so (``coarse``) and still holds keep-all, recompute-all and the heuristic options.
@@ -254,7 +254,7 @@ def solve_menu(
     A solution the formulation's evaluation or the op-list simulator rejects is discarded,
     never offered, and logged as a bug (ERROR, with ``label``); the menu goes on without it.
     """
-    t0 = time.perf_counter()
+    t0 = clock.now()
     solves0 = solve_count()
     st = ilp.structure if ilp is not None else structure(compact(graph), recompute_across_dropouts)
     cands = _fixed_options(st)
@@ -263,11 +263,11 @@ def solve_menu(
     coarse, cut = "", False
     if ilp is None and variables > MAX_ILP_VARIABLES:
         coarse = f"its ILP would have about {variables} variables (over {MAX_ILP_VARIABLES})"
-    elif deadline is not None and deadline - time.perf_counter() < MIN_SOLVE_SECONDS:
+    elif deadline is not None and clock.seconds_left(deadline) < MIN_SOLVE_SECONDS:
         coarse, cut = "no time was left before the planning deadline", True
     else:
         ilp = ilp or BlockIlp(graph, st)
-        sweep_end = time.perf_counter() + sweep_limit
+        sweep_end = clock.now() + sweep_limit
         ended = _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, backend, progress, label,
                        sweep_end if deadline is None else min(deadline, sweep_end))
         cut = ended and deadline is not None and deadline <= sweep_end
@@ -278,7 +278,7 @@ def solve_menu(
         log.info("block %s: heuristic options%s, because %s", label or "(unnamed)",
                  " and what the ILP found in time" if ilp is not None else "", coarse)
     options = _prune(_offered(cands, keep_all, len(graph.nodes), label))
-    seconds, solves = time.perf_counter() - t0, solve_count() - solves0
+    seconds, solves = clock.now() - t0, solve_count() - solves0
     n_vars, n_constraints = (ilp.model.n_vars, ilp.model.n_constraints) if ilp is not None else (0, 0)
     log.debug(
         "block menu: %d options (of %d candidates), %d solves, %d variables, %d constraints, %.2fs",
@@ -319,7 +319,7 @@ def _sweep(ilp, graph, keep_all, cands, n_kept, n_peak, peak_step, time_limit, b
     def solve(share: float = 1.0, **budgets):
         limit = max(time_limit * share, min(time_limit, MIN_SHARED_SOLVE_SECONDS))
         if deadline is not None:
-            limit = min(limit, deadline - time.perf_counter())
+            limit = min(limit, deadline - clock.now())
             if limit < MIN_SOLVE_SECONDS:
                 raise _DeadlineReached
         res = ilp.solve(time_limit=limit, backend=backend, **budgets)
@@ -439,7 +439,7 @@ class _Replay:
         names_of: dict[str, int] = {}  # storage -> how many live names hold it
         for nm in live:
             names_of[root[nm]] = names_of.get(root[nm], 0) + 1
-        entry, peak, clock = mem, mem, 0.0
+        entry, peak, elapsed = mem, mem, 0.0
         for i, (kind, nm) in enumerate(ops):
             if kind == "compute":
                 n = nodes.get(nm)
@@ -455,7 +455,7 @@ class _Replay:
                 live.add(nm)
                 names_of[root[nm]] = names_of.get(root[nm], 0) + 1
                 mem += new
-                clock += n.time
+                elapsed += n.time
             elif kind == "free":
                 if nm not in live:
                     raise ValueError(f"{phase} op {i}: frees {nm!r}, which is not in memory")
@@ -465,7 +465,7 @@ class _Replay:
                     mem -= size[root[nm]]
             else:
                 raise ValueError(f"{phase} op {i}: unknown kind {kind!r}")
-        return entry, peak, clock
+        return entry, peak, elapsed
 
 
 def simulate_option(graph: BlockGraph, option: BlockOption) -> OptionSimulation:

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..plans import clock
 from ..runtime.compiled_option import CompiledForward, CompiledForwardExecutor, CompiledOptionExecutor, CompiledProgram
 from ..runtime.profile import ChainProfile, no_side_effects, scratch_grads
 from ..plans.schedule import FAll
@@ -63,7 +64,7 @@ def offer_compiled(menus: ChainMenus) -> None:
 
 def _past(deadline: float | None, what: str) -> bool:
     """Whether planning's deadline has passed (then nothing more is compiled; logged)."""
-    if deadline is None or time.perf_counter() < deadline:
+    if not clock.passed(deadline):
         return False
     log.info("planning time limit reached: %s not compiled (it runs as generated eager code)", what)
     return True
@@ -173,7 +174,7 @@ def plan_compiled(
     x0: torch.Tensor, shared: tuple, cache_dir: Path | None, deadline: float | None = None,
 ):
     """The plan (``solve(profile)``'s result, with ``.schedule``) with compiled block options on
-    offer; nothing is compiled after ``deadline`` (a ``time.perf_counter()`` value)."""
+    offer; nothing is compiled after ``deadline`` (a ``hierremat.plans.clock.now()`` value)."""
     started = time.perf_counter()
     offer_compiled(menus)
     fastest = set()

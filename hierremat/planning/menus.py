@@ -53,6 +53,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from ..plans import clock
 from ..plans.block_graph import FORWARD, BlockGraph
 from ..blocks.eager_masks import has_value_branch
 from ..blocks.joint import JointGraph, to_block_graph, trace_joint
@@ -216,6 +217,10 @@ class ChainMenus:
     shared_code: frozenset[str] = frozenset()
     #: whether the last stage's fused head (``output_option``) is its family's, made once for every shape
     output_shared: bool = False
+    #: signatures whose node costs were modelled from FLOPs and bytes, not measured, and whose executors were timed
+    #: from one run: the planning deadline had passed (build_menus; neither is cached)
+    modelled: tuple[str, ...] = ()
+    timed_once: tuple[str, ...] = ()
 
     @property
     def runs_code_of_its_own(self) -> bool:
@@ -676,6 +681,8 @@ class _ChainMenuBuild:
         self.forward_executors: list = [None] * len(stages)
         self.speeds: dict[str, ExecutorSpeeds] = {}
         self.recipe_dependent: list[str] = []
+        self.modelled: list[str] = []  # signatures whose node costs were modelled: the deadline had passed
+        self.timed_once: list[str] = []  # signatures whose executors were timed from one run: the same
         self.autocast = AutocastState.capture((x0.device.type,))
         # (a device's alone: its stages are refused before they are traced)
         self.replay_inexact = self.autocast.enabled and x0.device.type not in AUTOCAST_EXACT_DEVICE_TYPES
@@ -700,6 +707,7 @@ class _ChainMenuBuild:
             recipe_dependent=tuple(self.recipe_dependent),
             backward_autocast=request.backward_autocast if self.autocast.enabled else None,
             shared_code=frozenset(self.shared_code), output_shared=self.output_shared,
+            modelled=tuple(self.modelled), timed_once=tuple(self.timed_once),
         )
 
     def _fused_head(self) -> None:
@@ -786,8 +794,11 @@ class _ChainMenuBuild:
         name = getattr(stage, "stage_name", type(stage).__name__)
         fitted = request.fitted
         node_costs = fitted.node_costs(i, joint) if fitted is not None and self.x0.device.type == "cpu" else None
+        measured = not clock.passed(request.deadline)  # (past it: node costs modelled, the heuristic menu)
         menu = _menu(joint, x, shared, signature, menu_key, request.cache, request.stored, request.time_limit,
-                     request.deadline, name, request.recompute_across_dropouts, node_costs)
+                     request.deadline, name, request.recompute_across_dropouts, node_costs, measured)
+        if menu is not None and not measured:
+            self.modelled.append(signature)
         if menu is None:
             return
         self.menus[signature] = menu
@@ -829,9 +840,13 @@ class _ChainMenuBuild:
         key, x = self.graph_keys[signature], self.xs[i]
         speeds = self.cost_cache.get_speeds(key, x)
         if speeds is None:
+            rushed = clock.passed(self.request.deadline)  # (past it: one timed run, not cached)
             speeds = _executor_speeds(self.executors[i][1:], self.forward_executors[i], stage, self.stages, x,
-                                      self.x0, self.shareds[i])
-            self.cost_cache.put_speeds(key, x, speeds)
+                                      self.x0, self.shareds[i], repeats=1 if rushed else 3)
+            if rushed:
+                self.timed_once.append(signature)
+            else:
+                self.cost_cache.put_speeds(key, x, speeds)
         self.speeds[signature] = speeds
 
 
@@ -973,13 +988,15 @@ def _recosted_menu(graph: BlockGraph, payload: dict | None, signature: str) -> S
 
 def _menu(
     joint, x, shared, signature, key_signature, cache, stored, time_limit, deadline, name, recompute_across_dropouts,
-    node_costs: dict | None = None,
+    node_costs: dict | None = None, measured: bool = True,
 ) -> StageMenu | None:
     """The stage's menu: from a saved plan, else from the cache, else re-costed from the menu solved
     at other sizes, else solved (and cached, unless the planning deadline cut it short); None when
     solving fails (the stage then offers autograd's option only, with a warning). name: the
     stage's, for the progress bar. node_costs: fitted node costs (name -> (seconds, workspace
-    bytes)) to re-cost with instead of measuring; a menu re-costed with them is not cached.
+    bytes)) to re-cost with instead of measuring; a menu re-costed with them is not cached. measured: False
+    models node costs from FLOPs and bytes (hierremat.runtime.node_profile's "flops": the planning deadline has
+    passed); a menu costed so is not cached.
 
     A saved or cached menu is used only if its block graph has the structure of the one
     traced now (op lists name nodes of that graph)."""
@@ -1014,10 +1031,11 @@ def _menu(
         recosted = _recosted_menu(to_block_graph(joint, node_costs), solved_before, signature)
         if recosted is not None:
             return recosted
-    graph = to_block_graph(joint, profile_nodes(joint, x, shared))
+    graph = to_block_graph(joint, profile_nodes(joint, x, shared, method="measure" if measured else "flops"))
     recosted = _recosted_menu(graph, solved_before, signature)
     if recosted is not None:
-        cache.put(key, recosted.to_dict())  # a later plan at these sizes measures nothing again
+        if measured:
+            cache.put(key, recosted.to_dict())  # a later plan at these sizes measures nothing again
         return recosted
     try:
         with _progress_bar(f"hierremat: block {name} ({signature})") as advance:
@@ -1027,7 +1045,7 @@ def _menu(
         _warn_solver_failure(signature, err)
         return None
     menu = StageMenu(graph, tuple(solved.options), solved.solve_seconds, solved.coarse)
-    if not solved.cut_by_deadline:
+    if measured and not solved.cut_by_deadline:
         cache.put(key, menu.to_dict())
         cache.put(family, {"menu_key": key.to_dict()})
         if not cache.enabled:

@@ -82,6 +82,9 @@ class ModelPlan:
     backward_autocast: bool | None = None
     output_copies_bytes: int = 0
     cost_model: str = ""
+    #: what planning left out because its time limit ran out (hierremat.plans.clock): stages timed from one run,
+    #: node costs modelled rather than measured (the heuristic menus are the menus' own ``coarse``)
+    time_limit_cuts: tuple[str, ...] = ()
 
     @property
     def beside_chain_bytes(self) -> int:
@@ -162,6 +165,8 @@ class ModelPlan:
         recosted = [sig for sig, m in self.menus.items() if m.get("recosted")]
         if self.times != "measured":
             lines.append(f"  {self.times}")
+        if self.time_limit_cuts:
+            lines.append(f"  the time limit ran out while planning: {'; '.join(self.time_limit_cuts)}")
         if self.lent_weight_bytes:
             lines.append(f"  planned without its weights (meta or fake): {format_bytes(self.lent_weight_bytes)} of weights lent while planning, "
                          "one copy per distinct stage (the model's own are used once materialized)")
@@ -200,6 +205,7 @@ class ModelPlan:
                 "backward_autocast": self.backward_autocast,
                 "output_copies_bytes": self.output_copies_bytes,
                 "cost_model": self.cost_model,
+                "time_limit_cuts": list(self.time_limit_cuts),
             }
         )
 
@@ -232,6 +238,7 @@ class ModelPlan:
             backward_autocast=None if d.get("backward_autocast") is None else bool(d["backward_autocast"]),
             output_copies_bytes=int(d.get("output_copies_bytes", 0)),
             cost_model=str(d.get("cost_model") or ""),
+            time_limit_cuts=tuple(str(c) for c in d.get("time_limit_cuts", ())),
         )
 
 

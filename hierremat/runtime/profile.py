@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ..plans import clock
 from ..plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
 from ..plans.memory_trace import MemoryTrace, stage_trace
 from .executor import (
@@ -69,6 +70,8 @@ class ChainProfile:
     #: profile_chain's ``timed`` False); a stage's costs found in the cache or taken from ``known`` count as timed in
     #: full (PROFILE_REPEATS)
     repeats: int = PROFILE_REPEATS
+    #: stages timed from one run, not PROFILE_REPEATS, because the planning deadline had passed (profile_chain)
+    timed_once: int = 0
 
 
 def storage_bytes(value) -> int:
@@ -191,6 +194,7 @@ def profile_chain(
     timed: bool = True,
     known: ChainProfile | None = None,
     measure: frozenset[int] = frozenset(),
+    deadline: float | None = None,
 ) -> ChainProfile:
     """Measure ChainCosts of ``stages`` applied in sequence to ``x0`` (``stage(x, *shared)``).
 
@@ -211,9 +215,11 @@ def profile_chain(
     known, measure: where ``known`` is given, only the stages in ``measure`` are measured, the others
     take their costs and buffer updates from ``known`` (fitted: hierremat.planning.shape_fit) and are
     only run without grad, for the next stage's input. The chain's sizes are measured.
+    deadline: the planning deadline (hierremat.plans.clock); a stage measured after it is timed from one run
+    (``ChainProfile.timed_once`` counts them; their costs are not cached). Its memory is measured in full.
     """
     run = _ChainProfiling(stages, x0, shared, signatures, output_grad_mask, cost_cache or StageCostCache(None),
-                          residents)
+                          residents, deadline)
     with no_side_effects(stages, x0):
         x = x0.detach()
         for i, stage in enumerate(stages):
@@ -247,7 +253,7 @@ class _ChainProfiling:
     """One :func:`profile_chain` call: the costs, traces and buffer updates of the stages profiled so far."""
 
     def __init__(self, stages, x0: torch.Tensor, shared: tuple, signatures, output_grad_mask,
-                 cost_cache: StageCostCache, residents):
+                 cost_cache: StageCostCache, residents, deadline: float | None):
         self.stages, self.x0, self.shared, self.signatures = stages, x0, shared, signatures
         self.output_grad_mask, self.cost_cache, self.residents = output_grad_mask, cost_cache, residents
         self.autocast = AutocastState.capture((x0.device.type,))
@@ -259,6 +265,8 @@ class _ChainProfiling:
         self.measured: dict[tuple[str | None, bool], int] = {}  # StageRun.measured_as -> the first stage measured so
         self.outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the others' next input)
         self.values: dict[int, torch.Tensor] = {}
+        self.deadline = deadline
+        self.timed_once = 0  # stages timed from one run because the deadline had passed
 
     def stage_run(self, i: int, stage) -> _StageRun:
         last = i == len(self.stages) - 1
@@ -317,6 +325,8 @@ class _ChainProfiling:
 
     def _measure(self, run: _StageRun, x, repeats: int, timed: bool):
         """Measure the stage (:func:`_profile_stage`) and cache costs timed in full."""
+        if timed and repeats > 1 and clock.passed(self.deadline):
+            repeats, self.timed_once = 1, self.timed_once + 1
         with scratch_grads(run.stage):
             cost, names, y, mask, trace = _profile_stage(
                 run.i, run.stage, run.call, x, run.requires_grad, repeats, self.x0.device, run.wanted_mask, run.produced,
@@ -358,7 +368,7 @@ class _ChainProfiling:
         loss_bytes = storage_bytes(losses) if losses else 0
         return ChainProfile(
             costs, tuple(self.mutated), output_grad_mask, loss_bytes, _chain_trace(costs, self.traces, loss_bytes),
-            self.fewest,
+            self.fewest, self.timed_once,
         )
 
 
