@@ -3,8 +3,8 @@
 A tiny GPT-2 (tests/models.py: 2 layers, 64 wide, batch 2 x 48) is planned twice in a row with ``hierremat.plan``
 (``cache=False``: every stage profiled afresh), and the two plans' predicted steps are compared: the step that keeps
 everything (``no_remat_step_time``, the same schedule in both) and the plan's own. Each pair runs once per round
-with each statistic of a stage's timed runs (hierremat.runtime.profile.run_seconds), interleaved: ``median`` (the
-library's) and ``least`` (their minimum, as Python's timeit advises). ``busy``: one CPU-bound process per core runs
+with each statistic of a stage's timed runs (hierremat.runtime.profile.run_seconds), interleaved: ``least`` (the
+library's: their minimum, as Python's timeit advises) and ``median``. ``busy``: one CPU-bound process per core runs
 beside it. Printed per statistic and load: the median and the largest ratio of the two plans' predictions (larger
 over smaller; 1.00 is perfect agreement) over the rounds. Target: at most 1.10 under load.
 

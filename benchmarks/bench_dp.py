@@ -67,7 +67,7 @@ def reference_work(L: int, K: int, M: int) -> float:
     return 2 * (M + 1) * sum((L - d) * (K + 1 + d * (d + 1) / 2) for d in range(L))
 
 
-def median_seconds(fn, repeats: int = 3) -> float:
+def timed_seconds(fn, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -95,8 +95,8 @@ def run(lengths, option_counts, slot_counts, ref_lengths, ref_max_k, ref_slots, 
             budget = int(1.5 * min_peak_schedule(costs).predicted_peak_bytes)
             for slots in slot_counts:
                 args = dp_inputs(costs, budget, slots)
-                kernel_s = median_seconds(lambda: fill_tables(*args))
-                solve_s = median_seconds(lambda: solve_chain(costs, budget, slots=slots))
+                kernel_s = timed_seconds(lambda: fill_tables(*args))
+                solve_s = timed_seconds(lambda: solve_chain(costs, budget, slots=slots))
                 ref_s = None
                 if L in ref_lengths and K <= ref_max_k and slots in ref_slots:
                     work = reference_work(L, K, int(args[-1]))

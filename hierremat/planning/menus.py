@@ -17,7 +17,7 @@ form does not fit the budget (StageCosts.leaner_nograd).
 Cost model: an option's times are sums of per-node times, measured one op at a time;
 the whole-stage profile of option 0 is measured as one call, under autograd. To put both
 on one scale, menu times are multiplied per signature by the measured time of one of its
-options as the generated code really runs it (forward + backward, median of a few runs)
+options as the generated code really runs it (forward + backward, the least of a few runs)
 over that option's node-time sum: the code's own overhead, and kernels that are slower
 (or faster) in the decomposed graph than in eager autograd, are then priced in, so the
 DP picks autograd's option 0 or the generated code by what each really costs. The
@@ -70,7 +70,7 @@ from .shape_fit import FIT_VERSION, ShapeFit
 from ..device.autocast import AutocastState
 from ..runtime.block_exec import ForwardExecutor, GeneratedForward, GeneratedOption, OptionExecutor
 from ..runtime.option_codegen import StageBinding
-from ..runtime.profile import ChainProfile, median_seconds, no_side_effects, scratch_grads
+from ..runtime.profile import ChainProfile, timed_seconds, no_side_effects, scratch_grads
 from ..runtime.residents import keep_made, split_output, stage_shared
 from ..runtime.stage_cost_cache import STAGE_COST_VERSION, ExecutorSpeeds, StageCostCache, device_name
 from ..blocks.variants.dropout import pack_dropout_masks
@@ -80,7 +80,7 @@ from ..blocks.variants.relu_masks import pack_relu_masks
 log = logging.getLogger(__name__)
 
 #: Bump when node profiling or the time calibration changes (invalidates cached menus).
-COST_MODEL_VERSION = "nodes-4"  # 4: the row-blocked loss's buffer uncapped (its workspace)
+COST_MODEL_VERSION = "nodes-5"  # (CPU node times: the least of their runs)
 #: Relative price added to executor options so that autograd wins ties (see ChainMenus.extend).
 TIE_MARGIN = 1e-6
 #: An option no leaner than autograd's (option 0) in any memory figure is taken only where it is faster by
@@ -878,7 +878,7 @@ def _warn_solver_failure(signature: str, err: Exception) -> None:
 
 def _executor_speeds(executors, forward, stage, stages, x, x0, shared, repeats: int = 3) -> ExecutorSpeeds:
     """Measured speeds of a stage's generated code: the menu's fastest option (forward + backward)
-    per second of its node-time sum, and the no-grad forward's seconds (medians after one
+    per second of its node-time sum, and the no-grad forward's seconds (the least of its runs after one
     warm-up; RNG, buffers and ``.grad`` left as they were)."""
     executor = min(executors, key=lambda e: e.option.total_time)
     y_meta = None
@@ -891,11 +891,11 @@ def _executor_speeds(executors, forward, stage, stages, x, x0, shared, repeats: 
 
     with no_side_effects(stages, x0), scratch_grads(stage):
         forward(x, shared)  # warm-up
-        forward_seconds = median_seconds(lambda: forward(x, shared), repeats, x.device)
+        forward_seconds = timed_seconds(lambda: forward(x, shared), repeats, x.device)
         if executor.option.total_time <= 0:
             return ExecutorSpeeds(1.0, forward_seconds)
         run()  # warm-up
-        seconds = median_seconds(run, repeats, x.device)
+        seconds = timed_seconds(run, repeats, x.device)
     return ExecutorSpeeds(seconds / executor.option.total_time, forward_seconds)
 
 

@@ -45,7 +45,7 @@ from ..device.autocast import AutocastState
 from .block_exec import OptionTape
 from ..device.memory import CpuAllocatorMeter, CudaPeakMeter
 from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
-from .profile import median_seconds, storage_bytes
+from .profile import timed_seconds, storage_bytes
 
 log = logging.getLogger(__name__)
 
@@ -185,14 +185,14 @@ class CompiledOptionExecutor:
         del kept, y
         with _peak_meter(device) as bwd_meter:
             self.backward(tape, dy, shared)
-        fwd_time = median_seconds(lambda: self.forward(x, shared), repeats, device)
+        fwd_time = timed_seconds(lambda: self.forward(x, shared), repeats, device)
         # the backward timed on its own after each (untimed) forward: a difference of two noisy
         # medians (forward + backward, forward) once came out 0 on a busy machine
         bwd_times = []
         for _ in range(repeats):
             y, tape = self.forward(x, shared)
             del y
-            bwd_times.append(median_seconds(lambda: self.backward(tape, dy, shared), 1, device))
+            bwd_times.append(timed_seconds(lambda: self.backward(tape, dy, shared), 1, device))
         del tape
         bwd_time = statistics.median(bwd_times)
         return CompiledCosts(fwd_time, bwd_time, kept_bytes, int(fwd_meter.peak_bytes), int(bwd_meter.peak_bytes))
@@ -243,5 +243,5 @@ class CompiledForwardExecutor:
         with _peak_meter(x.device) as meter:
             y = self(x, shared)
         del y
-        return median_seconds(lambda: self(x, shared), repeats, x.device), int(meter.peak_bytes)
+        return timed_seconds(lambda: self(x, shared), repeats, x.device), int(meter.peak_bytes)
 

@@ -7,7 +7,8 @@ just computed:
 * CUDA (``x.is_cuda``): one pair of CUDA events per repeat on the current stream, after
   a warm-up; the median. Workspace = the allocator's peak during one run of the op above
   what was allocated before it, minus the bytes of its result (clamped at 0).
-* CPU: ``time.perf_counter`` around each repeat after a warm-up; the median. Workspace:
+* CPU: ``time.perf_counter`` around each repeat after a warm-up; the least (as the stages' times:
+  other processes only add time). Workspace:
   the scratch a kernel allocates below the dispatcher (``_safe_softmax``'s mask, ...), which the
   live-tensor tracker cannot see but the CPU allocator meter does, read from one more run of the
   graph under ``torch.profiler``'s memory events (each node marked with ``record_function``): the
@@ -110,7 +111,7 @@ class _Profiler(fx.Interpreter):
             start = time.perf_counter()
             target(*args, **kwargs)
             times.append(time.perf_counter() - start)
-        return max(statistics.median(times), 1e-9), 0
+        return max(min(times), 1e-9), 0  # (the least: as the stages' times, runtime.profile.run_seconds)
 
     def _cuda(self, node, target, again) -> tuple[float, int]:
         stream = torch.cuda.current_stream()

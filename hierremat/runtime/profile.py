@@ -3,8 +3,8 @@
 For each stage, with the real input it receives, we measure: the no-grad forward's time
 and peak; the grad forward's time, peak, the bytes autograd keeps for backward (live
 bytes after the forward, less the output) and whether those keep the input's or the
-output's storage (weakref finalisers on them); the backward's time and peak. Times are medians of
-``repeats`` runs after the runs that measure memory, which warm them up (``time.perf_counter`` on CPU,
+output's storage (weakref finalisers on them); the backward's time and peak. Times are the least of
+``repeats`` runs (run_seconds) after the runs that measure memory, which warm them up (``time.perf_counter`` on CPU,
 CUDA events on GPU);
 a stage whose no-grad forward takes over SLOW_STAGE_SECONDS keeps the times of the runs
 that measure its memory (one each; its one-off costs are a small share of such a run): a
@@ -19,7 +19,6 @@ profiling, so backward peaks are measured as in any step after the first (DESIGN
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -41,7 +40,7 @@ from ..device.rng import cuda_devices_of
 from .stage_cost_cache import StageCostCache
 from .tapeless import tapeless
 
-#: Timed runs of each of a stage's no-grad forward, forward and backward whose medians are its times.
+#: Timed runs of each of a stage's no-grad forward, forward and backward whose least are its times.
 PROFILE_REPEATS = 3
 #: Seconds of a stage's no-grad forward (measured with its memory) above which its times are
 #: those of the memory runs: one run each, its one-off costs a small share of it.
@@ -66,7 +65,7 @@ class ChainProfile:
     output_grad_mask: tuple[bool, ...]
     loss_bytes: int = 0
     memory_trace: MemoryTrace | None = None
-    #: the fewest timed runs a stage profiled here took its times' medians of (0: those of its memory runs,
+    #: the fewest timed runs a stage profiled here took its times from (0: those of its memory runs,
     #: profile_chain's ``timed`` False); a stage's costs found in the cache or taken from ``known`` count as timed in
     #: full (PROFILE_REPEATS)
     repeats: int = PROFILE_REPEATS
@@ -93,13 +92,13 @@ def _sync(device: torch.device) -> None:
 
 
 def run_seconds(samples) -> float:
-    """A stage's time from the seconds of its timed runs: their median (benchmarks/bench_busy_plans.py compares
-    it with their least on a busy host)."""
-    return statistics.median(samples)
+    """A stage's time from the seconds of its timed runs: their least, as Python's ``timeit`` advises (other
+    processes only ever add time to a run; benchmarks/bench_busy_plans.py compares it with their median)."""
+    return min(samples)
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs (CUDA events on a GPU)."""
+def timed_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The time of ``fn()`` from ``repeats`` runs (run_seconds of their seconds; CUDA events on a GPU)."""
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -693,21 +692,21 @@ def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool
 
 def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
                 grad_mask) -> tuple[float, float, float]:
-    """Median seconds of the no-grad forward, the grad forward and the backward. No warm-up of their own: the
+    """Seconds of the no-grad forward, the grad forward and the backward (run_seconds of their runs). No warm-up of their own: the
     caller (_profile_stage) ran each of them just before, for memory, which paid their one-off costs."""
     with torch.no_grad():
-        nograd_time = median_seconds(lambda: call(x), repeats, device)
+        nograd_time = timed_seconds(lambda: call(x), repeats, device)
 
     grad_forward = functools.partial(_grad_forward, call, x, requires_grad)
     fwd_samples, bwd_samples = [], []
     for _ in range(repeats):  # each timed forward's backward is the timed backward (a forward less per sample)
         made = []
-        fwd_samples.append(median_seconds(lambda: made.append(grad_forward()), 1, device))
+        fwd_samples.append(timed_seconds(lambda: made.append(grad_forward()), 1, device))
         out = made.pop()
         edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
         del out
         if any(e is not None for e in edges):
-            bwd_samples.append(median_seconds(functools.partial(backward_through, edges, grads), 1, device))
+            bwd_samples.append(timed_seconds(functools.partial(backward_through, edges, grads), 1, device))
         del edges, grads
     return nograd_time, run_seconds(fwd_samples), run_seconds(bwd_samples) if bwd_samples else 0.0
 

@@ -28,7 +28,7 @@ from ..store.cache import CacheKey, OptionsCache
 log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
-STAGE_COST_VERSION = "stage-11"
+STAGE_COST_VERSION = "stage-12"
 
 
 @dataclass(frozen=True)
