@@ -34,7 +34,7 @@ from hierremat.blocks.segment import build_chain_graph
 from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu
 from hierremat.ilp.solve import BlockIlp
 from hierremat.runtime.block_exec import OptionExecutor, OptionTape
-from hierremat.planning.menus import stage_inputs
+from hierremat.planning.stage_calls import stage_inputs
 from hierremat.api.planned_shape import chain_inputs
 
 RESULTS = C.RESULTS_DIR / "bench_block_exec.md"

@@ -61,7 +61,7 @@ from hierremat.errors import InfeasibleBudgetError  # noqa: E402
 from hierremat.ilp.options import keep_all_decisions, make_option, solve_menu  # noqa: E402
 from hierremat.ilp.solve import BlockIlp  # noqa: E402
 from hierremat.plans.simulate import simulate  # noqa: E402
-from hierremat.planning.menus import resident_positions, stage_arguments, stage_inputs  # noqa: E402
+from hierremat.planning.stage_calls import resident_positions, stage_arguments, stage_inputs  # noqa: E402
 from hierremat.api.planned_shape import chain_inputs  # noqa: E402
 
 SLOTS = 2000

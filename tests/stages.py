@@ -6,7 +6,7 @@ from torch import nn
 
 from hierremat.blocks.capture import capture
 from hierremat.blocks.segment import build_chain_graph
-from hierremat.planning.menus import stage_inputs
+from hierremat.planning.stage_calls import stage_inputs
 from hierremat.api.planned_shape import chain_inputs
 
 

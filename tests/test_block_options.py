@@ -22,7 +22,7 @@ import torch
 import hierremat as hr
 from hierremat.blocks.joint import to_block_graph, trace_joint
 from hierremat.runtime.node_profile import profile_nodes
-from hierremat.planning.menus import cost_model_version
+from hierremat.planning.menu_store import cost_model_version
 from hierremat.store.cache import default_cache
 from hierremat.ilp.options import forward_only, simulate_option, solve_menu
 from hierremat.device import LiveTensorTracker
@@ -417,7 +417,7 @@ class _Gate(torch.nn.Module):
 def test_stages_that_differ_only_in_attributes_do_not_share_graphs():
     """A plain chain's stage signature covers what the forward branches on beyond its repr and
     parameters: two such stages sharing one traced graph would run each other's computation."""
-    from hierremat.planning.menus import module_signature
+    from hierremat.planning.stage_calls import module_signature
 
     torch.manual_seed(7)
     model = torch.nn.Sequential(_Gate(32, "tanh"), _Gate(32, "gelu"), _Gate(32, "tanh"), _Gate(32, "gelu"))
@@ -439,7 +439,7 @@ def test_stages_that_differ_only_in_attributes_do_not_share_graphs():
 def test_an_option_saving_no_memory_wins_over_autograds_only_by_more_than_the_noise():
     """Priced as autograd's option and a hair more where it is no leaner and faster by less than
     NOISE_MARGIN; left as measured where it is leaner or clearly faster."""
-    from hierremat.planning.menus import NOISE_MARGIN, _priced_within_noise
+    from hierremat.planning.chain_menus import NOISE_MARGIN, _priced_within_noise
     from hierremat.plans.costs import OptionCosts
 
     base = OptionCosts(fwd_time=1.0, bwd_time=2.0, kept_bytes=100, fwd_overhead_bytes=200, bwd_overhead_bytes=50)

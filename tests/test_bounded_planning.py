@@ -25,7 +25,7 @@ from torch import nn
 
 import hierremat as hr
 from hierremat.blocks import segment
-from hierremat.planning import menus
+from hierremat.planning import menu_store
 from hierremat.plans import clock as planning_clock
 from hierremat.runtime import profile as profile_module
 from hierremat.runtime.profile import PROFILE_REPEATS
@@ -108,7 +108,7 @@ class _SlowPlanning:
 
     def __init__(self, monkeypatch, seconds: float):
         self.lead, self.stages, self.node_methods = 0.0, [], []
-        real_stage, real_nodes = profile_module._profile_stage, menus.profile_nodes
+        real_stage, real_nodes = profile_module._profile_stage, menu_store.profile_nodes
 
         def stage(*args, **kwargs):
             self.stages.append((self.lead, args[5]))  # (its repeats)
@@ -122,7 +122,7 @@ class _SlowPlanning:
 
         monkeypatch.setattr(planning_clock, "now", lambda: time.perf_counter() + self.lead)
         monkeypatch.setattr(profile_module, "_profile_stage", stage)
-        monkeypatch.setattr(menus, "profile_nodes", nodes)
+        monkeypatch.setattr(menu_store, "profile_nodes", nodes)
 
 
 def test_the_time_limit_bounds_the_profile_and_the_node_costs_on_an_injected_clock(monkeypatch, tmp_path):

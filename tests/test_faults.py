@@ -13,6 +13,8 @@ import errno
 import logging
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -265,6 +267,24 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_with_one_warning(tmp_pat
     assert not stale.exists() and fresh.exists()
     warned = _warnings(caplog, "hierremat")
     assert len(warned) == 1 and "build lock" in warned[0]
+
+
+def test_a_library_a_killed_build_left_unfinished_is_built_again(tmp_path):
+    """A library file that does not load (a build killed while linking) is removed and built again, in a process of
+    its own (a fresh extensions directory: the real build, not the one the suite loaded)."""
+    name = packed_bits.extension_name()
+    (tmp_path / name).mkdir()
+    library = tmp_path / name / f"{name}.so"
+    library.write_bytes(b"\x7fELF unfinished")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop("HIERREMAT_NO_EXTENSION", None)
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys; from hierremat.ops import packed_bits; "
+                               "sys.exit(0 if packed_bits.load_cpu_kernels() else 1)"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert library.stat().st_size > 1000
 
 
 def test_the_kernels_build_once_per_torch_release():

@@ -372,7 +372,7 @@ def test_the_last_block_of_a_chain_offers_its_block_options(monkeypatch):
     whole stage; with the options the smallest feasible budget drops, the plan there runs an
     option on the last block, and steps from it up give plain autograd's gradients within
     budget."""
-    from hierremat.planning.menus import ChainMenus
+    from hierremat.planning.chain_menus import ChainMenus
 
     torch.manual_seed(11)
     width = 128

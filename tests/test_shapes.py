@@ -30,7 +30,7 @@ from hierremat.ilp.options import recost_options, simulate_option, solve_menu
 from hierremat.plans.block_graph import BlockGraph
 from hierremat.plans.costs import ChainCosts, OptionCosts, StageCosts
 from hierremat.plans.memory_trace import MemoryTrace, with_memory
-from hierremat.planning.menus import StageMenu
+from hierremat.planning.chain_menus import StageMenu
 from hierremat.planning.shape_fit import (
     DATA_TOLERANCE, MAX_SAMPLES, ShapeFit, ShapeSample, add_sample, memory_sizes_ahead, memory_sizes_to_sample,
     sizes_to_sample,
@@ -749,7 +749,7 @@ def test_block_options_are_traced_at_a_fitted_shape_only_where_they_could_pay(mo
             assert len(traced) == before
     assert "block options re-costed at this shape after 2 steps without them" in caplog.text
     # the plans whose block options were re-costed from one solve hold one copy of their op lists
-    # (hierremat.planning.menus._parsed_menu; BlockOption.to_dict shares them)
+    # (hierremat.planning.menu_store._parsed_menu; BlockOption.to_dict shares them)
     recosted = [p for p in module.plans if any(m.get("recosted") for m in p.menus.values())]
     assert len(recosted) >= 2
     assert len(recosted[0].menus) == len(recosted[1].menus)  # (by stage order: a signature names its sizes too)
@@ -980,7 +980,7 @@ def test_block_options_built_at_a_fitted_length_are_priced_against_option_0_as_t
         scale = menus.speeds[menus.signatures[i]].scale
         for got, option in zip(stage.options[1:], (o.to_option_costs() for o in menu.options)):
             # (one that keeps less than option 0 is priced as measured; one that saves no memory may be priced at
-            # option 0's, a hair above: hierremat.planning.menus._priced_within_noise)
+            # option 0's, a hair above: hierremat.planning.chain_menus._priced_within_noise)
             if option.kept_bytes < stage.options[0].kept_bytes and option.fwd_time > 0 and option.bwd_time > 0:
                 assert got.fwd_time == pytest.approx(forward * scale * option.fwd_time, rel=1e-6), (i, fit.step_ratios)
                 assert got.bwd_time == pytest.approx(backward * scale * option.bwd_time, rel=1e-6), (i, fit.step_ratios)

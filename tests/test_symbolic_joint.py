@@ -24,7 +24,9 @@ from hierremat.blocks.symbolic_joint import trace_symbolic_joint
 from hierremat.ilp.options import recost_options, solve_menu
 from hierremat.planning.family_programs import FamilyPrograms, _check_size_sources
 from hierremat.planning import menus as menus_module
-from hierremat.planning.menus import _with_variants, graph_structure, rebind, stage_arguments
+from hierremat.planning.menu_store import graph_structure
+from hierremat.planning.menus import _with_variants
+from hierremat.planning.stage_calls import rebind, stage_arguments
 from hierremat.runtime.block_exec import OptionExecutor
 from hierremat.runtime.node_profile import profile_nodes
 from hierremat.runtime.option_codegen import StageBinding

@@ -49,7 +49,10 @@ from ..planning.chain_plan import (
 from .sequential import SUPPORTED_DEVICES, check_devices, check_slots, check_time_limit
 from ..planning.compiled import compile_forwards, compile_options, offer_compiled, options_used, plan_compiled
 from ..planning.family_programs import FamilyPrograms
-from ..planning.menus import NOISE_MARGIN, PlanMenu, StageMenu, build_menus, cost_model_version, stage_arguments
+from ..planning.chain_menus import NOISE_MARGIN, PlanMenu, StageMenu
+from ..planning.menu_store import cost_model_version
+from ..planning.menus import build_menus
+from ..planning.stage_calls import stage_arguments
 from ..planning.shape_fit import ShapeFit, ShapeSample, chain_pattern
 from .planned_shape import ONE_RUN_NOTE, ChainModule, PlannedShape, chain_inputs, copies_note
 
@@ -74,7 +77,7 @@ class PlanSettings:
     offload: bool | str = False
     offload_limit: int | str | None = None
     #: under autocast, whether the caller's backward runs under it too (one context around forward and backward);
-    #: None: not known (RematModule learns it at the first backward: hierremat.planning.menus.exact_under_autocast)
+    #: None: not known (RematModule learns it at the first backward: hierremat.planning.autocast_exactness.exact_under_autocast)
     backward_autocast: bool | None = None
     #: whether a shape may run without block options until building them pays (rent or buy: profile_and_solve);
     #: remat's default, not hierremat.plan's
@@ -188,7 +191,7 @@ class ProfiledChain:
     settings: PlanSettings
     profile: ChainProfile
     profile_seconds: float
-    menus: object  # hierremat.planning.menus.ChainMenus, or None
+    menus: object  # hierremat.planning.chain_menus.ChainMenus, or None
 
     fitted: ShapeFit | None = None
     #: a model planned on meta: the gradients its step allocates are its own parameters' (the lent copies
@@ -199,7 +202,7 @@ class ProfiledChain:
     #: there, the seconds per step they could still save (0: within the timing noise): RematModule re-costs them
     #: once the steps run without them have lost what re-costing takes
     block_gain: float = 0.0
-    #: the stages' arguments (hierremat.planning.menus.stage_arguments) the fused-head-only menus were built from,
+    #: the stages' arguments (hierremat.planning.stage_calls.stage_arguments) the fused-head-only menus were built from,
     #: kept for with_block_menus to build the blocks' from (None once they are built)
     arguments: tuple | None = None
     #: the caller's fp32 copies of the outputs (ModelPlan.output_copies_bytes), held beside the chain

@@ -345,7 +345,14 @@ def load_cpu_kernels() -> bool:
         library = build / f"{name}{cpp_extension.LIB_EXT}"
         if not library.exists() or (build / "lock").exists():  # (a lock: another process is building it)
             _build(name)
-        torch.ops.load_library(str(library))
+            torch.ops.load_library(str(library))
+        else:
+            try:
+                torch.ops.load_library(str(library))
+            except OSError:  # (a library a killed build left unfinished: built again)
+                library.unlink(missing_ok=True)
+                _build(name)
+                torch.ops.load_library(str(library))
     except Exception as err:  # no compiler, no ninja, a header mismatch: the reference kernels still work
         log.warning("could not build hierremat's C++ kernels (%s: %s); packed masks use the pure-torch kernels",
                     type(err).__name__, str(err).strip().splitlines()[-1][:200] if str(err).strip() else "")

@@ -307,7 +307,7 @@ class PlannedChain:
         self, stages: Sequence[Callable], plan: SequentialPlan, *, slots: int, strategy: str = "optimal",
         signatures: Sequence[str] | None = None, menus=None, residents=None, offloading: Offloading | None = None,
     ):
-        """menus: the stages' block-option menus (hierremat.planning.menus.ChainMenus), if any;
+        """menus: the stages' block-option menus (hierremat.planning.chain_menus.ChainMenus), if any;
         residents: the values carried beside the activation (hierremat.plans.stage_info.ResidentLayout);
         offloading: the second tier re-plans may offload to and plans that offload run with."""
         self.stages = list(stages)

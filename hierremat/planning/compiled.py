@@ -40,7 +40,8 @@ from ..plans import clock
 from ..runtime.compiled_option import CompiledForward, CompiledForwardExecutor, CompiledOptionExecutor, CompiledProgram
 from ..runtime.profile import ChainProfile, no_side_effects, scratch_grads
 from ..plans.schedule import FAll
-from .menus import ChainMenus, stage_arguments
+from .chain_menus import ChainMenus
+from .stage_calls import stage_arguments
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ class FamilyPrograms:
         """Trace stage ``key[0]`` of ``stages`` with symbolic sizes, rewrite it as ``traced`` was (``rewrite``: the
         operator variants; symbolic_joint.as_traced: its nodes named as ``traced``'s, run in place where they are),
         and keep it where its BlockGraph at these sizes is ``traced``'s (``structure``: what is compared,
-        hierremat.planning.menus.graph_structure). Once per key: a graph that could not be made is not tried again."""
+        hierremat.planning.menu_store.graph_structure). Once per key: a graph that could not be made is not tried again."""
         if key in self.joints:
             return
         self.joints[key] = None

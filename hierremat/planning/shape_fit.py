@@ -59,7 +59,7 @@ from ..runtime.stage_cost_cache import ExecutorSpeeds
 
 log = logging.getLogger(__name__)
 
-#: Bump when what is fitted, or how, changes (part of a saved plan's hierremat.planning.menus.cost_model_version).
+#: Bump when what is fitted, or how, changes (part of a saved plan's hierremat.planning.menu_store.cost_model_version).
 #: 3: times from the training steps, from fewer shapes than the monomials (ShapeFit.of); 4: two shapes timed nearer
 #: than SPACING scale each time by the tokens, not a line through them; 5: times fitted with every term >= 0; 6: block
 #: options scaled as the training steps run option 0 over the profile (ShapeFit.step_ratios); 7: a shape's profile

@@ -18,7 +18,7 @@ class ModelPlan:
     shared_bytes: bytes of the values computed once before the chain and held during it
     (attention masks, position ids); predicted_peak_bytes includes them.
     menus: stage signature -> its block-option menu as a mapping (hierremat.planning.menus.
-    StageMenu.to_dict's entries: a plan made here reads them from the menu, hierremat.planning.menus.PlanMenu; one
+    StageMenu.to_dict's entries: a plan made here reads them from the menu, hierremat.planning.chain_menus.PlanMenu; one
     loaded holds them), so that a saved plan runs without solving again; options k >= 1 of a
     stage in ``chain.costs`` are that menu's options in order.
     options_seconds, options_solves: time spent building the menus (trace, profile, ILP)
@@ -48,14 +48,14 @@ class ModelPlan:
         weights lent to it while planning, one copy per distinct stage (hierremat.runtime.lent_weights);
         0 for a model planned with its own.
     backward_autocast: under autocast, the caller's recipe its block options were traced for (True: the backward
-        inside the autocast context, False: after it closed; hierremat.planning.menus.exact_under_autocast), None
+        inside the autocast context, False: after it closed; hierremat.planning.autocast_exactness.exact_under_autocast), None
         where not known or without autocast.
     output_copies_bytes: bytes of the fp32 copies the caller makes of the model's fp16 and bf16 outputs
         (accelerate's mixed precision, as the Trainer's ``bf16=True`` runs it: hierremat.blocks.hf.upcasts_outputs),
         held beside the chain for the whole step (made at the forward's end, they may be held through the
         backward); predicted_peak_bytes includes them. 0 where the caller makes none.
     cost_model: the versions of the measurements and formulations the plan's costs come from (block nodes' times,
-        stage costs, the block ILP, the costs fitted at shapes not measured) and torch's, as hierremat.planning.menus.cost_model_version gives them: a saved
+        stage costs, the block ILP, the costs fitted at shapes not measured) and torch's, as hierremat.planning.menu_store.cost_model_version gives them: a saved
         plan loaded where they differ is warned about. "" for a plan saved by a hierremat that did not record them.
     The chain's residents, values carried along it beside the activation (an encoder's
     output, a position bias, skip tensors) and their gradients, are in its costs

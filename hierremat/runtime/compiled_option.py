@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,7 +44,7 @@ from ..device.autocast import AutocastState
 from .block_exec import OptionTape
 from ..device.memory import CpuAllocatorMeter, CudaPeakMeter
 from .option_codegen import ForwardProgram, OptionProgram, StageBinding, generate_forward_only, generate_option
-from .profile import timed_seconds, storage_bytes
+from .profile import run_seconds, timed_seconds, storage_bytes
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class CompiledProgram:
     """
 
     def __init__(self, joint: JointGraph, option: BlockOption, x: torch.Tensor, shared: tuple, cache_dir=None):
-        if joint.resident_seeds:  # (hierremat.planning.menus.ChainMenus.compilable)
+        if joint.resident_seeds:  # (hierremat.planning.chain_menus.ChainMenus.compilable)
             raise ValueError("options of stages that read residents are not compiled: their seeds may be missing")
         self.option = option
         joint = functional_joint(joint)  # Inductor places buffers itself
@@ -186,15 +185,14 @@ class CompiledOptionExecutor:
         with _peak_meter(device) as bwd_meter:
             self.backward(tape, dy, shared)
         fwd_time = timed_seconds(lambda: self.forward(x, shared), repeats, device)
-        # the backward timed on its own after each (untimed) forward: a difference of two noisy
-        # medians (forward + backward, forward) once came out 0 on a busy machine
+        # the backward timed on its own after each (untimed) forward, not as a difference of two noisy times
         bwd_times = []
         for _ in range(repeats):
             y, tape = self.forward(x, shared)
             del y
             bwd_times.append(timed_seconds(lambda: self.backward(tape, dy, shared), 1, device))
         del tape
-        bwd_time = statistics.median(bwd_times)
+        bwd_time = run_seconds(bwd_times)
         return CompiledCosts(fwd_time, bwd_time, kept_bytes, int(fwd_meter.peak_bytes), int(bwd_meter.peak_bytes))
 
 
