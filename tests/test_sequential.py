@@ -1,6 +1,9 @@
 """checkpoint_sequential on CPU: gradients, RNG, BatchNorm, memory and the plan cache."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -395,3 +398,22 @@ def test_the_last_block_of_a_chain_offers_its_block_options(monkeypatch):
     last = len(model) - 1
     assert any(op.stage == last and getattr(op, "option", 0) > 0 for op in plan.schedule.ops), plan.summary()
     _check_model(model, x)
+
+
+def test_a_plan_that_keeps_everything_loads_the_dp_kernel_for_the_next(tmp_path):
+    """Where keeping everything fits, no DP runs, but its Numba kernel is loaded (about 90 MiB and 0.3 s once per
+    process): a later shape that does not fit, a longer sequence in a growing loop, pays none of it. In a process of
+    its own, where nothing else loaded the kernel."""
+    script = (
+        "import torch, hierremat as hr\n"
+        "from torch import nn\n"
+        "model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))\n"
+        "x = torch.randn(4, 8, requires_grad=True)\n"
+        "plan = hr.plan_sequential(model, '1GiB', x, block_options='autograd')\n"
+        "assert plan.schedule.keeps_everything\n"
+        "from hierremat.dp.kernel import fill_tables\n"
+        "assert fill_tables.signatures, 'the kernel was not loaded'\n"
+    )
+    env = {**os.environ, "HIERREMAT_CACHE_DIR": str(tmp_path)}
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert ran.returncode == 0, ran.stderr[-2000:]

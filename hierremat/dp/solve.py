@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..plans.costs import ChainCosts
+from ..plans.costs import ChainCosts, OptionCosts, StageCosts
 from ..errors import InfeasibleBudgetError
 from ..plans.schedule import Backward, ChainSchedule, FAll, FCk, Fetch, FetchKept, FNone, Loss, Offload, OffloadKept
 from .decisions import Action, Choice, OptionChoice, SplitChoice, decode_code
@@ -195,6 +195,17 @@ def _dp_chooser(arrays: ChainArrays, D: np.ndarray, M: int, L: int) -> Chooser:
         return OptionChoice(action, int(arrays.option_ids[s, k]), m_rest)
 
     return choose
+
+
+def load_kernel() -> None:
+    """Load the Numba kernel's compiled code, once per process (from numba's on-disk cache after the first process's
+    compile: about 0.3 s and 90 MiB of RSS, mostly LLVM's). A plan that needs no DP (keeping everything fits) calls
+    this, so that the first later shape that does not fit (a longer sequence) pays none of it."""
+    from .kernel import fill_tables
+
+    if not fill_tables.signatures:  # (a two-stage chain: the array types every plan's tables have)
+        option = OptionCosts(1.0, 1.0, kept_bytes=8, fwd_overhead_bytes=16, bwd_overhead_bytes=8)
+        solve_chain(ChainCosts((8, 8, 8), (StageCosts(1.0, 8, (option,)),) * 2), 1024)
 
 
 def _fill(arrays: ChainArrays, M: int, kernel: str):

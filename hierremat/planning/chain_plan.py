@@ -16,7 +16,7 @@ import torch.fx
 
 from ..device.autocast import AutocastState
 from ..device.rng import CPU_RNG_STATE_BYTES
-from ..dp import min_peak_schedule, solve_chain
+from ..dp import load_kernel, min_peak_schedule, solve_chain
 from ..dp.baselines import keep_all_schedule, uniform_segments_schedule
 from ..errors import InfeasibleBudgetError
 from ..plans.costs import ChainCosts
@@ -122,6 +122,7 @@ def _fastest_fitting(
     fastest = all(st.options[0].fwd_time + st.options[0].bwd_time <= min(o.fwd_time + o.bwd_time for o in st.options)
                   for st in costs.stages)
     if fastest and keep_all.predicted_peak_bytes <= budget_bytes:
+        load_kernel()  # (not needed here: loaded now, the first plan that needs it does not pay for it)
         return costs, keep_all  # no recomputation at all; it runs as plain autograd
     lean = costs.with_leaner_forwards()
     found = []
