@@ -142,6 +142,24 @@ def _sample(times: dict, length: int, batch: int = 4) -> ShapeSample:
     )
 
 
+def test_block_node_times_are_fitted_from_shapes_measured_after_the_menus_were_built():
+    """Block options built after the shapes profiled for times (deferred until they pay): those shapes have no node
+    times, so the node times and code speeds measured at later shapes, whose stage times were fitted (nodes-only
+    samples), are what the node costs are fitted from, once they are as many as the monomials."""
+    times = {"a": lambda s: 1e-3 + 2e-5 * 4 * s, "b": lambda s: 5e-4 + 1e-5 * 4 * s + 2e-9 * 4 * s * s}
+    before_menus = [replace(_sample(times, s), node_times=(None, None), speeds=(None, None)) for s in (64, 200, 350)]
+    nodes_only = [replace(_sample(times, s), times_measured=False, nodes_only=True, profile=None)
+                  for s in (400, 450, 520)]
+    joint = type("J", (), {"compute_nodes": lambda self: [type("N", (), {"name": n})() for n in ("mm", "view")]})()
+    assert ShapeFit.of(before_menus, {"b": 4, "s": 480}, (0, 1)).node_costs(1, joint) is None
+    assert not ShapeFit.of([*before_menus, *nodes_only[:2]], {"b": 4, "s": 480}, (0, 1)).had_menu(1)
+    fit = ShapeFit.of([*before_menus, *nodes_only], {"b": 4, "s": 480}, (0, 1))
+    assert fit.node_costs(1, joint)["mm"][0] == pytest.approx(times["b"](480))
+    assert fit.speeds(1).scale == pytest.approx(1.25) and fit.had_menu(1) and fit.node_costs(0, joint) is None
+    # they count for nothing else: the stage times and memory are the profiled shapes' alone
+    assert len(fit.samples) == 3 and len(fit.timed) == 3 and len(fit.node_samples) == 3
+
+
 def test_exports_record_no_python_stack_traces_and_leave_the_setting_as_it_was():
     """export_call turns fx's per-node Python stack traces off (hierremat reads ``nn_module_stack`` alone; recording
     them took 8-15% of a 4-layer GPT-2's symbolic export) and puts the caller's setting back, also where export

@@ -114,6 +114,8 @@ class PlannedShape:
         self.chain_module = chain_module
         self.family: tuple = ()  # the inputs' family_key (hierremat.api.shape_families), set by RematModule
         self.sample: ShapeSample | None = None  # its measured costs (None: fitted, or run from a saved plan)
+        #: where its times were fitted, its block graphs' node times and speeds measured here (ShapeSample.nodes_of)
+        self.node_sample: ShapeSample | None = None
         self.bindings: dict | None = None  # its sizes by symbol in the symbolic capture it was planned with
         self.skeleton: tuple = ((), {})  # its inputs as meta tensors (their shapes)
         self.sources: list[str] = []  # fx's sources of the graphs traced to plan it (hierremat.blocks.sources)

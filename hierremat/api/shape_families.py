@@ -70,13 +70,15 @@ class ShapeFamilies:
         self.samples: dict[tuple, list[ShapeSample]] = {}  # times and memory measured at its shapes
         #: for a family whose times the training steps give (StepRetimer.times_from_steps): the shapes timed there
         self.step_samples: dict[tuple, list[ShapeSample]] = {}
+        #: block graphs' node times and speeds measured at shapes whose times were fitted (ShapeSample.nodes_only)
+        self.node_samples: dict[tuple, list[ShapeSample]] = {}
 
     @property
     def _name(self) -> str:
         return type(self.model).__name__
 
     def _per_family(self) -> tuple[dict, ...]:
-        return self.symbolic, self.symbolic_dims, self.generic, self.samples, self.step_samples
+        return self.symbolic, self.symbolic_dims, self.generic, self.samples, self.step_samples, self.node_samples
 
     def kept(self) -> set[tuple]:
         """The families something is kept for."""
@@ -232,8 +234,8 @@ class ShapeFamilies:
         if symbolic is None or not all(rebound) or any(symbolic.bindings(*skeleton) is None for skeleton in took):
             return False
         samples[:] = [s.bound(bindings) for s, bindings in zip(samples, rebound)]
-        steps = self.step_samples.get(family, [])
-        steps[:] = [s.bound(b) for s in steps for b in [symbolic.rebound(dict(s.bindings), earlier)] if b]
+        for kept in (self.step_samples.get(family, []), self.node_samples.get(family, [])):
+            kept[:] = [s.bound(b) for s in kept for b in [symbolic.rebound(dict(s.bindings), earlier)] if b]
         return True
 
     def _first_shape_capture(self, family: tuple, args: tuple, kwargs: dict) -> SymbolicCapture | None:

@@ -375,6 +375,11 @@ class ProfiledChain:
         its memory only)."""
         return ShapeSample.of(self.profile, self.menus, [info.signature for info in self.chain.infos], times_measured)
 
+    def node_sample(self) -> ShapeSample | None:
+        """The node times and speeds of the block options measured at this shape (bindings unset), where any were:
+        ShapeSample.nodes_of."""
+        return ShapeSample.nodes_of(self.profile, self.menus, [info.signature for info in self.chain.infos])
+
     @property
     def shared_bytes(self) -> int:
         return sum(storage_bytes(v) for v in self.shared if isinstance(v, torch.Tensor))
@@ -587,6 +592,7 @@ def plan_shape(model: nn.Module, args: tuple, kwargs: dict, budget_bytes: int | 
         menus = _saved_plan_menus(plan, chain, x0, shared, settings, autocast)
     shape = _runnable(chain, plan, menus, settings, x0)
     shape.sample, shape.saved = sample, profiled is None
+    shape.node_sample = profiled.node_sample() if fitted is not None else None  # (else in ``sample``)
     if lent_to is not None:  # other forms (the fused head) were made while weights were lent: give them back
         bind_to_model(shape.graphs(), model)
         shape.lent = True

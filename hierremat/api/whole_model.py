@@ -170,7 +170,8 @@ class RematModule(nn.Module):
         try:
             with recorded_sources() as sources, collector_paused() if pause else contextlib.nullcontext():
                 request = ShapeRequest(
-                    symbolic, (*samples, *self._retimer.step_samples_of(family)), shards,
+                    symbolic, (*samples, *self._retimer.step_samples_of(family),
+                               *self._families.node_samples.get(family, ())), shards,
                     output_released=self._released_output(family), upcasts=upcasts_outputs(self),
                     recost_seconds=self._building.recost_seconds if defer_blocks else None,
                     defer=defer_blocks and self._building.deferring(settings), steps_time=from_steps,
@@ -211,6 +212,8 @@ class RematModule(nn.Module):
             add_sample(samples, planned.sample.bound(planned.bindings))
             if sample_ahead:  # (captured at its first shape: sizes said to vary; memory_sizes_ahead: that alone)
                 self._sampler.sample_memory_ahead(symbolic, args, kwargs, samples, self.settings)
+        if planned.node_sample is not None and planned.bindings:
+            add_sample(self._families.node_samples.setdefault(family, []), planned.node_sample.bound(planned.bindings))
         if not self._per_padding and any(has_value_branch(s.graph_module) for s in planned.chain.stages):
             self._per_padding = True
             self._drop_plans()  # (keyed without the padding state; planned again when called)

@@ -40,13 +40,16 @@ class StageMenu:
     coarse: why the options are heuristic rather than the ILP sweep's ("" when they are the
     sweep's; see hierremat.plans.block_options.BlockOptions).
     recosted: True where the options were solved for this block at other sizes (another input
-    shape) and re-costed on this graph (hierremat.ilp.options.recost_options), not solved for it."""
+    shape) and re-costed on this graph (hierremat.ilp.options.recost_options), not solved for it.
+    fitted: True where its graph's node costs were fitted from other shapes (hierremat.planning.shape_fit), not
+    measured here (such a menu is never cached)."""
 
     graph: BlockGraph
     options: tuple[BlockOption, ...]
     solve_seconds: float
     coarse: str = ""
     recosted: bool = False
+    fitted: bool = False
 
     def to_dict(self) -> dict:
         return {key: entry(self) for key, entry in _MENU_ENTRIES.items()}
@@ -148,6 +151,15 @@ class ChainMenus:
     #: from one run: the planning deadline had passed (build_menus; neither is cached)
     modelled: tuple[str, ...] = ()
     timed_once: tuple[str, ...] = ()
+    #: signatures whose generated code's speeds were fitted from other shapes (hierremat.planning.shape_fit)
+    fitted_speeds: tuple[str, ...] = ()
+
+    def measured_here(self, signature: str) -> bool:
+        """Whether the signature's menu has node costs and generated-code speeds measured in full at this shape:
+        neither fitted from other shapes nor cut short by the planning deadline."""
+        menu = self.menus.get(signature)
+        return (menu is not None and not menu.fitted and signature in self.speeds
+                and signature not in (*self.modelled, *self.timed_once, *self.fitted_speeds))
 
     @property
     def runs_code_of_its_own(self) -> bool:

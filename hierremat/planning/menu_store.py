@@ -205,7 +205,7 @@ def stage_menu(
     if solved_before is not None and node_costs is not None:
         recosted = _recosted_menu(to_block_graph(joint, node_costs), solved_before, signature)
         if recosted is not None:
-            return recosted
+            return replace(recosted, fitted=True)
     graph = to_block_graph(joint, profile_nodes(joint, x, shared, method="measure" if measured else "flops"))
     recosted = _recosted_menu(graph, solved_before, signature)
     if recosted is not None:

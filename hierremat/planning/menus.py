@@ -145,6 +145,7 @@ class _ChainMenuBuild:
         self.recipe_dependent: list[str] = []
         self.modelled: list[str] = []  # signatures whose node costs were modelled: the deadline had passed
         self.timed_once: list[str] = []  # signatures whose executors were timed from one run: the same
+        self.fitted_speeds: list[str] = []  # signatures whose executors' speeds were fitted from other shapes
         self.autocast = AutocastState.capture((x0.device.type,))
         # (a device's alone: its stages are refused before they are traced)
         self.replay_inexact = self.autocast.enabled and x0.device.type not in AUTOCAST_EXACT_DEVICE_TYPES
@@ -170,6 +171,7 @@ class _ChainMenuBuild:
             backward_autocast=request.backward_autocast if self.autocast.enabled else None,
             shared_code=frozenset(self.shared_code), output_shared=self.output_shared,
             modelled=tuple(self.modelled), timed_once=tuple(self.timed_once),
+            fitted_speeds=tuple(self.fitted_speeds),
         )
 
     def _fused_head(self) -> None:
@@ -296,6 +298,7 @@ class _ChainMenuBuild:
             fitted_speeds = self.request.fitted.speeds(i)
             if fitted_speeds is not None:
                 self.speeds[signature] = fitted_speeds
+                self.fitted_speeds.append(signature)
         if signature in self.speeds:
             return
         key, x = self.graph_keys[signature], self.xs[i]

@@ -37,7 +37,10 @@ one or two near the longest, left the next lengths scaled from those by the toke
 GPT-2: 308 tokens fitted from 512 and 431 predicted at 1.14x its steps, 105 from 268 up at 0.85x; with 64, 96 and 128
 tokens timed once, 1.00 and 1.01). Block options are re-costed on the shape's own
 joint graph (exact), priced from node times profiled apart, and scaled as the training steps run option 0 over
-the profile where the steps time the shapes (ShapeFit.step_ratios).
+the profile where the steps time the shapes (ShapeFit.step_ratios). Node times and code speeds are fitted from
+the shapes that measured them: those profiled for times, and, where block options were built after those (deferred
+until they pay), the shapes whose block graphs alone were measured since (ShapeSample.nodes_only), three of them for
+one varying size.
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class ShapeSample:
     than profiled alone, its LM head 15% faster).
     cut: measured at inputs cut from a call's to fit other shapes from (hierremat.api.shape_planning.sample_at), not
     at a shape planned.
+    nodes_only: only the block graphs' node times and generated code's speeds were measured at the shape, its stage
+    times and memory fitted (:meth:`nodes_of`): a sample for ShapeFit's node-time and speed fits alone, kept apart
+    from the others (hierremat.api.shape_families.ShapeFamilies.node_samples).
     """
 
     bindings: tuple[tuple[str, int], ...]
@@ -124,6 +130,7 @@ class ShapeSample:
     option_nodes: tuple[tuple[tuple[str, ...], ...] | None, ...] = ()
     from_steps: bool = False
     cut: bool = False
+    nodes_only: bool = False
 
     @classmethod
     def from_step_times(cls, bindings: dict, pattern: tuple[int, ...],
@@ -154,6 +161,20 @@ class ShapeSample:
             option_nodes.append(computes.get(signature) if menu is not None else None)
         return cls((), pattern, stage_times, tuple(node_times), tuple(speeds), profile, times_measured,
                    tuple(option_nodes))
+
+    @classmethod
+    def nodes_of(cls, profile: ChainProfile, menus, signatures: Sequence[str]) -> "ShapeSample | None":
+        """A ``nodes_only`` sample (bindings unset) of the stages whose menus' node costs and speeds were measured
+        at this shape (ChainMenus.measured_here; the others' None), or None where no stage's were: at a shape whose
+        times were fitted, so that the block options built after the shapes fitted from were measured are fitted from
+        the shapes measured since (a loop whose lengths grow measures them a few times, not at every length)."""
+        if menus is None or not any(menus.measured_here(s) for s in menus.signatures):
+            return None
+        full = cls.of(profile, menus, signatures, times_measured=False)
+        here = [menus.measured_here(s) for s in menus.signatures]
+        return replace(full, profile=None, nodes_only=True,
+                       node_times=tuple(t if ok else None for t, ok in zip(full.node_times, here)),
+                       speeds=tuple(p if ok else None for p, ok in zip(full.speeds, here)))
 
     def bound(self, bindings: dict) -> "ShapeSample":
         return replace(self, bindings=tuple(sorted((str(k), int(v)) for k, v in bindings.items())))
@@ -331,8 +352,11 @@ def chain_pattern(signatures: Sequence[str]) -> tuple[int, ...]:
 class ShapeFit:
     """Fitted times at one shape (``bindings``) from samples measured at others (module docstring)."""
 
-    def __init__(self, samples: Sequence[ShapeSample], bindings: dict, varying: tuple[str, ...]):
+    def __init__(self, samples: Sequence[ShapeSample], bindings: dict, varying: tuple[str, ...],
+                 node_samples: Sequence[ShapeSample] = ()):
         self.samples = tuple(samples)
+        #: shapes where block graphs alone were measured (ShapeSample.nodes_only): node times and speeds fitted from
+        self.node_samples = tuple(node_samples)
         #: memory is fitted from the shapes profiled (their memory traces)
         self.memory_samples = tuple(s for s in self.samples if not s.from_steps)
         #: the stage times from the shapes timed: each one's steps where it has them, else its profile
@@ -343,10 +367,9 @@ class ShapeFit:
         self.profiled = tuple(s for s in self.memory_samples if s.times_measured)
         self.bindings = {str(k): int(v) for k, v in bindings.items()}
         self.varying = varying
-        scale = {v: max(dict(s.bindings)[v] for s in self.samples) for v in varying}
+        self._scale = scale = {v: max(dict(s.bindings)[v] for s in self.samples) for v in varying}
         self._rows = self._rows_of(self.memory_samples, scale)
         self._time_rows = self._rows_of(self.timed, scale)
-        self._profiled_rows = self._rows_of(self.profiled, scale)
         self._target = np.array(self._features(self.bindings, scale))
         monomials = len(self._target)
         #: the monomials the stage times are fitted over: all where the shapes timed are as many, else (one
@@ -372,12 +395,18 @@ class ShapeFit:
         return np.array([self._features(dict(s.bindings), scale) for s in samples]).reshape(
             len(samples), len(self.varying) + 2)
 
-    @functools.cached_property
-    def _profiled_fit(self) -> bool:
-        """Whether the shapes profiled with their times determine every monomial (node times and generated code's
-        speeds are fitted from them alone: the training steps time whole stages)."""
-        rows = self._profiled_rows
-        return len(rows) >= rows.shape[1] and np.linalg.matrix_rank(rows) == rows.shape[1]
+    def _node_sources(self, stage: int) -> tuple[tuple[ShapeSample, ...], np.ndarray] | None:
+        """The shapes stage ``stage``'s node times and generated code's speeds are fitted from, and their rows: those
+        profiled with their times, and those whose block graphs alone were measured (``node_samples``), where each
+        measured the stage's menu (a shape measured before block options were built has none there: hierremat.remat's
+        ``defer_block_options``); None where they do not determine every monomial (the training steps time whole
+        stages, not nodes)."""
+        sources = tuple(s for s in (*self.profiled, *self.node_samples)
+                        if s.node_times[stage] is not None and s.speeds[stage] is not None)
+        rows = self._rows_of(sources, self._scale)
+        if len(rows) < rows.shape[1] or np.linalg.matrix_rank(rows) < rows.shape[1]:
+            return None
+        return sources, rows
 
     @property
     def reduced(self) -> bool:
@@ -400,9 +429,12 @@ class ShapeFit:
         the memory is to be fitted at ``bindings`` (``memory_fits``: a figure that then fits no polynomial is still
         measured), times fitted beyond EXTRAPOLATION of the shapes timed (``beyond_timed``)."""
         samples = [s for s in samples if s.pattern == pattern and s.bindings]
+        node_samples = [s for s in samples if s.nodes_only]
+        samples = [s for s in samples if not s.nodes_only]
         if not samples:
             return None
         target = {str(k): int(v) for k, v in bindings.items()}
+        node_samples = [s for s in node_samples if set(dict(s.bindings)) == set(target)]
         values = [dict(s.bindings) for s in samples]
         if any(set(v) != set(target) for v in values):
             return None
@@ -425,7 +457,7 @@ class ShapeFit:
             return all(min(v[k] for v in shapes) / factor <= target[k] <= max(v[k] for v in shapes) * factor
                        for k in varying)
 
-        fit = cls(samples, target, varying)
+        fit = cls(samples, target, varying, node_samples)
         if np.linalg.matrix_rank(fit._time_rows[:, fit.time_columns]) < len(fit.time_columns):
             return None  # the timed shapes do not determine every coefficient (repeated sizes)
         memory = [dict(s.bindings) for s in fit.memory_samples]
@@ -446,9 +478,9 @@ class ShapeFit:
         n = math.prod(sizes)
         return [1.0, n, *(n * size for size in sizes)]
 
-    def _predict(self, values: list[list[float]], times: bool = True, profiled: bool = False) -> list[float]:
-        """Each column of ``values`` (one row per timed sample, ``profiled``: per sample profiled with its times)
-        fitted and evaluated at the target, >= 0. The residuals are weighed relative to the values (a 1 ms node
+    def _predict(self, values: list[list[float]], times: bool = True, rows: np.ndarray | None = None) -> list[float]:
+        """Each column of ``values`` (one row per timed sample; per shape of ``rows``, :meth:`_node_sources`'s, where
+        given: fitted over every monomial) fitted and evaluated at the target, >= 0. The residuals are weighed relative to the values (a 1 ms node
         and a 100 ms stage both fitted to a share of themselves). ``times``: the columns are times, each a fixed
         cost, a term linear in the tokens and the quadratic terms (module docstring), none of them below 0: fitted
         by non-negative least squares (Lawson and Hanson 1974, "Solving Least Squares Problems", ch. 23;
@@ -458,7 +490,8 @@ class ShapeFit:
         the issue-35 loop's 12 lengths timed, 72% of the others are fitted within 10% of the truth, against 63%
         unconstrained (bounded: 63%), the 5th-95th percentile 0.84-1.23 of it, against 0.69-1.34
         (tests/test_shapes.py, ..._non_negative_miss_less_under_timing_noise)."""
-        rows = self._profiled_rows if profiled else self._time_rows
+        profiled = rows is not None
+        rows = rows if profiled else self._time_rows
         columns = list(range(len(self._target))) if profiled else list(self.time_columns)
         values = np.array(values, dtype=float)
         nearest = self._nearest_outside(rows) if times else None
@@ -655,25 +688,25 @@ class ShapeFit:
 
     def node_costs(self, stage: int, joint) -> dict | None:
         """Fitted (seconds, workspace 0) of every node of stage ``stage``'s block graph, by name; None
-        where a sample has no menu there or other node names than ``joint``, or the shapes profiled with their times
-        are too few (then they are measured; ``joint`` None: the samples' names taken as they are)."""
-        per_sample = [s.node_times[stage] for s in self.profiled]
-        if not self._profiled_fit or any(t is None for t in per_sample):
+        where the shapes measured with its menu (:meth:`_node_sources`) are too few or have other node names than
+        ``joint`` (then they are measured; ``joint`` None: the samples' names taken as they are)."""
+        sources = self._node_sources(stage)
+        if sources is None:
             return None
+        per_sample = [s.node_times[stage] for s in sources[0]]
         names = {n.name for n in joint.compute_nodes()} if joint is not None else set(per_sample[0])
         if any(not set(t) <= names for t in per_sample):
             return None
         keys = sorted(per_sample[0])
         if any(sorted(t) != keys for t in per_sample):
             return None
-        fitted = self._predict([[t[k] for k in keys] for t in per_sample], profiled=True)
+        fitted = self._predict([[t[k] for k in keys] for t in per_sample], rows=sources[1])
         return {k: (seconds, 0) for k, seconds in zip(keys, fitted)}
 
     def had_menu(self, stage: int) -> bool:
-        """Whether stage ``stage`` had block options at every shape whose times were measured (what its block
-        options' times are fitted from: a shape measured before any were built has none, hierremat.remat's
-        ``defer_block_options``), those shapes enough to fit from."""
-        return self._profiled_fit and all(s.node_times[stage] is not None for s in self.profiled)
+        """Whether stage ``stage`` had block options at enough of the shapes measured to fit their times from
+        (:meth:`_node_sources`)."""
+        return self._node_sources(stage) is not None
 
     def least_block_time(self, stage: int) -> float | None:
         """A lower bound (seconds) on one forward and backward of stage ``stage`` under any of its block options
@@ -683,14 +716,16 @@ class ShapeFit:
         every node's time and the scale fitted, and as the training steps run the stage where they time it
         (:attr:`step_ratios`: the lesser of the forward's and the backward's). None where a measured shape had no
         menu or speeds there."""
-        first = self.profiled[-1].pattern[stage]  # (stages of one structure: one bound)
+        first = self.samples[-1].pattern[stage]  # (stages of one structure: one bound)
         if first not in self._least_block:
             self._least_block[first] = self._least_block_time(first)
         least, ratios = self._least_block[first], self.step_ratios
         return least if least is None or ratios is None else least * min(ratios[1:])  # (a bound: the lesser)
 
     def _least_block_time(self, stage: int) -> float | None:
-        options = self.profiled[-1].option_nodes[stage] if self.profiled[-1].option_nodes else None
+        sources = self._node_sources(stage)
+        last = sources[0][-1] if sources is not None else None
+        options = last.option_nodes[stage] if last is not None and last.option_nodes else None
         speeds = self.speeds(stage)
         node_times = self.node_costs(stage, None)
         if options is None or speeds is None or node_times is None or any(
@@ -701,11 +736,12 @@ class ShapeFit:
     def speeds(self, stage: int) -> ExecutorSpeeds | None:
         """The fitted speeds of stage ``stage``'s generated code (None where a sample has none, or the shapes
         profiled with their times are too few)."""
-        per_sample = [s.speeds[stage] for s in self.profiled]
-        if not self._profiled_fit or any(p is None for p in per_sample):
+        sources = self._node_sources(stage)
+        if sources is None:
             return None
-        (scale,) = self._predict([[p[0]] for p in per_sample], times=False, profiled=True)  # (a ratio of times)
-        (forward,) = self._predict([[p[1]] for p in per_sample], profiled=True)
+        per_sample = [s.speeds[stage] for s in sources[0]]
+        (scale,) = self._predict([[p[0]] for p in per_sample], times=False, rows=sources[1])  # (a ratio of times)
+        (forward,) = self._predict([[p[1]] for p in per_sample], rows=sources[1])
         return ExecutorSpeeds(scale if scale > 0 else min(p[0] for p in per_sample), forward)
 
     def describe(self) -> str:
