@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A date, a session's ordinal or an issue number: history, which is git's.
-HISTORY = re.compile(r"20[0-9]{2}-[0-9]{2}-[0-9]{2}|\b(first|second|third|[a-z]+th) session\b|\b[Ii]ssues? [0-9]+")
+HISTORY = re.compile(r"20[0-9]{2}-[0-9]{2}-[0-9]{2}|\b(first|second|third|[a-z]+th) session\b|\b[Ii]ssues?[- #]?[0-9]+")
 
 
 def _paragraphs(text: str) -> list[str]:

@@ -397,7 +397,7 @@ def test_times_fitted_outside_the_measured_lengths_stay_within_what_a_growing_co
 
 def test_times_fitted_with_every_term_non_negative_miss_less_under_timing_noise():
     """The time fit's oracle under noise: stage times c0 + c1 n + c2 n s (each term >= 0, n = b s tokens) timed with
-    12% log-normal noise at 3 to 8 of the issue-35 loop's 12 lengths, fitted at another: the fit as planned (every
+    12% log-normal noise at 3 to 8 of bench_shapes.py's 12 lengths, fitted at another: the fit as planned (every
     term >= 0, bounded outside the lengths timed) lands within 10% of the truth more often than an unconstrained least
     squares fit through the same times (``times=False``), and its 5th-95th percentile band is narrower."""
     rng = np.random.default_rng(0)

@@ -487,7 +487,7 @@ class ShapeFit:
         scipy.optimize.nnls), so that noise in a few steps cannot bend the fit below or above the sizes measured
         (a fixed cost below 0, a quadratic term that turns the fit down or up outside them), and bounded outside the
         sizes measured (:meth:`_extrapolation_bounds`). Over synthetic times of that form with 12% noise, 3 to 8 of
-        the issue-35 loop's 12 lengths timed, 72% of the others are fitted within 10% of the truth, against 63%
+        bench_shapes.py's 12 lengths timed, 72% of the others are fitted within 10% of the truth, against 63%
         unconstrained (bounded: 63%), the 5th-95th percentile 0.84-1.23 of it, against 0.69-1.34
         (tests/test_shapes.py, ..._non_negative_miss_less_under_timing_noise)."""
         profiled = rows is not None
