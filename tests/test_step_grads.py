@@ -19,6 +19,7 @@ from hierremat.device import LiveTensorTracker
 from hierremat.device.memory import CpuAllocatorMeter
 from hierremat.planning import chain_plan
 
+from harness import CALLERS_LOSS_BYTES
 from models import tiny_gpt2
 
 
@@ -80,8 +81,9 @@ def test_checkpoint_sequential_counts_the_gradients_a_step_allocates():
             tracker, allocator = _peaks(step, model, set_to_none)
             plan = list(sequential.plan_cache._plans.values())[-1].plan
             assert bool(plan.costs.step_grad_bytes) == set_to_none
-            assert allocator <= plan.predicted_peak_bytes <= budget, (set_to_none, allocator, plan.summary())
-            assert tracker <= plan.predicted_peak_bytes
+            assert plan.predicted_peak_bytes <= budget
+            assert allocator <= plan.predicted_peak_bytes + CALLERS_LOSS_BYTES, (set_to_none, allocator, plan.summary())
+            assert tracker <= plan.predicted_peak_bytes + CALLERS_LOSS_BYTES
             if set_to_none:  # the gradients are in the peak: a plan that ignored them would not do
                 assert allocator > kept_low + param_bytes // 2
 

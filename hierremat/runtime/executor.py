@@ -2,10 +2,10 @@
 
 The Function's forward runs the schedule's ops up to Loss and returns x_L; its backward
 receives the output gradient and runs the rest: recomputations and per-stage backward
-steps. A backward step calls ``torch.autograd.backward`` on the stage's gradient edge
-(``torch.autograd.graph.get_gradient_edge``), and the input gradient is caught by a
+steps. A backward step hands the stage's output gradient to a zero-size node after its outputs
+(hierremat.runtime.grad_taps.GradRelay: the engine frees it once read), and the input gradient is caught by a
 zero-byte tap (hierremat.runtime.grad_taps) rather than by a leaf: the executor holds only the stage's
-autograd node, never its input or output tensors, so x_i and x_{i+1} are freed as soon
+autograd nodes, never its input or output tensors, so x_i and x_{i+1} are freed as soon
 as the schedule drops them unless the stage's own saved tensors need them (the
 ``pins_input``/``pins_output`` of hierremat.plans.costs). Parameter gradients are accumulated
 into ``.grad`` stage by stage, as plain autograd does; a parameter several stages read (a
@@ -51,7 +51,7 @@ from .block_exec import OptionExecutor, OptionTape
 from .kept_offload import bring_back_kept, prefetch_kept, send_kept
 from .tapeless import tapeless
 from .tied import TiedParameters
-from .grad_taps import eager_only, tap_input
+from .grad_taps import GradRelay, eager_only, tap_input
 from .step_times import StepTimes
 
 
@@ -298,10 +298,10 @@ class ChainRunner:
 
 @dataclass(frozen=True)
 class _AutogradTape:
-    """What F_all(i) under autograd (option 0) leaves for B(i): the stage's gradient edges, its input's sink
-    (None where x_i needs no gradient) and the taps of the residents it read."""
+    """What F_all(i) under autograd (option 0) leaves for B(i): the relay its output gradients are handed to, its
+    input's sink (None where x_i needs no gradient) and the taps of the residents it read."""
 
-    edges: list
+    relay: GradRelay
     sink: torch.Tensor | None
     taps: tuple
 
@@ -442,7 +442,7 @@ class _Step:
                 with torch.enable_grad(), self.runner.tied.forward(i, self.stand_ins):
                     out = self._forward(i, lambda: self._call(i, inp, shared))
                 del inp, shared
-                self.tape[i] = _AutogradTape(gradient_edges(out), sink, taps)
+                self.tape[i] = _AutogradTape(GradRelay(out), sink, taps)
                 y, made = split_output(detach_output(out), self.layout, i)
                 keep_made(self.resident_values, self.layout, i, made, replace=True)
                 del out, made
@@ -501,22 +501,21 @@ class _Step:
 
     def _backward(self, i: int) -> None:
         record = self.tape.pop(i)
-        grad = self.grad.pop(i + 1)
-        if isinstance(record, _AutogradTape):  # option 0: the stage's gradient edges, its input's and residents' sinks
-            sink, taps = record.sink, record.taps
+        if isinstance(record, _AutogradTape):  # option 0: the stage's relay, its input's and residents' sinks
+            sink, taps, relay = record.sink, record.taps, record.relay
             made = self.layout.produced_by(i) if self.layout is not None else ()
+            relay.grads.extend(as_tuple(self.grad.pop(i + 1)))  # (the only references: freed once read)
+            relay.grads.extend(self.resident_grads.pop(r, None) for r in made)
             edges, grads = read_roots(taps, self.resident_grads)
-            edges = [*record.edges, *edges]
-            grads = [*as_tuple(grad), *(self.resident_grads.pop(r, None) for r in made), *grads]
-            backward_through(edges, tuple(grads))
-            del edges, grads
+            relay.backward(edges, grads)
+            del edges, grads, relay
             self.grad[i] = sink.grad if sink is not None else None
             collect_reads(taps, self.resident_grads)
             for r in made:  # every reader's backward has run
                 del self.resident_values[r]
             del sink, taps
         else:  # a block option: its executor and the tape of its forward
-            executor, tape = record.executor, record.tape
+            executor, tape, grad = record.executor, record.tape, self.grad.pop(i + 1)
             dx = None
             if i == len(self.runner.stages) - 1:  # the chain's output gradients: its one output's
                 (grad,) = grad
@@ -528,8 +527,8 @@ class _Step:
             elif grad is not None:
                 dx = executor.backward(tape, grad, self._shared())
             self.grad[i] = dx if i > 0 or self.input_requires_grad else None
-            del executor, tape
-        del grad, record
+            del executor, tape, grad
+        del record
 
     def _input_anchor(self, i: int) -> torch.Tensor | None:
         """The anchor that makes stage i's input require a gradient in a forward with grad (None

@@ -30,9 +30,9 @@ from ..plans import clock
 from ..plans.costs import ChainCosts, OptionCosts, ResidentCosts, StageCosts
 from ..plans.memory_trace import MemoryTrace, stage_trace
 from .executor import (
-    as_tuple, backward_through, check_stage_output, default_grad_mask, detach_output, gradient_edges, watch_storages,
+    as_tuple, check_stage_output, default_grad_mask, detach_output, watch_storages,
 )
-from .grad_taps import tap_input
+from .grad_taps import GradRelay, tap_input
 from ..device.autocast import AutocastState
 from ..device.memory import MarkedAllocatorPeaks, WeightCastCounter, allocated_bytes, memory_meter
 from .residents import keep_made, split_output, stage_shared, tap_read
@@ -173,6 +173,16 @@ def _mutated_buffer_names(stage: Callable, run: Callable[[], object]) -> tuple[s
     )
 
 
+def _relay_with_ones(out, mask: tuple[bool, ...] | None, held: bool) -> tuple[GradRelay, tuple]:
+    """The relay of a stage's outputs fed ones where a gradient is expected (mask), and those gradients where
+    ``held`` (for the caller to hold through the backward, as the chain's caller holds the last stage's: else they
+    are handed over, as the runner hands over the others': hierremat.runtime.grad_taps.GradRelay)."""
+    relay = GradRelay(out)
+    ones = _ones_for(out, mask)
+    relay.grads.extend(ones)
+    return relay, ones if held else ()
+
+
 def _ones_for(out, mask: tuple[bool, ...] | None = None) -> tuple:
     """Output gradients for a profiling backward: ones where a gradient is expected (mask), else None."""
     outputs = as_tuple(out)
@@ -244,8 +254,9 @@ class _StageRun:
     last: bool
 
     @property
-    def measured_as(self) -> tuple[str | None, bool]:
-        return (self.signature, self.requires_grad)  # (a first stage without an input gradient costs less)
+    def measured_as(self) -> tuple[str | None, bool, bool]:
+        # (a first stage without an input gradient costs less; the last one's output gradients are held)
+        return (self.signature, self.requires_grad, self.last)
 
 
 class _ChainProfiling:
@@ -261,7 +272,7 @@ class _ChainProfiling:
         self.mutated: list[tuple] = []
         self.traces: list[MemoryTrace | None] = []
         self.fewest = PROFILE_REPEATS  # (the fewest timed runs of a stage profiled here)
-        self.measured: dict[tuple[str | None, bool], int] = {}  # StageRun.measured_as -> the first stage measured so
+        self.measured: dict[tuple[str | None, bool, bool], int] = {}  # StageRun.measured_as -> the first stage measured so
         self.outputs_of: dict[str, object] = {}  # signature -> the output of its first stage (the others' next input)
         self.values: dict[int, torch.Tensor] = {}
         self.deadline = deadline
@@ -294,7 +305,7 @@ class _ChainProfiling:
                     in_backward_thread(functools.partial(
                         _run_forward_and_backward, run.call, x, run.requires_grad, run.wanted_mask), self.x0.device)
             if run.signature is not None:
-                cached = self.cost_cache.get_stage(run.signature, x, run.requires_grad, run.wanted_mask)
+                cached = self.cost_cache.get_stage(run.signature, x, run.requires_grad, run.wanted_mask, run.last)
         if run.signature is not None and (run.measured_as in self.measured or cached is not None):
             cost, names, y, trace = self._reuse(run, x, cached)
         else:
@@ -329,7 +340,7 @@ class _ChainProfiling:
         with scratch_grads(run.stage):
             cost, names, y, mask, trace = _profile_stage(
                 run.i, run.stage, run.call, x, run.requires_grad, repeats, self.x0.device, run.wanted_mask, run.produced,
-                timed, run.inputs,
+                timed, run.inputs, run.last,
             )
         self.fewest = min(self.fewest, repeats if timed else 0)
         if run.last:
@@ -338,7 +349,8 @@ class _ChainProfiling:
             self.measured[run.measured_as] = run.i
             if timed and repeats >= PROFILE_REPEATS:  # (costs timed in full alone are cached)
                 self.cost_cache.put_stage(
-                    run.signature, x, run.requires_grad, run.wanted_mask, cost, mask if run.last else None, trace
+                    run.signature, x, run.requires_grad, run.wanted_mask, cost, mask if run.last else None, trace,
+                    run.last,
                 )
         return cost, names, y, trace
 
@@ -407,7 +419,8 @@ def profile_stage(
     autocast = AutocastState.capture((x.device.type,))
     call = functools.partial(_call_stage, stage, shared, last, index, autocast)
     with no_side_effects([stage], x), scratch_grads(stage):
-        cost, _, _, mask, _ = _profile_stage(index, stage, call, x.detach(), requires_grad, repeats, x.device, grad_mask)
+        cost, _, _, mask, _ = _profile_stage(index, stage, call, x.detach(), requires_grad, repeats, x.device, grad_mask,
+                                             last=last)
     return cost, mask
 
 
@@ -464,11 +477,9 @@ def _run_forward_and_backward(call: Callable, x: torch.Tensor, requires_grad: bo
     with torch.no_grad():
         call(x)
     out = _grad_forward(call, x, requires_grad)
-    mask = default_grad_mask(out) if grad_mask is None else grad_mask
-    edges, grads = gradient_edges(out), _ones_for(out, mask)
+    relay, _ = _relay_with_ones(out, default_grad_mask(out) if grad_mask is None else grad_mask, held=False)
     del out
-    if any(e is not None for e in edges):
-        backward_through(edges, grads)
+    relay.backward()
 
 
 class _PeakRun:
@@ -518,14 +529,15 @@ def _with_floor(run: _PeakRun | None, *floors: int) -> tuple[int, ...] | None:
 
 def _profile_stage(
     i: int, stage: Callable, call: Callable, x: torch.Tensor, requires_grad: bool, repeats: int, device: torch.device,
-    grad_mask: tuple[bool, ...] | None, produced: int = 0, timed: bool = True, existing: tuple = (),
+    grad_mask: tuple[bool, ...] | None, produced: int = 0, timed: bool = True, existing: tuple = (), last: bool = False,
 ):
     """Costs of one stage on input x, its backward fed gradients for the outputs in ``grad_mask``
     (None: hierremat.runtime.executor.default_grad_mask). ``produced``: how many residents it
     makes (outputs after x_{i+1}, each fed a gradient; their bytes are the plan's resident
     reserve, not the stage's: storages they hold are neither kept nor pinned by it). ``timed``
     False: memory only, the times of the single runs. ``existing``: the values it is called with
-    beside x (a resident that is a view of one of them allocated nothing here).
+    beside x (a resident that is a view of one of them allocated nothing here). ``last``: the chain's last stage,
+    whose output gradients its caller holds through the backward (the runner hands the others' over).
     Returns (StageCosts, mutated buffer names, output, the mask used, the costs' MemoryTrace or None
     where the meter records no allocations)."""
     params, buffers = _modules_state([stage])
@@ -543,8 +555,9 @@ def _profile_stage(
         nograd_peak = nograd.end()
         out_bytes = storage_bytes(y[0] if produced else y)
         tape = _tape_runs(meter, allocator, call, x, requires_grad, grad_mask, produced, (*params, *buffers),
-                          existing, out_bytes, device)
-        new_grads = _bwd_run_with_new_grads(call, x, requires_grad, tape.grad_mask, params, meter, produced, allocator)
+                          existing, out_bytes, device, last)
+        new_grads = _bwd_run_with_new_grads(call, x, requires_grad, tape.grad_mask, params, meter, produced, allocator,
+                                            last)
     times = (nograd_time, tape.fwd_time, tape.bwd_time)
     if timed and nograd_time <= SLOW_STAGE_SECONDS:  # (a slow stage keeps the single runs' times: one-offs are a small share)
         times = _timed_runs(call, x, requires_grad, repeats, device, tape.grad_mask)
@@ -572,10 +585,11 @@ class _TapeRuns:
 
 
 def _tape_runs(meter, allocator, call, x, requires_grad, grad_mask, produced, state, existing, out_bytes,
-               device) -> _TapeRuns:
+               device, last: bool) -> _TapeRuns:
     """Run the stage's forward under autograd on a copy of ``x``, then its backward, under ``meter``: their times,
     peaks, the tape kept and whether it pins the stage's input or output storages. ``state``: its parameters and
-    buffers (a resident made as a view of one allocated nothing)."""
+    buffers (a resident made as a view of one allocated nothing). ``last``: the output gradients are held through
+    the backward, as the chain's caller holds them, else handed over."""
     anchor = torch.empty(0, device=device, requires_grad=True) if requires_grad else None
     x_copy = x.detach().clone()  # a storage of its own, to see whether the tape keeps it
     inp, sink = tap_input(x_copy, anchor)
@@ -588,7 +602,7 @@ def _tape_runs(meter, allocator, call, x, requires_grad, grad_mask, produced, st
     fwd_peak, fwd_run = run.end(), run
     grad_mask = default_grad_mask(out) if grad_mask is None else grad_mask
     held = meter.live_bytes - run.base  # what the forward left: its output, residents and tape
-    edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
+    relay, held_grads = _relay_with_ones(out, grad_mask, held=last)
     made = _residents_made(out, produced)
     resident_storages = _storages(made)
     if produced:  # the residents it made are the plan's resident reserve (ChainCosts.resident_values_of), not kept
@@ -604,13 +618,13 @@ def _tape_runs(meter, allocator, call, x, requires_grad, grad_mask, produced, st
     _sync(device)
     runs = _TapeRuns(grad_mask, fwd_time, fwd_peak, fwd_run, held, max(0, held - out_bytes),
                      sum(input_freed) < input_watched, sum(outputs_freed) < output_storage_bytes)
-    if any(e is not None for e in edges):
+    if relay.root is not None:
         run = _PeakRun(meter, allocator, "backward")
         started = time.perf_counter()
-        backward_through(edges, grads)
+        relay.backward()
         _sync(device)
         runs = replace(runs, bwd_time=time.perf_counter() - started, bwd_peak=run.end(), bwd_run=run)
-    del edges, grads, sink, made
+    del relay, held_grads, sink, made
     return runs
 
 
@@ -663,7 +677,8 @@ def _residents_made(out, produced: int) -> tuple:
 
 
 def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool, grad_mask, params: list,
-                            meter, produced: int = 0, allocator: MarkedAllocatorPeaks | None = None) -> _PeakRun | None:
+                            meter, produced: int = 0, allocator: MarkedAllocatorPeaks | None = None,
+                            last: bool = False) -> _PeakRun | None:
     """The stage's backward run when its parameters' ``.grad`` is None (PyTorch's default
     ``zero_grad(set_to_none=True)``): the gradients it makes stay instead of being added into ``.grad``
     and freed (its peak: OptionCosts.bwd_overhead_new_grads_bytes). None where the stage has no
@@ -676,14 +691,14 @@ def _bwd_run_with_new_grads(call: Callable, x: torch.Tensor, requires_grad: bool
         for p in trainable:
             p.grad = None
         out = _grad_forward(call, x, requires_grad)
-        edges, grads, made = gradient_edges(out), _ones_for(out, grad_mask), _residents_made(out, produced)
+        (relay, held_grads), made = _relay_with_ones(out, grad_mask, held=last), _residents_made(out, produced)
         del out
-        if all(e is None for e in edges):
+        if relay.root is None:
             return None
         run = _PeakRun(meter, allocator, "backward with new gradients")
-        backward_through(edges, grads)
+        relay.backward()
         run.end()
-        del made  # (held through the backward, as the runner holds a stage's residents)
+        del made, held_grads  # (held through the backward, as the runner holds a stage's residents)
         return run
     finally:
         for p, g in zip(trainable, saved):
@@ -702,12 +717,10 @@ def _timed_runs(call: Callable, x: torch.Tensor, requires_grad: bool, repeats: i
     for _ in range(repeats):  # each timed forward's backward is the timed backward (a forward less per sample)
         made = []
         fwd_samples.append(timed_seconds(lambda: made.append(grad_forward()), 1, device))
-        out = made.pop()
-        edges, grads = gradient_edges(out), _ones_for(out, grad_mask)
-        del out
-        if any(e is not None for e in edges):
-            bwd_samples.append(timed_seconds(functools.partial(backward_through, edges, grads), 1, device))
-        del edges, grads
+        relay, _ = _relay_with_ones(made.pop(), grad_mask, held=False)
+        if relay.root is not None:
+            bwd_samples.append(timed_seconds(relay.backward, 1, device))
+        del relay
     return nograd_time, run_seconds(fwd_samples), run_seconds(bwd_samples) if bwd_samples else 0.0
 
 

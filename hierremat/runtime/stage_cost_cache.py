@@ -28,7 +28,7 @@ from ..store.cache import CacheKey, OptionsCache
 log = logging.getLogger(__name__)
 
 #: Bump when what profile_chain measures, or how, changes (invalidates cached stage costs).
-STAGE_COST_VERSION = "stage-12"
+STAGE_COST_VERSION = "stage-13"
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,20 @@ class StageCostCache:
         )
 
     @staticmethod
-    def _stage_detail(requires_grad: bool, grad_mask: tuple[bool, ...] | None) -> str:
+    def _stage_detail(requires_grad: bool, grad_mask: tuple[bool, ...] | None, last: bool) -> str:
         mask = "default" if grad_mask is None else "".join("1" if m else "0" for m in grad_mask)
-        return f"{'grad' if requires_grad else 'nograd'}:{mask}"
+        return f"{'grad' if requires_grad else 'nograd'}:{mask}{':last' if last else ''}"
 
     def get_stage(
-        self, signature: str, x: torch.Tensor, requires_grad: bool, grad_mask: tuple[bool, ...] | None
+        self, signature: str, x: torch.Tensor, requires_grad: bool, grad_mask: tuple[bool, ...] | None,
+        last: bool = False,
     ) -> tuple[StageCosts, tuple[bool, ...] | None, MemoryTrace | None] | None:
-        """(costs, the output gradient mask they were measured with, their memory trace if recorded) or None."""
+        """(costs, the output gradient mask they were measured with, their memory trace if recorded) or None.
+        ``last``: the costs of the chain's last stage (its output gradients held through the backward)."""
         if self.cache is None:
             return None
-        payload = self.cache.get(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)))
+        payload = self.cache.get(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask,
+                                                                                         last)))
         if payload is None:
             return None
         try:
@@ -99,12 +102,14 @@ class StageCostCache:
     def put_stage(
         self, signature: str, x: torch.Tensor, requires_grad: bool, grad_mask: tuple[bool, ...] | None,
         costs: StageCosts, measured_mask: tuple[bool, ...] | None, trace: MemoryTrace | None = None,
+        last: bool = False,
     ) -> None:
         if self.cache is None:
             return
         payload = {"costs": costs.to_dict(), "grad_mask": None if measured_mask is None else list(measured_mask),
                    "trace": None if trace is None else trace.to_dict()}
-        self.cache.put(self._key("stage-costs", signature, x, self._stage_detail(requires_grad, grad_mask)), payload)
+        detail = self._stage_detail(requires_grad, grad_mask, last)
+        self.cache.put(self._key("stage-costs", signature, x, detail), payload)
 
     def put_menu_built(self, signature: str, x: torch.Tensor, settings: str) -> None:
         """Record that the stage of ``signature`` on ``x`` had its block menu built (solved or re-costed) with this
