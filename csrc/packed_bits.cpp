@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int64_t kGrain = 1 << 14;  // bytes of packed mask per parallel task
+constexpr int64_t kGrain = 1 << 12;  // bytes of packed mask per parallel task: 32768 elements, ATen's grain
 
 at::Tensor pack_mask_cpu(const at::Tensor& mask) {
   TORCH_CHECK(mask.scalar_type() == at::kBool, "pack_mask: mask must be bool, got ", mask.scalar_type());
@@ -159,20 +159,22 @@ at::Tensor& where_bits_out_cpu(const at::Tensor& x, const at::Tensor& bits, at::
   TORCH_CHECK(x.is_floating_point(), "where_bits: x must be floating point, got ", x.scalar_type());
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "where_bits.out: out must have x's shape and dtype");
   const auto b = bits.contiguous();
-  if (!x.is_contiguous() || !out.is_contiguous()) {  // the mask is in logical order: let ATen place it
+  if (!out.is_contiguous()) {  // the mask is in logical order: let ATen place it
     return at::where_out(out, unpack_mask(b, x.sizes()), x, at::zeros({}, x.options()));
   }
+  // x in logical order: x itself, or (a slice of a larger gradient, say) copied into out, then masked in place there
+  const void* src = x.is_contiguous() ? x.const_data_ptr() : out.copy_(x).const_data_ptr();
   const int64_t n = x.numel();
   const uint8_t* mask = b.data_ptr<uint8_t>();
   switch (x.element_size()) {
     case 8:
-      where_bits_loop<uint64_t>(static_cast<const uint64_t*>(x.const_data_ptr()), mask, static_cast<uint64_t*>(out.data_ptr()), n);
+      where_bits_loop<uint64_t>(static_cast<const uint64_t*>(src), mask, static_cast<uint64_t*>(out.data_ptr()), n);
       break;
     case 4:
-      where_bits_loop<uint32_t>(static_cast<const uint32_t*>(x.const_data_ptr()), mask, static_cast<uint32_t*>(out.data_ptr()), n);
+      where_bits_loop<uint32_t>(static_cast<const uint32_t*>(src), mask, static_cast<uint32_t*>(out.data_ptr()), n);
       break;
     case 2:
-      where_bits_loop<uint16_t>(static_cast<const uint16_t*>(x.const_data_ptr()), mask, static_cast<uint16_t*>(out.data_ptr()), n);
+      where_bits_loop<uint16_t>(static_cast<const uint16_t*>(src), mask, static_cast<uint16_t*>(out.data_ptr()), n);
       break;
     default:
       TORCH_CHECK(false, "where_bits: unsupported element size ", x.element_size());

@@ -12,7 +12,7 @@ from hierremat.device import LiveTensorTracker
 from hierremat.ops import cross_entropy
 from hierremat.ops.cross_entropy import row_blocked_cross_entropy
 
-from harness import assert_same_bits, train_step
+from harness import CALLERS_LOSS_BYTES, assert_same_bits, train_step, with_grads
 from models import tiny_gpt2
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -244,6 +244,7 @@ def _dropout_cases(device):
     wide[0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
     yield wide, 0.1
     yield torch.randn(5, device=device), 0.5  # fewer elements than one byte of mask
+    yield torch.randn(3, 40001, device=device), 0.4  # several parallel tasks and a partial byte
     yield torch.randn(16, 33, device=device).t(), 0.3  # not contiguous
     yield torch.randn(8, 64, device=device, dtype=torch.float64), 0.2
     yield torch.randn(8, 64, device=device, dtype=torch.bfloat16), 0.2
@@ -339,6 +340,7 @@ def _relu_cases(device):
     yield wide, 0.0
     yield wide, 0.5  # nn.Threshold's threshold_backward
     yield torch.randn(5, device=device), 0.0  # fewer elements than one byte of mask
+    yield torch.randn(3, 40001, device=device), 0.0  # several parallel tasks and a partial byte
     yield torch.randn(16, 33, device=device).t(), 0.0  # not contiguous
     yield torch.randn(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last), 0.0
     for dtype in (torch.float64, torch.bfloat16, torch.float16):
@@ -366,6 +368,25 @@ def _check_relu_ops(device, above_bits, where_bits, where_bits_out):
 def test_relu_mask_ops_are_bitwise_threshold_backward_cpp_kernels():
     assert packed_bits.load_cpu_kernels(), "the C++ kernels (csrc/packed_bits.cpp) did not build; see the log"
     _check_relu_ops("cpu", torch.ops.hierremat.above_bits, torch.ops.hierremat.where_bits, torch.ops.hierremat.where_bits.out)
+
+
+@pytest.mark.parametrize("kernels", ["cpp", "reference"])
+def test_relu_mask_backward_of_a_gradient_slice_is_bitwise_threshold_backward(kernels):
+    """A branch's gradient out of a concatenation's backward is a channel slice (not contiguous, not dense)."""
+    assert packed_bits.load_cpu_kernels()
+    where_bits, where_bits_out = (
+        (torch.ops.hierremat.where_bits, torch.ops.hierremat.where_bits.out) if kernels == "cpp"
+        else (packed_bits.where_bits_reference, packed_bits.where_bits_out_reference))
+    torch.manual_seed(0)
+    self_ = torch.randn(4, 6, 5, 5)
+    grad = torch.randn(4, 16, 5, 5)[:, 3:9]
+    grad[0, 0, 0, 0], grad[-1, -1, -1, -1] = float("nan"), -0.0
+    bits = torch.ops.hierremat.above_bits(self_, 0.0)
+    expected = torch.ops.aten.threshold_backward(grad, self_, 0.0)
+    out = where_bits(grad, bits)
+    assert out.stride() == expected.stride() and _same_bits(out, expected)
+    into = torch.full_like(expected, 7.0)
+    assert where_bits_out(grad, bits, out=into) is into and _same_bits(into, expected)
 
 
 def test_relu_mask_ops_are_bitwise_threshold_backward_reference_kernels():
@@ -459,3 +480,60 @@ def test_relu_mask_joint_graph_gives_the_same_gradients_and_keeps_bits_instead_o
     output = plain.output_names[0]
     assert output in saved_for_backward(plain) and output not in saved_for_backward(masked)
     assert sum(saved_for_backward(masked).values()) < sum(saved_for_backward(plain).values())
+
+
+# ---------------------------------------------------------------- max-pools pooled channels-last
+
+from hierremat.ops.max_pool import MIN_ELEMENTS  # noqa: E402
+
+
+def _pool_cases():
+    """(input, kernel, stride, padding, dilation, ceil_mode): many ties, NaNs and signed zeros."""
+    torch.manual_seed(0)
+    for shape, args in (((4, 16, 40, 40), ([3, 3], [2, 2], [0, 0], [1, 1], True)),  # GoogLeNet's stem pool
+                        ((2, 96, 14, 14), ([3, 3], [1, 1], [1, 1], [1, 1], True)),  # its branch pools
+                        ((2, 32, 33, 31), ([2, 3], [2, 1], [1, 1], [2, 1], False)),
+                        ((1, 3, 5, 5), ([2, 2], [2, 2], [0, 0], [1, 1], False))):  # below MIN_ELEMENTS
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            x = torch.randn(shape).round(decimals=1).to(dtype)
+            flat = x.view(-1)
+            flat[::97], flat[5::89], flat[7::83] = float("nan"), -0.0, 0.0
+            yield x, args
+
+
+def test_a_channels_last_max_pool_gives_atens_bits_and_gradients():
+    assert any(x.numel() >= MIN_ELEMENTS for x, _ in _pool_cases())
+    for x, args in _pool_cases():
+        expected = torch.ops.aten.max_pool2d_with_indices(x, *args)
+        got = torch.ops.hierremat.max_pool2d_with_indices(x, *args)
+        assert _same_bits(got[0], expected[0]) and torch.equal(got[1], expected[1]), (x.shape, x.dtype)
+        assert got[0].stride() == expected[0].stride() and got[1].stride() == expected[1].stride()
+        grads = []
+        for pool in (torch.ops.aten.max_pool2d_with_indices, torch.ops.hierremat.max_pool2d_with_indices):
+            leaf = x.detach().requires_grad_()
+            out = pool(leaf, *args)[0]
+            out.backward(torch.ones_like(out).bernoulli_(0.5, generator=torch.Generator().manual_seed(1)))
+            grads.append(leaf.grad)
+        assert _same_bits(*grads), (x.shape, x.dtype)
+
+
+def test_captured_max_pools_are_pooled_channels_last_and_train_bitwise():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True),
+        torch.nn.MaxPool2d(3, 2, ceil_mode=True), torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(inplace=True),
+        torch.nn.MaxPool2d(3, 1, 1), torch.nn.Flatten(), torch.nn.Linear(32 * 24 * 24, 10))
+    x = torch.randn(4, 3, 48, 48)
+    targets = {n.target for n in capture(model, (x,)).module.graph.nodes}
+    assert torch.ops.aten.max_pool2d.default not in targets
+    assert torch.ops.aten.max_pool2d.default in {n.target for n in capture(model, (x,), variants=False).module.graph.nodes}
+    plain = train_step(copy.deepcopy(model), (x,), input_grad=True, warmup=1)
+    trained = with_grads(copy.deepcopy(model))
+    with pytest.raises(hr.InfeasibleBudgetError) as err:
+        hr.plan(trained, (x,), budget="1KiB")
+    budget = err.value.min_budget_bytes  # (below plain's peak: stages recomputed)
+    assert budget < plain.tracker_peak
+    module = hr.remat(trained, (x,), budget=budget)
+    step = train_step(module, (x,), input_grad=True, warmup=1)
+    assert_same_bits(step, plain)
+    assert max(step.tracker_peak, step.allocator_peak) <= budget + CALLERS_LOSS_BYTES

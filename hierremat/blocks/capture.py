@@ -24,6 +24,7 @@ from ..errors import UnsupportedModelError
 from .nodes import NodeInfo, describe
 from .variants.cross_entropy import use_row_blocked_cross_entropy
 from .variants.embedding import use_grad_in_place_embeddings
+from .variants.max_pool import use_channels_last_max_pools
 from .variants.linear import use_grad_in_place_linears
 from .causal_attention import restore_causal_attention
 from .eager_masks import restore_unpadded_bias_masks
@@ -115,7 +116,7 @@ def capture(
 
     variants: also route operators to hierremat's exact, memory-lean variants where one
     applies (hierremat.blocks.variants: the row-blocked cross-entropy, embeddings and large linear
-    weights whose backward adds into ``.grad``).
+    weights whose backward adds into ``.grad``, max-pools pooled channels-last).
     outputs: the names of the outputs to return (hierremat.plan's ``outputs=``); None: all.
     symbolic: the model's symbolic capture: its program specialized at these inputs' sizes
     stands for the export where it holds for them (hierremat.blocks.symbolic); where it does not, the
@@ -139,6 +140,7 @@ def capture(
         use_row_blocked_cross_entropy(module)
         use_grad_in_place_embeddings(module)
         use_grad_in_place_linears(module)
+        use_channels_last_max_pools(module)
     nodes = {n.name: describe(n) for n in module.graph.nodes}
     log.debug("captured %s: %d nodes%s", type(model).__name__, len(nodes), " (specialized)" if specialized else "")
     return CapturedModel(module, nodes, specialized)

@@ -43,6 +43,7 @@ from ..plans.stage_info import ResidentLayout, StageInfo
 from .boundary_writes import functionalize_boundary_writes
 from .capture import CapturedModel
 from .nodes import is_random, module_stack, target_name
+from ..ops.max_pool import max_pool2d
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 #: Name of the orchestrator's submodule that runs the chain.
@@ -517,7 +518,7 @@ def build_chain_graph(
 #: (``layer_norm`` is one too; a post-norm transformer's layers keep theirs: their encoder output stays their own.)
 SEVERAL_RESULTS = frozenset({
     torch.ops.aten.batch_norm.default, torch.ops.aten.group_norm.default, torch.ops.aten.instance_norm.default,
-    torch.ops.aten.max_pool2d.default, torch.ops.aten.max_pool3d.default,
+    torch.ops.aten.max_pool2d.default, torch.ops.aten.max_pool3d.default, max_pool2d,
 })
 
 

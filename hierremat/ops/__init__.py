@@ -10,6 +10,7 @@ rewrites (hierremat.blocks.variants) insert, and their kernels.
 * ``embedding``: an embedding whose backward adds the rows it read into the table's ``.grad``
   (``grad_in_place``: where autograd's result would be the same);
 * ``linear``: a linear layer whose backward adds its weight gradient into ``.grad`` (``addmm_``);
+* ``max_pool``: a 2-d max-pool whose CPU forward pools in the channels-last layout;
 * ``linear_cross_entropy``: a language model's head fused with its loss, tile by tile.
 
 Each computes bitwise what the operators it stands for compute, except the fused head (equal

@@ -9,6 +9,8 @@ Each rewrite computes bitwise what the graph computed, in less memory:
 * ``linear`` (at capture): ``aten.linear`` of a weight far larger than its activations by the
   linear layer whose backward adds the weight's gradient into ``.grad`` (bitwise with ``.grad``
   zeroed; see hierremat.ops.linear under gradient accumulation);
+* ``max_pool`` (at capture): ``aten.max_pool2d`` by the max-pool whose CPU forward pools in the
+  channels-last layout, several times faster, with the NCHW kernel's output and indices;
 * ``dropout`` (joint graphs): dropout masks packed to one bit per element, and the dropout's
   output as a deterministic op of its input and the packed mask, so a block option may
   recompute it instead of keeping it (the random draw itself is never repeated);
