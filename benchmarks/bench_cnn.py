@@ -109,11 +109,11 @@ def run_model(name: str, rounds: int) -> tuple[list[str], float, dict]:
     C.interleave(list(modules), rounds, seed=0, run=run)
     plain_time = C.median(times["plain"])
     cold = cold_plan_seconds(model, x, max(floor, int(0.33 * plain.allocator_peak)))
-    table = [[name, "plain", f"{plain.allocator_peak / C.MIB:.1f}", f"{plain.tracker_peak / plain.allocator_peak:.3f}",
-              "1.000", "", f"{plain_time:.3f} s"]]
+    table = [[name, "plain", f"{plain.allocator_peak / C.MIB:.1f}", f"{plain.tracker_peak / plain.allocator_peak:.4f}",
+              "1.0000", "", f"{plain_time:.3f} s"]]
     for row in rows:
-        table.append([name, row.label, f"{row.budget / C.MIB:.1f}", f"{row.step.tracker_peak / row.budget:.3f}",
-                      f"{row.step.allocator_peak / row.budget:.3f}", "yes" if row.bitwise else "NO",
+        table.append([name, row.label, f"{row.budget / C.MIB:.1f}", f"{row.step.tracker_peak / row.budget:.4f}",
+                      f"{row.step.allocator_peak / row.budget:.4f}", "yes" if row.bitwise else "NO",
                       f"{C.median(times[row.label]) / plain_time:.2f}x"])
     summary = {"batch": batch, "floor": floor / plain.allocator_peak, "cold_plan_s": cold}
     return table, cold, summary
