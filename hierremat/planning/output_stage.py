@@ -21,8 +21,8 @@ from torch import fx
 
 from ..blocks.segment import GraphStage
 from ..plans.costs import OptionCosts
-from ..runtime.executor import as_tuple, backward_through, check_stage_output, detach_output, gradient_edges
-from ..runtime.grad_taps import tap_input
+from ..runtime.executor import as_tuple, check_stage_output, detach_output, gradient_edges
+from ..runtime.grad_taps import backward_through, tap_input
 from ..runtime.profile import profile_stage
 from ..runtime.stage_cost_cache import StageCostCache
 from ..plans.sequential_plan import NAMED_OPTIONS

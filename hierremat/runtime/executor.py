@@ -147,13 +147,6 @@ def detach_output(out):
     return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
 
 
-def backward_through(edges: list, grads: tuple) -> None:
-    """Backpropagate ``grads`` through the stage outputs' edges, skipping missing ones."""
-    pairs = [(e, g) for e, g in zip(edges, grads) if e is not None and g is not None]
-    if pairs:
-        torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-
-
 def run_plainly(stages: Sequence[Callable], x, shared: tuple = ()):
     """Call the stages one after the other, as plain PyTorch would."""
     for stage in stages:

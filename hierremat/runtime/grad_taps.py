@@ -53,6 +53,13 @@ def tap_input(x: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tenso
         return _GradTap.apply(anchor, x, sink), sink
 
 
+def backward_through(edges: list, grads: tuple) -> None:
+    """Backpropagate ``grads`` through the stage outputs' edges (or tensors), skipping missing ones."""
+    pairs = [(e, g) for e, g in zip(edges, grads) if e is not None and g is not None]
+    if pairs:
+        torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+
+
 class _HandOver(torch.autograd.Function):
     """A zero-size root after a stage's outputs whose backward takes their gradients out of a list: the autograd
     engine then holds the only reference to each, and frees it once the node that reads it has run."""
@@ -93,12 +100,7 @@ class GradRelay:
     def backward(self, edges: list = (), grads: tuple = ()) -> None:
         """Backpropagate ``grads`` (the stage's), with ``edges`` fed ``grads`` in the same call (the taps of the
         values the stage read: hierremat.runtime.residents), skipping missing ones."""
-        pairs = [(e, g) for e, g in zip(edges, grads) if e is not None and g is not None]
-        roots, seeds = [e for e, _ in pairs], [g for _, g in pairs]
-        if self.root is not None:
-            roots.insert(0, self.root)
-            seeds.insert(0, torch.empty(0, device=self.root.device))
-        self.root = None
-        if roots:
-            torch.autograd.backward(roots, seeds)
+        root, self.root = self.root, None
+        seed = None if root is None else torch.empty(0, device=root.device)
+        backward_through([root, *edges], (seed, *grads))
         self.grads.clear()
